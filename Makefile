@@ -1,0 +1,24 @@
+# Two entry points: `make run` (the main job: a real training run on local processes)
+# and `make test` (the whole suite). Each creates .venv and installs flatshard the first time.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: run test install clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+run: install
+	$(PY) examples/train_gpt.py $(ARGS)
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) src/*.egg-info
