@@ -1,0 +1,374 @@
+"""``FullyShardedDataParallel``: the wrapper users construct, with PyTorch FSDP's keywords and methods.
+
+Thin by design: it validates keywords, picks units (wrap.py), places parameters (placement.py),
+builds one ``Unit`` per wrapped module (unit.py) and runs each unit's forward between its pre- and
+post-forward transitions. Everything that spans units lives in the root's ``RunContext``.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from flatshard import full_params, grad
+from flatshard.api import CPUOffload, MixedPrecision, NotBuiltError, ShardingStrategy
+from flatshard.flat_param import FlatLayout
+from flatshard.instrument import CommRecorder, MemoryRecorder
+from flatshard.mesh import ShardGroups, resolve_groups
+from flatshard.placement import Placement, check_no_tie_into_wrapped
+from flatshard.schedule import RunContext
+from flatshard.unit import Unit
+from flatshard.wrap import select_units
+
+WRAPPED = "_fsdp_wrapped_module"
+_PREFIX = WRAPPED + "."
+
+
+def clean_name(name: str) -> str:
+    """A parameter or buffer name as in the unwrapped model."""
+    return name.replace(_PREFIX, "")
+
+
+@dataclass(frozen=True)
+class _WrapConfig:
+    groups: ShardGroups
+    strategy: ShardingStrategy
+    sync_module_states: bool
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters, gradients and optimizer state across ranks.
+
+    Same constructor as ``torch.distributed.fsdp.FullyShardedDataParallel``. Differences a user can
+    see: ``named_parameters()`` always yields the original names (``use_orig_params`` True or False
+    behave alike), each as a 1-D *shard view* with the full shape in ``p.orig_shape``; it runs on CPU
+    (gloo) as well as on GPUs.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        sharding_strategy: Optional[ShardingStrategy] = None,
+        cpu_offload: Optional[CPUOffload] = None,
+        auto_wrap_policy=None,
+        backward_prefetch=None,
+        mixed_precision: Optional[MixedPrecision] = None,
+        ignored_modules=None,
+        param_init_fn=None,
+        device_id=None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states=None,
+        device_mesh=None,
+    ):
+        super().__init__()
+        _reject_not_built(backward_prefetch, forward_prefetch, mixed_precision, cpu_offload, param_init_fn)
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError("this module is already wrapped in FullyShardedDataParallel; wrap it once")
+        strategy = sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD
+        if not isinstance(strategy, ShardingStrategy):
+            raise TypeError(f"sharding_strategy must be a flatshard.ShardingStrategy, got {strategy!r}")
+        groups = resolve_groups(strategy, process_group, device_mesh)
+        ignored = _ignored_modules(module, ignored_modules, ignored_states)
+        ignored_params = {p for m in ignored for p in m.parameters()}
+        _place_on_device(module, device_id, ignored_params)
+        config = _WrapConfig(groups, strategy, sync_module_states)
+        wrapped_earlier = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        skip = set(ignored) | set(wrapped_earlier)
+        chosen = select_units(module, auto_wrap_policy, skip, ignored_params)
+        placement = Placement(module, chosen, skip, ignored_params)
+        check_no_tie_into_wrapped(placement, wrapped_earlier)
+        by_unit = placement.infos_by_unit()
+        parents = _parents(module)
+        for child in chosen:  # children first: a unit's parent is still the plain module when it is replaced
+            wrapper = FullyShardedDataParallel._new_unit_wrapper(child, by_unit.get(child, []), config, placement.path[child])
+            for parent, attr in parents.get(child, []):
+                parent._modules[attr] = wrapper
+        self._setup(module, by_unit.get(module, []), config, "")
+        self._ignored_params = ignored_params
+        if sync_module_states:
+            _broadcast_buffers(module, groups, ignored)
+
+    # ---- construction -----------------------------------------------------------------------
+    @classmethod
+    def _new_unit_wrapper(cls, module, params, config, name) -> "FullyShardedDataParallel":
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(module, params, config, name)
+        self._ignored_params = set()
+        return self
+
+    def _setup(self, module: nn.Module, params: list, config: _WrapConfig, name: str) -> None:
+        self._modules[WRAPPED] = module
+        self._ctx: Optional[RunContext] = None
+        self._is_root: Optional[bool] = None
+        self._strategy = config.strategy
+        infos = [info for info, _ in params]
+        originals = [p for _, p in params]
+        dtypes = {p.dtype for p in originals}
+        if len(dtypes) > 1:
+            raise TypeError(
+                f"unit {name or '<root>'!r} holds parameters of several dtypes {sorted(map(str, dtypes))}; one flat "
+                "parameter needs one dtype. Cast the model to one dtype first (model.float()), or wrap the "
+                "modules of each dtype as separate units."
+            )
+        dtype = dtypes.pop() if dtypes else torch.float32
+        device = originals[0].device if originals else torch.device("cpu")
+        layout = FlatLayout(infos, config.groups.shard_size)
+        flat = layout.flatten(originals, dtype=dtype, device=device)
+        if config.sync_module_states and config.groups.process_group is not None:
+            _broadcast(flat, config.groups)
+        self._flattened_originals = {id(p): weakref.ref(p) for p in originals}
+        self._unit = Unit(name, layout, flat, config.groups, full_shard=config.strategy is ShardingStrategy.FULL_SHARD)
+
+    def _lazy_init(self) -> RunContext:
+        """On first use, the outermost wrapper becomes the root and hands one run context to every unit."""
+        if self._ctx is not None:
+            return self._ctx
+        wrappers = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        groups = {id(w._unit.groups.process_group) for w in wrappers}
+        if len(groups) > 1:
+            raise NotBuiltError(
+                "units under one root use different process groups; flatshard needs one process group per "
+                "root for now. Pass the same process_group to every FullyShardedDataParallel."
+            )
+        ctx = RunContext([w._unit for w in wrappers], self._unit)
+        for w in wrappers:
+            w._ctx, w._is_root = ctx, w is self
+            w._unit.ctx, w._unit.is_root = ctx, w is self
+        return ctx
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = self._lazy_init()
+        unit = self._unit
+        if self._is_root:
+            ctx.begin_forward()
+        try:
+            unit.pre_forward()
+            try:
+                output = self._fsdp_wrapped_module(*args, **kwargs)
+            finally:
+                unit.post_forward()
+        finally:
+            if self._is_root:
+                ctx.end_forward()
+        if torch.is_grad_enabled():
+            _register_pre_backward(output, unit)
+        return output
+
+    # ---- what users read ----------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        return self._modules[WRAPPED]
+
+    def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, param in super().named_parameters(*args, **kwargs):
+            yield clean_name(name), param
+
+    def named_buffers(self, *args, **kwargs) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, buf in super().named_buffers(*args, **kwargs):
+            yield clean_name(name), buf
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if WRAPPED not in modules:
+                raise
+            return getattr(modules[WRAPPED], name)
+
+    def __getitem__(self, key):
+        return self._modules[WRAPPED].__getitem__(key)
+
+    def state_dict(self, *args, **kwargs):
+        raise NotBuiltError(
+            "state dicts of flatshard models are not built yet (they land with the checkpoint issue); to read "
+            "full parameters use `with FullyShardedDataParallel.summon_full_params(model): ...`."
+        )
+
+    def load_state_dict(self, *args, **kwargs):
+        raise NotBuiltError(
+            "load_state_dict is not built yet in flatshard (it lands with the checkpoint issue); to set full "
+            "parameters, edit them in place inside `FullyShardedDataParallel.summon_full_params(model)`."
+        )
+
+    # ---- training utilities -------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their global norm across all ranks, as ``torch.nn.utils.clip_grad_norm_``
+        would on the unwrapped model. Returns the total norm (before clipping). One all-reduce."""
+        ctx = self._require_root("clip_grad_norm_")
+        return grad.clip_grad_norm_(ctx, list(self._ignored_params), max_norm, norm_type)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (full size, unreduced) across backward passes; the first
+        backward after leaving the context reduces the sum."""
+        ctx = self._require_root("no_sync")
+        with grad.no_sync(ctx):
+            yield
+
+    @staticmethod
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
+                           rank0_only: bool = False, offload_to_cpu: bool = False, with_grads: bool = False):
+        """Gather full parameters into every unit under ``module`` for reading or in-place editing."""
+        wrappers = FullyShardedDataParallel.fsdp_modules(module) if recurse else [module]
+        for w in wrappers:
+            w._lazy_init() if w._ctx is None else None
+        return full_params.summon(wrappers, writeback=writeback, rank0_only=rank0_only,
+                                  offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+        wrappers = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if root_only:
+            inner = {id(m) for w in wrappers for m in w.modules() if m is not w}
+            wrappers = [w for w in wrappers if id(w) not in inner]
+        return wrappers
+
+    # ---- instrumentation ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def record_comms(self) -> Iterator[CommRecorder]:
+        """Count every collective this model issues inside the block (kind, group, phase, bytes)."""
+        ctx = self._require_root("record_comms")
+        recorder = CommRecorder()
+        ctx.comm_recorders.append(recorder)
+        try:
+            yield recorder
+        finally:
+            ctx.comm_recorders.remove(recorder)
+
+    @contextlib.contextmanager
+    def record_memory(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Iterator[MemoryRecorder]:
+        """Follow the bytes flatshard manages on this rank (and the optimizer's state) and their peak."""
+        ctx = self._require_root("record_memory")
+        recorder = MemoryRecorder(ctx.units, optimizer, extra_params=list(self._ignored_params))
+        recorder.sample()
+        ctx.memory_recorders.append(recorder)
+        try:
+            yield recorder
+        finally:
+            ctx.memory_recorders.remove(recorder)
+
+    def memory_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+        """Bytes held on this rank now, by category: params, grads, optimizer, gathered."""
+        ctx = self._require_root("memory_bytes")
+        return MemoryRecorder(ctx.units, optimizer, extra_params=list(self._ignored_params)).current()
+
+    def _require_root(self, what: str) -> RunContext:
+        ctx = self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError(f"call {what} on the root FullyShardedDataParallel (the outermost wrapper)")
+        return ctx
+
+    def extra_repr(self) -> str:
+        u = self._unit
+        return f"unit={u.name!r}, numel={u.layout.total}, shard={u.layout.shard_numel}, strategy={self._strategy.name}"
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def _reject_not_built(backward_prefetch, forward_prefetch, mixed_precision, cpu_offload, param_init_fn) -> None:
+    if backward_prefetch is not None:
+        raise NotBuiltError(
+            f"backward_prefetch={backward_prefetch} is not built yet in flatshard (prefetch lands with the "
+            "overlap issue); pass backward_prefetch=None: collectives then run in order, with the same results."
+        )
+    if forward_prefetch:
+        raise NotBuiltError("forward_prefetch=True is not built yet in flatshard; pass forward_prefetch=False.")
+    if mixed_precision is not None and mixed_precision != MixedPrecision():
+        raise NotBuiltError(
+            "mixed_precision is not built yet in flatshard (it lands with the precision issue); pass "
+            "mixed_precision=None to train in the parameters' own dtype."
+        )
+    if cpu_offload is not None and cpu_offload.offload_params:
+        raise NotBuiltError("CPUOffload(offload_params=True) is not built yet in flatshard; pass cpu_offload=None.")
+    if param_init_fn is not None:
+        raise NotBuiltError(
+            "param_init_fn (deferred initialisation) is not built yet in flatshard; build the model on a real "
+            "device (CPU is fine) before wrapping, and pass param_init_fn=None."
+        )
+
+
+def _ignored_modules(module: nn.Module, ignored_modules, ignored_states) -> set[nn.Module]:
+    given = list(ignored_modules or [])
+    for state in ignored_states or []:
+        if not isinstance(state, nn.Module):
+            raise NotBuiltError(
+                "ignored_states with parameters is not built yet in flatshard; pass the modules that hold them "
+                "as ignored_modules instead."
+            )
+        given.append(state)
+    ignored: set[nn.Module] = set()
+    for m in given:
+        if isinstance(m, FullyShardedDataParallel):
+            raise ValueError("ignored_modules must not contain FullyShardedDataParallel instances")
+        ignored.update(m.modules())
+    if module in ignored:
+        raise ValueError("the module being wrapped cannot itself be ignored")
+    return ignored
+
+
+def _place_on_device(module: nn.Module, device_id, ignored_params: set) -> None:
+    for p in module.parameters():
+        if p.is_meta and p not in ignored_params:
+            raise NotBuiltError(
+                "the model has parameters on the meta device; deferred initialisation is not built yet in "
+                "flatshard. Build the model on a real device, or call module.to_empty(device=...) and "
+                "initialise it (reset_parameters()) before wrapping."
+            )
+    if device_id is None:
+        return
+    device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+    for sub in module.modules():
+        for attr, p in sub._parameters.items():
+            if p is not None and p not in ignored_params and p.device != device:
+                p.data = p.data.to(device)
+        for attr, b in sub._buffers.items():
+            if b is not None and b.device != device:
+                sub._buffers[attr] = b.to(device)
+
+
+def _parents(root: nn.Module) -> dict[nn.Module, list[tuple[nn.Module, str]]]:
+    out: dict[nn.Module, list[tuple[nn.Module, str]]] = {}
+    for parent in root.modules():
+        for attr, child in parent._modules.items():
+            if child is not None:
+                out.setdefault(child, []).append((parent, attr))
+    return out
+
+
+def _broadcast(tensor: torch.Tensor, groups: ShardGroups) -> None:
+    from flatshard import collectives
+
+    if torch.distributed.get_world_size(groups.process_group) > 1:
+        collectives.broadcast(tensor, 0, groups.process_group)
+
+
+def _broadcast_buffers(module: nn.Module, groups: ShardGroups, ignored: set[nn.Module]) -> None:
+    for sub in module.modules():
+        if sub in ignored:
+            continue
+        for buf in sub._buffers.values():
+            if buf is not None:
+                _broadcast(buf, groups)
+
+
+def _register_pre_backward(output: Any, unit: Unit) -> None:
+    """Hook every output tensor that needs a gradient: the first gradient to arrive gathers the unit."""
+    tensors, _ = tree_flatten(output)
+
+    def hook(grad_output: torch.Tensor) -> None:
+        unit.pre_backward()
+
+    for t in tensors:
+        if torch.is_tensor(t) and t.requires_grad:
+            t.register_hook(hook)

@@ -1,0 +1,53 @@
+"""flatshard.planner: a pure cost model of sharded data parallel training.
+
+What fits, what it costs, which sharding factor to choose: per-rank bytes, collectives and bytes per
+link class, and an alpha-beta step time for FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD and
+_HYBRID_SHARD_ZERO2 at every sharding factor F dividing the world size. Arithmetic only: nothing
+here imports torch.distributed (or torch), so it runs anywhere, before any process starts.
+
+    from flatshard.planner import PlanInputs, plan
+    report = plan(PlanInputs.from_params(7 * 10**9, units=32, world_size=8, device_memory_bytes=40 * 10**9))
+    report.plan_for("FULL_SHARD").memory.steady      # 14_000_000_000
+    report.recommendation                             # strategy, sharding_factor, why
+
+Reading path: inputs.py (what is asked) -> memory.py and comm.py (the two models, each opening with
+its [Note]) -> plan.py (plans, recommendation, JSON) -> cli.py (``flatshard plan``). models.py
+turns presets, config numbers or a module into unit sizes; quantities.py parses "7B" and "40GB".
+docs/planner.md has the formulas and the documents' figures, each with the command that prints it.
+"""
+from flatshard.planner.comm import CollectiveCounts, CommEstimate, group_link
+from flatshard.planner.errors import PlanError
+from flatshard.planner.inputs import (
+    BF16_MIXED,
+    FP32,
+    OPTIMIZERS,
+    PRECISIONS,
+    Links,
+    PlanInputs,
+    PrecisionRecipe,
+    Strategy,
+)
+from flatshard.planner.memory import MemoryEstimate, activation_bytes
+from flatshard.planner.models import PRESETS, ModelShape, ModuleLayout, layout_from_module, preset
+from flatshard.planner.plan import (
+    PlanReport,
+    Recommendation,
+    StrategyPlan,
+    TimeEstimate,
+    choose_sharding_factor,
+    plan,
+    plan_strategy,
+    strategies_at,
+    to_json_dict,
+)
+from flatshard.planner.quantities import parse_bandwidth, parse_bytes, parse_count
+
+__all__ = [
+    "BF16_MIXED", "FP32", "OPTIMIZERS", "PRECISIONS", "PRESETS",
+    "CollectiveCounts", "CommEstimate", "Links", "MemoryEstimate", "ModelShape", "ModuleLayout",
+    "PlanError", "PlanInputs", "PlanReport", "PrecisionRecipe", "Recommendation", "Strategy",
+    "StrategyPlan", "TimeEstimate",
+    "activation_bytes", "choose_sharding_factor", "group_link", "layout_from_module",
+    "parse_bandwidth", "parse_bytes", "parse_count", "plan", "plan_strategy", "preset",
+    "strategies_at", "to_json_dict",
+]

@@ -1,0 +1,237 @@
+"""What the planner is asked: frozen, documented, validated input dataclasses.
+
+Build a ``PlanInputs`` directly from unit sizes, or with ``PlanInputs.from_params`` (P elements in M
+equal units, the documents' setting), ``from_shape`` (a transformer's config numbers, one unit per
+layer plus the root) or ``from_module`` (an ``nn.Module`` and the submodules that become units).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
+
+from flatshard.planner.errors import PlanError
+from flatshard.planner.models import ModelShape, layout_from_module
+
+
+class Strategy(str, enum.Enum):
+    """The five strategies, named as ``torch.distributed.fsdp.ShardingStrategy`` names them."""
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    _HYBRID_SHARD_ZERO2 = "_HYBRID_SHARD_ZERO2"
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FULL_SHARD and HYBRID_SHARD free a unit after its forward and gather it again in backward."""
+        return self in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD)
+
+
+@dataclass(frozen=True)
+class PrecisionRecipe:
+    """Bytes per element of each tensor of a unit (the names are DESIGN.md's).
+
+    master_bytes: the *flat shard*, persistent; what the optimizer updates.
+    grad_shard_bytes: the *grad shard*, persistent; what ``.grad`` of the shard views shows.
+    compute_bytes: the *unsharded flat* (filled by all-gather) and activations.
+    reduce_bytes: the unsharded gradient and the reduce-scatter / all-reduce payload.
+
+    [Note: bf16-mixed accounting]
+    The documents count bf16 mixed precision as 2 (bf16 params) + 2 (bf16 grads) + 4 (fp32 master)
+    + 8 (Adam) = 16 bytes per parameter. In flatshard the fp32 master *is* the flat shard and the
+    optimizer's ``.grad`` must match its dtype, so the persistent state is 4 (master) + 4 (fp32 grad
+    shard) + 8 (Adam) = 16 bytes per element of shard: the same total, split differently. The bf16
+    copies exist only while a unit is gathered (compute copy, 2 bytes per element of the unit) and
+    until its reduce-scatter (unsharded gradient, 2 bytes per element); they are transient bytes.
+    """
+
+    name: str
+    master_bytes: int
+    grad_shard_bytes: int
+    compute_bytes: int
+    reduce_bytes: int
+
+
+FP32 = PrecisionRecipe("fp32", 4, 4, 4, 4)
+BF16_MIXED = PrecisionRecipe("bf16-mixed", 4, 4, 2, 2)
+PRECISIONS = {r.name: r for r in (FP32, BF16_MIXED)}
+
+# Optimizer state bytes per shard element, and per original parameter tensor (AdamW's ``step``).
+OPTIMIZERS: dict[str, tuple[int, int]] = {"adam": (8, 4), "sgd-momentum": (4, 0), "sgd": (0, 0)}
+_OPTIMIZER_ALIASES = {"adamw": "adam", "sgd_momentum": "sgd-momentum", "momentum": "sgd-momentum"}
+
+
+@dataclass(frozen=True)
+class Links:
+    """Ring alpha-beta parameters per link class. Bandwidth is bytes/s per rank per direction.
+
+    Defaults are the documents' hardware: NVLink 3 at 600 GB/s bidirectional (300 GB/s each way)
+    inside a node, 200 Gb/s InfiniBand (25 GB/s) between nodes. The latencies (per ring step) are
+    this planner's assumption; the documents give none.
+    """
+
+    intra_bandwidth: float = 300e9
+    inter_bandwidth: float = 25e9
+    intra_latency_s: float = 5e-6
+    inter_latency_s: float = 10e-6
+
+    def __post_init__(self) -> None:
+        for name in ("intra_bandwidth", "inter_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise PlanError(f"{name} must be positive, got {getattr(self, name)}", "pass e.g. 25GB/s")
+        for name in ("intra_latency_s", "inter_latency_s"):
+            if not getattr(self, name) >= 0:
+                raise PlanError(f"{name} must be >= 0, got {getattr(self, name)}", "pass e.g. 5e-6")
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything one plan depends on. Sizes are parameter *elements*; memory is bytes.
+
+    unit_elements: elements of each non-root unit, in forward order (T_u).
+    root_elements: the root unit's own elements (what no other unit holds). The root stays gathered
+        from its forward to the end of its backward. 0 means root-less, the documents' setting.
+    world_size: W ranks. gpus_per_node: G ranks per node; shard groups are contiguous ranks.
+    device_memory_bytes, headroom: a plan fits when peak <= (1 - headroom) * device memory.
+    precision: "fp32", "bf16-mixed" or a PrecisionRecipe. optimizer: "adam", "sgd-momentum", "sgd".
+    param_tensors: number of original parameters; with Adam each rank holds a 4-byte ``step``
+        tensor per parameter (0 leaves the term out, as the documents do).
+    prefetch_depth: units gathered ahead of the one computing (engine default 0).
+    micro_batch, seq_len, activation_checkpointing, shape: the activation estimate (0 without a
+        shape, micro-batch and sequence length); activation_bytes overrides it.
+    compute_time_s, or device_flops (achieved FLOP/s) with micro_batch * seq_len tokens: compute
+        per step; neither means the step time is communication only.
+    links: the ring alpha-beta model. overlap_all_reduce: whether replicate-group all-reduces
+        overlap backward (the engine issues them at the end of backward, so default False).
+    sharding_factors: restrict the plans to these F (each must divide W); None means every divisor.
+    """
+
+    world_size: int
+    unit_elements: tuple[int, ...]
+    root_elements: int = 0
+    gpus_per_node: int = 8
+    device_memory_bytes: int = 80 * 10**9
+    headroom: float = 0.1
+    precision: str | PrecisionRecipe = "fp32"
+    optimizer: str = "adam"
+    param_tensors: int = 0
+    prefetch_depth: int = 0
+    micro_batch: int = 0
+    seq_len: int = 0
+    activation_checkpointing: bool = False
+    shape: ModelShape | None = None
+    activation_bytes: int | None = None
+    compute_time_s: float | None = None
+    device_flops: float | None = None
+    links: Links = field(default_factory=Links)
+    overlap_all_reduce: bool = False
+    sharding_factors: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "unit_elements", tuple(int(t) for t in self.unit_elements))
+        if self.sharding_factors is not None:
+            object.__setattr__(self, "sharding_factors", tuple(sorted({int(f) for f in self.sharding_factors})))
+        name = _OPTIMIZER_ALIASES.get(self.optimizer, self.optimizer)
+        object.__setattr__(self, "optimizer", name)
+        _validate(self)
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def recipe(self) -> PrecisionRecipe:
+        return self.precision if isinstance(self.precision, PrecisionRecipe) else PRECISIONS[self.precision]
+
+    @property
+    def params(self) -> int:
+        """P: all parameter elements, root included."""
+        return self.root_elements + sum(self.unit_elements)
+
+    @property
+    def budget_bytes(self) -> float:
+        return (1.0 - self.headroom) * self.device_memory_bytes
+
+    def factors(self) -> tuple[int, ...]:
+        """The sharding factors to plan: every divisor of W, or the ones asked for."""
+        divisors = tuple(f for f in range(1, self.world_size + 1) if self.world_size % f == 0)
+        return self.sharding_factors or divisors
+
+    # -- constructors ---------------------------------------------------------------------------
+    @classmethod
+    def from_params(cls, params: int, units: int, world_size: int, *, root_elements: int = 0, **kw: Any) -> "PlanInputs":
+        """P elements: ``root_elements`` in the root, the rest in ``units`` equal units (the first
+        ``rest % units`` units one element larger). The documents' 16P/N + 4P/M setting is
+        ``root_elements=0``."""
+        if params < 0 or root_elements < 0:
+            raise PlanError(f"parameter counts must be >= 0 (params={params}, root={root_elements})", "pass sizes >= 0")
+        if units < 1:
+            raise PlanError(f"--units must be >= 1, got {units}", "pass the number of FSDP units, e.g. 32 for one per layer")
+        rest = params - root_elements
+        if rest < units:
+            raise PlanError(f"{rest} elements cannot fill {units} units (params {params}, root {root_elements})",
+                            "pass fewer --units or a smaller --root-params")
+        base, extra = divmod(rest, units)
+        sizes = tuple(base + (1 if i < extra else 0) for i in range(units))
+        return cls(world_size=world_size, unit_elements=sizes, root_elements=root_elements, **kw)
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape, world_size: int, *, units: int | None = None, **kw: Any) -> "PlanInputs":
+        """A transformer wrapped per layer: L layer units (or ``units`` groups of consecutive
+        layers) and a root holding embeddings, head and final norm."""
+        groups = shape.layers if units is None else units
+        if not 1 <= groups <= shape.layers:
+            raise PlanError(f"--units {groups} does not group {shape.layers} layers",
+                            f"pass 1 <= --units <= {shape.layers}, or leave it out for one unit per layer")
+        base, extra = divmod(shape.layers, groups)
+        sizes = tuple((base + (1 if i < extra else 0)) * shape.layer_params() for i in range(groups))
+        kw.setdefault("shape", shape)
+        return cls(world_size=world_size, unit_elements=sizes, root_elements=shape.root_params(), **kw)
+
+    @classmethod
+    def from_module(cls, module: Any, units: Iterable[Any], world_size: int, **kw: Any) -> "PlanInputs":
+        """Unit sizes counted from an ``nn.Module``: ``units`` are the submodules (or classes)
+        that become units; the rest is the root. ``param_tensors`` is filled in."""
+        layout = layout_from_module(module, units)
+        kw.setdefault("param_tensors", layout.param_tensors)
+        return cls(world_size=world_size, unit_elements=layout.unit_elements, root_elements=layout.root_elements, **kw)
+
+    def replace(self, **changes: Any) -> "PlanInputs":
+        return replace(self, **changes)
+
+
+def _positive_int(value: Any, flag: str, fix: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"{flag} must be a whole number >= 1, got {value!r}", fix)
+
+
+def _validate(p: PlanInputs) -> None:
+    _positive_int(p.world_size, "--world", "pass the number of ranks, e.g. --world 8")
+    _positive_int(p.gpus_per_node, "--gpus-per-node", "pass the ranks per node, e.g. --gpus-per-node 8")
+    w, g = p.world_size, p.gpus_per_node
+    if w > g and w % g:
+        raise PlanError(f"world size {w} is not a whole number of nodes of {g} GPUs",
+                        "pass a --world that is a multiple of --gpus-per-node")
+    if any(t < 0 for t in p.unit_elements) or p.root_elements < 0:
+        raise PlanError("unit sizes must be >= 0 elements", "pass non-negative sizes")
+    if p.params <= 0:
+        raise PlanError("the model has no parameters", "pass --params N (e.g. 7B) or --model PRESET")
+    if not isinstance(p.precision, PrecisionRecipe) and p.precision not in PRECISIONS:
+        raise PlanError(f"unknown precision {p.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+    if p.optimizer not in OPTIMIZERS:
+        raise PlanError(f"unknown optimizer {p.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
+    if not (0.0 <= p.headroom < 1.0):
+        raise PlanError(f"headroom must be a fraction in [0, 1), got {p.headroom}", "pass e.g. --headroom 0.1")
+    if p.device_memory_bytes <= 0:
+        raise PlanError(f"device memory must be positive, got {p.device_memory_bytes}", "pass e.g. --gpu-mem 80GB")
+    for name in ("param_tensors", "prefetch_depth", "micro_batch", "seq_len"):
+        if getattr(p, name) < 0:
+            raise PlanError(f"{name} must be >= 0, got {getattr(p, name)}", f"pass a non-negative --{name.replace('_', '-')}")
+    for name in ("activation_bytes", "compute_time_s", "device_flops"):
+        value = getattr(p, name)
+        if value is not None and (not math.isfinite(value) or value < 0 or (name == "device_flops" and value == 0)):
+            raise PlanError(f"{name} must be a positive number, got {value}", f"pass a valid --{name.replace('_', '-')}")
+    for f in p.sharding_factors or ():
+        if f < 1 or w % f:
+            raise PlanError(f"sharding factor F={f} does not divide world size W={w}",
+                            f"pass an F that divides {w}: {', '.join(str(d) for d in range(1, w + 1) if w % d == 0)}")

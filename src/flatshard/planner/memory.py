@@ -1,0 +1,128 @@
+"""Per-rank memory of one strategy at one sharding factor F.
+
+[Note: planner memory model]
+Unit u has T_u elements; with shard group size F its flat shard has S_u = ceil(T_u / F) elements
+(zero padding to F * S_u). Figures are for rank 0, the fullest rank: its shard holds S_u real
+elements (the last rank's optimizer state is smaller by its padding).
+
+steady (between steps, every strategy): sum_u S_u * (master + grad shard + optimizer) bytes, plus
+    AdamW's 4-byte ``step`` per original parameter when ``param_tensors`` is given. For F = 1 the
+    shard is the whole flat.
+gathered g_u = F * S_u * compute bytes while unit u is unsharded (0 for F = 1 when the compute
+    dtype is the master dtype: the flat shard is then used in place).
+unsharded gradient ug_u = F * S_u * reduce bytes, from the unit's backward until its reduce-scatter.
+
+FULL_SHARD, HYBRID_SHARD (reshard after forward), prefetch depth d:
+    forward at unit i:  root + g_i + g_{i+1} + ... + g_{i+d}
+    backward at unit i: root + g_i + ug_i + g_{i-1} + ... + g_{i-d}; at the root: root + ug_root
+    where "root" is g_root: the root unit stays gathered from its forward to the end of backward.
+SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2, NO_SHARD (no reshard after forward): every unit gathered by the
+    end of forward and kept until the end of backward: forward sum_u g_u, backward sum_u g_u + ug_i.
+activations: counted in full at both peaks (their maximum is at the forward/backward turn), so
+    the peak is an upper bound.
+forward_peak = steady + activations + max forward transient; backward_peak likewise; peak = max.
+gather_buffer = the most gathered-parameter bytes at any moment (unsharded gradients excluded).
+
+The documents' 16P/N + 4P/M is ``forward_peak`` with no root, d = 0 and no activations. Their
+figure leaves out the unit's unsharded gradient, which exists in backward alongside its gathered
+parameters, so the real peak of that case is 16P/N + 8P/M (fp32).
+
+Not counted: the reduce-scatter output buffer (S_u elements, 1/F of ug_u), allocator rounding
+and fragmentation, CUDA context and workspaces (that is what ``headroom`` is for).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flatshard.planner.inputs import OPTIMIZERS, PlanInputs, Strategy
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank bytes. params/grads/optimizer are the persistent (steady) parts."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gather_buffer: int
+    unsharded_grad: int
+    activations: int
+    steady: int
+    forward_peak: int
+    backward_peak: int
+    peak: int
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit as the planner sees it: elements, whether it is the root, its shard length."""
+
+    elements: int
+    is_root: bool
+    shard: int
+
+
+def units_of(inputs: PlanInputs, f: int) -> list[Unit]:
+    """Units in forward order: the root first (when it holds parameters), then the others."""
+    out = [Unit(inputs.root_elements, True, -(-inputs.root_elements // f))] if inputs.root_elements else []
+    out += [Unit(t, False, -(-t // f)) for t in inputs.unit_elements if t > 0]
+    return out
+
+
+def memory_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> MemoryEstimate:
+    rec = inputs.recipe
+    opt_bytes, step_bytes = OPTIMIZERS[inputs.optimizer]
+    units = units_of(inputs, f)
+    shard = sum(u.shard for u in units)
+    params, grads = shard * rec.master_bytes, shard * rec.grad_shard_bytes
+    optimizer = shard * opt_bytes + inputs.param_tensors * step_bytes
+    steady = params + grads + optimizer
+
+    in_place = f == 1 and rec.compute_bytes == rec.master_bytes
+    gathered = [0 if in_place else f * u.shard * rec.compute_bytes for u in units]
+    ugrad = [f * u.shard * rec.reduce_bytes for u in units]
+    if strategy.reshard_after_forward:
+        fwd, bwd, buffer = _resharding_transients(units, gathered, ugrad, inputs.prefetch_depth)
+    else:
+        buffer = sum(gathered)
+        fwd, bwd = buffer, buffer + max(ugrad, default=0)
+    acts = activation_bytes(inputs)
+    forward_peak, backward_peak = steady + acts + fwd, steady + acts + bwd
+    return MemoryEstimate(params, grads, optimizer, buffer, max(ugrad, default=0), acts, steady,
+                          forward_peak, backward_peak, max(forward_peak, backward_peak))
+
+
+def _resharding_transients(units: list[Unit], gathered: list[int], ugrad: list[int], depth: int) -> tuple[int, int, int]:
+    """(max forward transient, max backward transient, max gathered bytes) under FULL_SHARD."""
+    root = sum(g for u, g in zip(units, gathered) if u.is_root)
+    root_grad = sum(g for u, g in zip(units, ugrad) if u.is_root)
+    inner = [i for i, u in enumerate(units) if not u.is_root]
+    fwd_windows = [sum(gathered[j] for j in inner[k:k + depth + 1]) for k in range(len(inner))]
+    bwd_windows = [sum(gathered[j] for j in inner[max(0, k - depth):k + 1]) for k in range(len(inner))]
+    fwd = root + max(fwd_windows, default=0)
+    bwd = max([root + w + ugrad[inner[k]] for k, w in enumerate(bwd_windows)] + [root + root_grad])
+    buffer = root + max(fwd_windows + bwd_windows, default=0)
+    return fwd, bwd, buffer
+
+
+def activation_bytes(inputs: PlanInputs) -> int:
+    """Per-rank activation bytes for one micro-batch, or 0 without shape, micro-batch and length.
+
+    Without checkpointing, a layer saves about s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations
+    (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022,
+    no tensor parallelism), scaled by compute bytes / 2. With per-layer checkpointing only each
+    layer's input (s*b*h elements) is kept, plus one layer's full set while it is recomputed; that
+    is O(L), not the O(sqrt L) of checkpointing every sqrt(L) layers. Both add the fp32 logits
+    (s*b*vocab*4) for the loss.
+    """
+    if inputs.activation_bytes is not None:
+        return int(inputs.activation_bytes)
+    shape, b, s = inputs.shape, inputs.micro_batch, inputs.seq_len
+    if shape is None or b == 0 or s == 0:
+        return 0
+    cb, h, a = inputs.recipe.compute_bytes, shape.hidden, shape.heads
+    per_layer = s * b * (34 * h + 5 * a * s) * cb // 2
+    logits = s * b * shape.vocab * 4
+    if inputs.activation_checkpointing:
+        return shape.layers * s * b * h * cb + per_layer + logits
+    return shape.layers * per_layer + logits

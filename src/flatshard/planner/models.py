@@ -1,0 +1,183 @@
+"""Where unit sizes come from: a model's shape (presets, Hugging Face-style config numbers) or a module.
+
+A transformer wrapped one unit per layer (``transformer_auto_wrap_policy``, the documents'
+recommendation) has L equal layer units and a root unit holding what is in no layer: the token
+embedding, the output head, the final norm (and, for GPT, the position embedding). ``ModelShape``
+computes those sizes exactly, so ``ModelShape.params()`` is the model's real parameter count
+(Llama-2-7B: 6,738,415,616, not 7e9).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from flatshard.planner.errors import PlanError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The config numbers of a decoder-only transformer.
+
+    arch: ``"llama"`` (RMSNorm, no biases, SwiGLU MLP of three matrices, untied head unless
+        ``tied_embeddings``) or ``"gpt"`` (LayerNorm with bias, biased linears, GELU MLP of two
+        matrices, learned positions, head tied to the token embedding).
+    layers, hidden, vocab, heads: as in a Hugging Face config (num_hidden_layers, hidden_size,
+        vocab_size, num_attention_heads).
+    kv_heads: key/value heads (grouped-query attention); None means ``heads``.
+    intermediate: MLP width; None means 4 * hidden.
+    max_positions: learned position table length (gpt only).
+    """
+
+    arch: str
+    layers: int
+    hidden: int
+    vocab: int
+    heads: int
+    kv_heads: int | None = None
+    intermediate: int | None = None
+    max_positions: int = 0
+    tied_embeddings: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("llama", "gpt"):
+            raise PlanError(f"unknown architecture {self.arch!r}", "use 'llama' or 'gpt'")
+        for name in ("layers", "hidden", "vocab", "heads"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"model {name} must be >= 1, got {getattr(self, name)}", f"pass a positive --{name}")
+        if self.hidden % self.heads:
+            raise PlanError(f"hidden size {self.hidden} is not divisible by {self.heads} heads", "fix --hidden or --heads")
+        if self.heads % self.kv_count:
+            raise PlanError(f"{self.heads} heads are not divisible by {self.kv_count} kv heads", "fix --kv-heads")
+
+    @property
+    def kv_count(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def mlp_width(self) -> int:
+        return self.intermediate or 4 * self.hidden
+
+    @property
+    def tied(self) -> bool:
+        return self.arch == "gpt" if self.tied_embeddings is None else self.tied_embeddings
+
+    def layer_params(self) -> int:
+        """Parameter elements in one transformer layer (one unit under per-layer wrapping)."""
+        d, i = self.hidden, self.mlp_width
+        kv = self.kv_count * (d // self.heads)
+        if self.arch == "llama":
+            return 2 * d * d + 2 * d * kv + 3 * d * i + 2 * d
+        return (d * (d + 2 * kv) + d + 2 * kv) + (d * d + d) + (d * i + i) + (i * d + d) + 4 * d
+
+    def root_params(self) -> int:
+        """Parameter elements outside the layers: embeddings, head, final norm (the root unit)."""
+        d = self.hidden
+        heads = 1 if self.tied else 2
+        if self.arch == "llama":
+            return heads * self.vocab * d + d
+        return heads * self.vocab * d + self.max_positions * d + 2 * d
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.root_params()
+
+    def param_tensors(self) -> int:
+        """Number of original parameters (tensors): what AdamW keeps one ``step`` tensor for."""
+        if self.arch == "llama":
+            return 9 * self.layers + (2 if self.tied else 3)
+        return 12 * self.layers + (3 if self.tied else 4) + (1 if self.max_positions else 0)
+
+
+def _llama(layers: int, hidden: int, inter: int, heads: int, kv: int | None = None, vocab: int = 32000) -> ModelShape:
+    return ModelShape("llama", layers, hidden, vocab, heads, kv, inter)
+
+
+def _gpt(layers: int, hidden: int, heads: int, positions: int, vocab: int = 50257) -> ModelShape:
+    return ModelShape("gpt", layers, hidden, vocab, heads, None, 4 * hidden, positions)
+
+
+# The published configs. Llama 1 and Llama 2 share the 7B and 13B shapes (only the context differs).
+PRESETS: dict[str, ModelShape] = {
+    "gpt2": _gpt(12, 768, 12, 1024),
+    "gpt2-xl": _gpt(48, 1600, 25, 1024),
+    "gpt3-175b": _gpt(96, 12288, 96, 2048),
+    "llama-7b": _llama(32, 4096, 11008, 32),
+    "llama-13b": _llama(40, 5120, 13824, 40),
+    "llama-33b": _llama(60, 6656, 17920, 52),
+    "llama-65b": _llama(80, 8192, 22016, 64),
+    "llama2-7b": _llama(32, 4096, 11008, 32),
+    "llama2-13b": _llama(40, 5120, 13824, 40),
+    "llama2-70b": _llama(80, 8192, 28672, 64, 8),
+    "llama3-8b": _llama(32, 4096, 14336, 32, 8, 128256),
+    "llama3-70b": _llama(80, 8192, 28672, 64, 8, 128256),
+}
+_ALIASES = {"gpt3": "gpt3-175b", "gpt-3": "gpt3-175b", "llama-70b": "llama2-70b"}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def preset(name: str) -> ModelShape:
+    """The shape of a named model; an unknown name is a PlanError listing the known ones."""
+    name = _ALIASES.get(name.lower(), name)
+    table = {_key(k): v for k, v in PRESETS.items()}
+    found = table.get(_key(name))
+    if found is None:
+        raise PlanError(f"unknown model preset {name!r}",
+                        f"use one of {', '.join(sorted(PRESETS))}, or pass --params N instead of --model")
+    return found
+
+
+def with_overrides(shape: ModelShape, **fields: Any) -> ModelShape:
+    """``shape`` with the non-None ``fields`` replaced (config numbers given next to a preset)."""
+    changes = {k: v for k, v in fields.items() if v is not None}
+    return dataclasses.replace(shape, **changes) if changes else shape
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """How a module's parameters fall into units: the root's own elements, each unit's elements
+    (in registration order), and the number of distinct parameter tensors."""
+
+    root_elements: int
+    unit_elements: tuple[int, ...]
+    param_tensors: int
+
+
+def layout_from_module(module: Any, units: Iterable[Any] = ()) -> ModuleLayout:
+    """Count the parameter elements of ``module`` per unit, the way the engine's units own them.
+
+    ``units`` are the submodules that become units, or module classes (every instance is a unit,
+    as ``transformer_auto_wrap_policy`` does). A unit owns its parameters not inside a nested unit;
+    the root owns the rest. Shared (tied) parameters count once, for the first owner reached.
+    Only the public ``nn.Module`` methods are called, so torch is not imported here.
+    """
+    picks = list(units)
+    classes = tuple(u for u in picks if isinstance(u, type))
+    chosen = {id(u) for u in picks if not isinstance(u, type)}
+
+    def is_unit(m: Any) -> bool:
+        return m is not module and (id(m) in chosen or (bool(classes) and isinstance(m, classes)))
+
+    counts: dict[int, int] = {id(module): 0}
+    order: list[int] = []
+    seen: set[int] = set()
+
+    def walk(mod: Any, owner: int) -> None:
+        for _, p in mod.named_parameters(recurse=False):
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                counts[owner] += p.numel()
+        for child in mod.children():
+            child_owner = owner
+            if is_unit(child):
+                child_owner = id(child)
+                if child_owner not in counts:
+                    counts[child_owner] = 0
+                    order.append(child_owner)
+            walk(child, child_owner)
+
+    walk(module, id(module))
+    return ModuleLayout(counts[id(module)], tuple(counts[u] for u in order), len(seen))

@@ -1,0 +1,225 @@
+"""Plans for every strategy and sharding factor, the recommendation, and the JSON form.
+
+Reading path: ``plan(inputs)`` -> one ``plan_strategy`` per (strategy, F) -> ``memory_estimate``
+(memory.py), ``comm_estimate`` (comm.py), ``time_estimate`` (here) -> ``recommend``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from flatshard.planner.comm import CommEstimate, comm_estimate
+from flatshard.planner.errors import PlanError
+from flatshard.planner.inputs import PlanInputs, Strategy
+from flatshard.planner.memory import MemoryEstimate, memory_estimate
+from flatshard.planner.quantities import fmt_bytes, fmt_seconds
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """Seconds per step. ``serial``: compute then every collective, nothing overlapped.
+    ``overlapped``: collectives hidden behind the phase's compute except the first forward
+    all-gather, the last reduce-scatter and (unless ``overlap_all_reduce``) the all-reduces.
+    ``expected`` is ``overlapped`` with prefetch (depth >= 1) and ``serial`` without, which is how
+    the engine runs today (prefetch depth 0). The optimizer step (local, no communication) is not
+    counted."""
+
+    compute_forward_s: float
+    compute_backward_s: float
+    comm_s: float
+    serial_s: float
+    overlapped_s: float
+    expected_s: float
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    strategy: Strategy
+    sharding_factor: int
+    replicas: int
+    memory: MemoryEstimate
+    fits: bool
+    comm: CommEstimate
+    time: TimeEstimate
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """R4: the smallest F whose peak fits, the fastest plan at that F. ``strategy`` and
+    ``sharding_factor`` are None when nothing fits; ``why`` then says what would help."""
+
+    strategy: Strategy | None
+    sharding_factor: int | None
+    why: str
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    inputs: PlanInputs
+    plans: tuple[StrategyPlan, ...]
+    recommendation: Recommendation
+
+    def plan_for(self, strategy: Strategy | str, sharding_factor: int | None = None) -> StrategyPlan:
+        """The plan of ``strategy`` (at ``sharding_factor`` for the hybrids)."""
+        s = Strategy(strategy)
+        for p in self.plans:
+            if p.strategy is s and sharding_factor in (None, p.sharding_factor):
+                return p
+        raise KeyError(f"no {s.value} plan at F={sharding_factor}")
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return to_json_dict(self)
+
+
+def strategies_at(world_size: int, f: int) -> tuple[Strategy, ...]:
+    """F = 1 is NO_SHARD, F = W is FULL_SHARD and SHARD_GRAD_OP, anything between is hybrid."""
+    if f == 1:
+        return (Strategy.NO_SHARD,)
+    if f == world_size:
+        return (Strategy.FULL_SHARD, Strategy.SHARD_GRAD_OP)
+    return (Strategy.HYBRID_SHARD, Strategy._HYBRID_SHARD_ZERO2)
+
+
+def _compute_times(inputs: PlanInputs) -> tuple[float, float]:
+    """(forward, backward) compute seconds: 6 P tokens FLOPs (2 forward, 4 backward), plus a
+    second forward (2 P tokens) in backward under activation checkpointing."""
+    recompute = inputs.activation_checkpointing
+    if inputs.compute_time_s is not None:
+        share = 0.25 if recompute else 1 / 3
+        return inputs.compute_time_s * share, inputs.compute_time_s * (1 - share)
+    tokens = inputs.micro_batch * inputs.seq_len
+    if not inputs.device_flops or tokens == 0:
+        return 0.0, 0.0
+    unit = inputs.params * tokens / inputs.device_flops
+    return 2 * unit, (6 if recompute else 4) * unit
+
+
+def time_estimate(inputs: PlanInputs, comm: CommEstimate) -> TimeEstimate:
+    cf, cb = _compute_times(inputs)
+    serial = cf + cb + comm.forward_s + comm.backward_s
+    fwd = cf
+    if comm.forward_s > 0:
+        fwd = comm.first_forward_s + max(cf, comm.forward_s - comm.first_forward_s)
+    exposed_ar = 0.0 if inputs.overlap_all_reduce else comm.all_reduce_s
+    hideable = comm.backward_s - exposed_ar
+    bwd = cb + exposed_ar
+    if hideable > 0:
+        tail = min(comm.last_backward_s, hideable)
+        bwd = tail + max(cb, hideable - tail) + exposed_ar
+    overlapped = fwd + bwd
+    expected = overlapped if inputs.prefetch_depth >= 1 else serial
+    return TimeEstimate(cf, cb, comm.forward_s + comm.backward_s, serial, overlapped, expected)
+
+
+def plan_strategy(inputs: PlanInputs, strategy: Strategy | str, sharding_factor: int) -> StrategyPlan:
+    """The plan of one strategy at one sharding factor (which must suit the strategy)."""
+    s, f = Strategy(strategy), sharding_factor
+    if f < 1 or inputs.world_size % f:
+        raise PlanError(f"sharding factor F={f} does not divide world size W={inputs.world_size}",
+                        "pass an F that divides W")
+    if s not in strategies_at(inputs.world_size, f):
+        raise PlanError(f"{s.value} does not run at F={f} with W={inputs.world_size}",
+                        "NO_SHARD is F=1, FULL_SHARD and SHARD_GRAD_OP are F=W, the hybrids 1<F<W")
+    memory = memory_estimate(inputs, s, f)
+    comm = comm_estimate(inputs, s, f)
+    return StrategyPlan(s, f, inputs.world_size // f, memory, memory.peak <= inputs.budget_bytes,
+                        comm, time_estimate(inputs, comm))
+
+
+def plan(inputs: PlanInputs) -> PlanReport:
+    """Every strategy at every sharding factor F dividing W (ascending F), and the recommendation."""
+    plans = tuple(plan_strategy(inputs, s, f) for f in inputs.factors() for s in strategies_at(inputs.world_size, f))
+    return PlanReport(inputs, plans, recommend(inputs, plans))
+
+
+def _budget_text(inputs: PlanInputs) -> str:
+    return (f"{fmt_bytes(inputs.budget_bytes)} ({fmt_bytes(inputs.device_memory_bytes)} less "
+            f"{inputs.headroom:.0%} headroom)")
+
+
+def recommend(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[StrategyPlan]) -> Recommendation:
+    """R4 of the PyTorch FSDP paper: the smallest F that fits, then the fastest at that F."""
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        best = min(plans, key=lambda p: p.memory.peak)
+        return Recommendation(None, None, (
+            f"nothing fits in {_budget_text(inputs)}: the smallest peak is {fmt_bytes(best.memory.peak)} "
+            f"({best.strategy.value}, F={best.sharding_factor}); add GPUs, use bf16-mixed, a smaller "
+            f"micro-batch or activation checkpointing, or more units"))
+    f = min(p.sharding_factor for p in fitting)
+    at_f = sorted((p for p in fitting if p.sharding_factor == f), key=lambda p: (p.time.expected_s, p.memory.peak))
+    best = at_f[0]
+    smaller = [p for p in plans if p.sharding_factor < f]
+    why = f"F={f} is the smallest sharding factor whose peak fits in {_budget_text(inputs)}: " \
+          f"{best.strategy.value} peaks at {fmt_bytes(best.memory.peak)}"
+    if smaller:
+        worst = min(smaller, key=lambda p: p.memory.peak)
+        why += f"; F={worst.sharding_factor} would need {fmt_bytes(worst.memory.peak)}"
+    if len(at_f) > 1:
+        why += (f"; {best.strategy.value} is estimated faster than {at_f[1].strategy.value} "
+                f"({fmt_seconds(best.time.expected_s)} vs {fmt_seconds(at_f[1].time.expected_s)} per step)")
+    elif len([p for p in plans if p.sharding_factor == f]) > 1:
+        why += "; the other strategy at this F does not fit"
+    return Recommendation(best.strategy, f, why)
+
+
+def choose_sharding_factor(inputs: PlanInputs, *, reshard_after_forward: bool = True) -> tuple[int, str]:
+    """The sharding factor for ``sharding_factor="auto"``: the smallest F dividing W whose peak fits
+    ``inputs.device_memory_bytes`` less ``headroom``, for the FULL_SHARD family
+    (``reshard_after_forward=True``: NO_SHARD, HYBRID_SHARD, FULL_SHARD) or the SHARD_GRAD_OP
+    family (False: NO_SHARD, _HYBRID_SHARD_ZERO2, SHARD_GRAD_OP). Returns (F, why). When no F
+    fits it returns (W, why) with ``why`` starting "nothing fits": F = W needs the least memory,
+    and the caller decides whether to go on."""
+    w = inputs.world_size
+    family = []
+    for f in inputs.factors():
+        s = [x for x in strategies_at(w, f) if f == 1 or x.reshard_after_forward == reshard_after_forward][0]
+        family.append(plan_strategy(inputs, s, f))
+    for p in family:
+        if p.fits:
+            why = (f"F={p.sharding_factor} ({p.strategy.value}) is the smallest sharding factor whose peak "
+                   f"{fmt_bytes(p.memory.peak)} fits in {_budget_text(inputs)}")
+            return p.sharding_factor, why
+    last = family[-1]
+    return last.sharding_factor, (f"nothing fits in {_budget_text(inputs)}: even F={last.sharding_factor} "
+                                  f"peaks at {fmt_bytes(last.memory.peak)}")
+
+
+def _inputs_json(inputs: PlanInputs) -> dict[str, Any]:
+    out = asdict(inputs)
+    out["precision"] = inputs.recipe.name if isinstance(inputs.precision, str) else asdict(inputs.recipe)
+    out["params"] = inputs.params
+    out["units"] = len(inputs.unit_elements) + (1 if inputs.root_elements else 0)
+    out["budget_bytes"] = inputs.budget_bytes
+    out["unit_elements"] = list(inputs.unit_elements)
+    if inputs.sharding_factors is not None:
+        out["sharding_factors"] = list(inputs.sharding_factors)
+    return out
+
+
+def _plan_json(p: StrategyPlan) -> dict[str, Any]:
+    m, c = p.memory, p.comm
+    return {
+        "strategy": p.strategy.value,
+        "sharding_factor": p.sharding_factor,
+        "replicas": p.replicas,
+        "memory_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
+                         "gather_buffer": m.gather_buffer, "activations": m.activations,
+                         "steady": m.steady, "peak": m.peak},
+        "fits": p.fits,
+        "comm_bytes_per_step": {"all_gather": c.all_gather, "reduce_scatter": c.reduce_scatter,
+                                "all_reduce": c.all_reduce, "intra_node": c.intra_node,
+                                "inter_node": c.inter_node, "total": c.total},
+        "step_time_s": p.time.expected_s,
+    }
+
+
+def to_json_dict(report: PlanReport) -> dict[str, Any]:
+    """The report as ``flatshard plan --json`` prints it: exactly the keys inputs, plans, recommendation."""
+    rec = report.recommendation
+    return {
+        "inputs": _inputs_json(report.inputs),
+        "plans": [_plan_json(p) for p in report.plans],
+        "recommendation": {"strategy": rec.strategy.value if rec.strategy else None,
+                           "sharding_factor": rec.sharding_factor, "why": rec.why},
+    }

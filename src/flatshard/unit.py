@@ -1,0 +1,196 @@
+"""One unit: its flat shard, its unsharded flat and its gradient shard, and the transitions between them.
+
+States: SHARDED (only the flat shard holds data) and UNSHARDED (the unsharded flat holds the full
+parameters). ``unshard`` and ``reshard`` are idempotent. Terms as in [Note: flatshard tensors]
+(flat_param.py).
+
+When F == 1 the unsharded flat aliases the flat shard's storage (through ``.data``, so it has its
+own version counter and the optimizer's in-place updates never invalidate what autograd saved):
+nothing is gathered and nothing is freed.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+
+from flatshard import collectives
+from flatshard.flat_param import FlatLayout, make_compute_views, make_shard_views, set_views_on_modules
+from flatshard.mesh import ShardGroups
+
+
+class UnitState(enum.Enum):
+    SHARDED = enum.auto()
+    UNSHARDED = enum.auto()
+
+
+class Unit:
+    def __init__(
+        self,
+        name: str,
+        layout: FlatLayout,
+        flat_full: torch.Tensor,
+        groups: ShardGroups,
+        *,
+        full_shard: bool,
+    ):
+        """``flat_full`` is the zero-padded concatenation of the unit's parameters, identical on every
+        rank of the shard group; the unit keeps this rank's slice and frees the rest."""
+        self.name = name or "<root>"
+        self.layout = layout
+        self.groups = groups
+        self.full_shard = full_shard  # FULL_SHARD: free after forward and after each backward
+        self.is_root = False  # set by the root on first use; the root stays gathered from forward to backward
+        self.ctx = None  # RunContext, set by the root on first use
+        self.requires_grad = any(i.requires_grad for i in layout.infos)
+        S, rank = layout.shard_numel, groups.shard_rank
+        if groups.shard_size == 1:
+            self.flat_shard = flat_full
+            self.unsharded = flat_full.data  # alias with its own version counter
+        else:
+            self.flat_shard = flat_full[rank * S : (rank + 1) * S].clone()
+            self.unsharded = flat_full
+            self.unsharded.untyped_storage().resize_(0)
+        self.unsharded.requires_grad_(self.requires_grad)
+        self._gather_target = self.unsharded.data  # what collectives write into (own version counter)
+        self.shard_views = make_shard_views(layout, self.flat_shard, rank)
+        self._pending_grad: Optional[torch.Tensor] = None  # reduced this backward, not yet exposed
+        self._gathered_version = -1
+        self.state = UnitState.UNSHARDED if groups.shard_size == 1 else UnitState.SHARDED
+        self._compute_views_set = False
+        set_views_on_modules(layout, self.shard_views, as_params=True)
+        if self.requires_grad:
+            self.unsharded.register_post_accumulate_grad_hook(self._post_backward)
+
+    # ---- transitions ---------------------------------------------------------------------
+    def unshard(self) -> None:
+        """Fill the unsharded flat; a no-op if it already holds the current flat shard."""
+        if self.groups.shard_size == 1:
+            return
+        if self.state is UnitState.UNSHARDED and self._gathered_version == self.flat_shard._version:
+            return
+        storage = self.unsharded.untyped_storage()
+        nbytes = self.layout.padded * self.unsharded.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"):
+            result = collectives.all_gather(self._gather_target, self.flat_shard, self.groups.shard_group)
+        self._record(result, "shard")
+        self._gathered_version = self.flat_shard._version
+        self.state = UnitState.UNSHARDED
+        self._sample_memory()
+
+    def reshard(self) -> None:
+        """Free the unsharded flat (its tensor object stays, for autograd's saved views)."""
+        if self.state is UnitState.SHARDED or self.groups.shard_size == 1:
+            return
+        self.unsharded.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+        self._sample_memory()
+
+    def use_compute_views(self) -> None:
+        set_views_on_modules(self.layout, make_compute_views(self.layout, self.unsharded), as_params=False)
+        self._compute_views_set = True
+
+    def use_shard_views(self) -> None:
+        if self._compute_views_set:
+            set_views_on_modules(self.layout, self.shard_views, as_params=True)
+            self._compute_views_set = False
+
+    # ---- forward and backward --------------------------------------------------------------
+    def pre_forward(self) -> None:
+        self.unshard()
+        self.use_compute_views()
+        if self.ctx is not None:
+            self.ctx.record_forward(self)
+
+    def post_forward(self) -> None:
+        self.use_shard_views()
+        if (self.full_shard and not self.is_root) or not torch.is_grad_enabled():
+            self.reshard()
+
+    def pre_backward(self) -> None:
+        if self.ctx is not None:
+            self.ctx.begin_backward()
+        self.unshard()
+
+    def _post_backward(self, unsharded: torch.Tensor) -> None:
+        """The unsharded flat's gradient is complete: reduce it to this rank's shard, then reshard."""
+        if self.ctx is not None:
+            self.ctx.begin_backward()
+        self._sample_memory()
+        if self.ctx is not None and not self.ctx.sync_gradients:
+            # no_sync: the full-size gradient stays on the unsharded flat and accumulates there.
+            if self.full_shard:
+                self.reshard()
+            return
+        grad, unsharded.grad = unsharded.grad, None
+        self._pending_grad = self._reduce(grad)
+        self.reshard()
+
+    def _reduce(self, grad: torch.Tensor) -> torch.Tensor:
+        groups = self.groups
+        if groups.shard_size > 1:
+            reduced = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+            with torch.profiler.record_function(f"flatshard::reduce_scatter ({self.name})"):
+                self._record(collectives.reduce_scatter(reduced, grad, groups.shard_group), "shard")
+        else:
+            reduced = grad
+        if groups.replicate_size > 1:
+            with torch.profiler.record_function(f"flatshard::all_reduce ({self.name})"):
+                self._record(collectives.all_reduce(reduced, groups.replicate_group), "replicate")
+        if groups.data_parallel_size > 1:
+            reduced.div_(groups.data_parallel_size)
+        return reduced
+
+    def finish_backward(self, synced: bool) -> None:
+        """End of backward: reshard what is still gathered and expose reduced gradients as ``.grad``."""
+        self.use_shard_views()
+        if synced or self.full_shard:
+            self.reshard()
+        if synced and self._pending_grad is not None:
+            self._expose_grads(self._pending_grad)
+            self._pending_grad = None
+
+    def _expose_grads(self, reduced: torch.Tensor) -> None:
+        """Point each trainable shard view's ``.grad`` into the new grad shard, adding any gradient the
+        user kept from an earlier backward (``torch.autograd`` accumulates; so do we)."""
+        slices = self.layout.local_slices(self.groups.shard_rank)
+        for view, (lo, hi) in zip(self.shard_views, slices):
+            if view.requires_grad and view.grad is not None:
+                reduced[lo:hi].add_(view.grad)
+        for view, (lo, hi) in zip(self.shard_views, slices):
+            if view.requires_grad:
+                view.grad = reduced[lo:hi]
+
+    # ---- accounting ------------------------------------------------------------------------
+    def _record(self, result: collectives.Collective, group: str) -> None:
+        if self.ctx is not None:
+            self.ctx.record(result, group, self.name)
+
+    def _sample_memory(self) -> None:
+        if self.ctx is not None:
+            self.ctx.sample_memory()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this unit holds now, by category (see ``instrument.MemoryRecorder``)."""
+        storages = {v.grad.untyped_storage().data_ptr(): v.grad.untyped_storage().nbytes() for v in self.shard_views if v.grad is not None}
+        grads = sum(storages.values())
+        gathered = 0
+        if self.groups.shard_size > 1:
+            gathered = self.unsharded.untyped_storage().nbytes()
+        if self.unsharded.grad is not None:
+            gathered += self.unsharded.grad.untyped_storage().nbytes()
+        if self._pending_grad is not None:
+            gathered += self._pending_grad.untyped_storage().nbytes()
+        return {
+            "params": self.flat_shard.untyped_storage().nbytes(),
+            "grads": grads,
+            "optimizer": 0,
+            "gathered": gathered,
+        }
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name}, T={self.layout.total}, S={self.layout.shard_numel}, {self.state.name})"
+
