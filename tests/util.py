@@ -1,0 +1,49 @@
+"""Helpers shared by the tests: building a wrapped model next to its unwrapped reference, and
+matching each shard view with the slice of the reference parameter it must equal."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def shard_ranges(model: nn.Module) -> dict[int, tuple[int, int]]:
+    """id(shard view) -> [start, end) of the flattened original parameter that this rank holds."""
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    out = {}
+    for w in FSDP.fsdp_modules(model):
+        u = w._unit
+        for view, rng in zip(u.shard_views, u.layout.param_ranges(u.groups.shard_rank)):
+            out[id(view)] = rng
+    return out
+
+
+def pairs(model: nn.Module, ref: nn.Module):
+    """(name, local tensor, matching reference tensor) for every parameter, and the same for grads."""
+    ranges = shard_ranges(model)
+    refp = dict(ref.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    assert names == list(refp), f"names differ from the unwrapped model:\n{names}\n{list(refp)}"
+    for name, p in model.named_parameters():
+        full = refp[name]
+        if id(p) in ranges:
+            a, b = ranges[id(p)]
+            ref_val = full.detach().reshape(-1)[a:b]
+            ref_grad = None if full.grad is None else full.grad.reshape(-1)[a:b]
+        else:
+            ref_val, ref_grad = full.detach(), full.grad
+        yield name, p, ref_val, ref_grad
+
+
+def assert_params_match(model, ref, what: str, **tol) -> None:
+    for name, p, ref_val, _ in pairs(model, ref):
+        torch.testing.assert_close(p.detach(), ref_val, msg=lambda m: f"{what}: parameter {name}: {m}", **tol)
+
+
+def assert_grads_match(model, ref, what: str, **tol) -> None:
+    for name, p, _, ref_grad in pairs(model, ref):
+        if ref_grad is None or not p.requires_grad:
+            assert p.grad is None, f"{what}: {name} has a gradient but the reference has none"
+            continue
+        assert p.grad is not None, f"{what}: {name} has no gradient"
+        torch.testing.assert_close(p.grad, ref_grad, msg=lambda m: f"{what}: gradient of {name}: {m}", **tol)
