@@ -4,8 +4,10 @@
 Per-rank bytes are ring volumes (what one rank sends; it receives as much):
     all-gather of unit u over F ranks:     (F - 1) * S_u * compute bytes
     reduce-scatter of unit u over F ranks: (F - 1) * S_u * reduce bytes
-    all-reduce of n elements over R ranks: 2 * (R - 1) * ceil(n / R) * reduce bytes
-        (= 2 (R-1)/R * n * b when R divides n; a ring moves R equal chunks)
+    all-reduce of n elements over R ranks: 2 * (R - 1) / R * n * reduce bytes
+        (exact rationals; a figure that is not a whole number of bytes is reported as a float)
+These are the engine's ``Collective.wire_bytes`` (collectives.py), so recorded and predicted bytes
+compare directly.
 Per step, M units (the root counted when it holds parameters):
     FULL_SHARD, HYBRID_SHARD:   forward M all-gathers; backward M-1 all-gathers (the resident root
                                 is not gathered again; M if root-less) and M reduce-scatters
@@ -27,6 +29,7 @@ Time of one collective over n ranks with per-rank bytes V on a link (alpha, beta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 from flatshard.planner.inputs import Links, PlanInputs, Strategy
 from flatshard.planner.memory import units_of
@@ -58,22 +61,24 @@ class CommEstimate:
 
     forward_s / backward_s are the phases' communication times (serial, one stream);
     first_forward_s is the first forward all-gather (nothing to hide it behind); last_backward_s
-    is the last reduce-scatter (nothing left to compute); all_reduce_s the all-reduces' time.
+    is the last unit's reduce-scatter and all-reduce (nothing left to compute), of which
+    last_all_reduce_s is the all-reduce; all_reduce_s is every all-reduce's time.
     """
 
     counts: CollectiveCounts
     all_gather: int
     reduce_scatter: int
-    all_reduce: int
-    intra_node: int
-    inter_node: int
-    total: int
+    all_reduce: int | float
+    intra_node: int | float
+    inter_node: int | float
+    total: int | float
     shard_link: str
     replicate_link: str
     forward_s: float
     backward_s: float
     first_forward_s: float
     last_backward_s: float
+    last_all_reduce_s: float
     all_reduce_s: float
 
 
@@ -86,6 +91,11 @@ def group_link(world: int, gpus_per_node: int, f: int, replicate: bool) -> str:
               else [range(k * f, (k + 1) * f) for k in range(world // f)])
     spans = any(len({r // gpus_per_node for r in g}) > 1 for g in groups)
     return INTER if spans else INTRA
+
+
+def _number(x: Fraction) -> int | float:
+    """An exact byte count as an int, or as a float when it is not a whole number."""
+    return int(x) if x.denominator == 1 else float(x)
 
 
 def _ring_time(links: Links, link: str, steps: int, volume: int) -> float:
@@ -105,22 +115,23 @@ def comm_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> CommEstimat
     sharded, replicated = f > 1, r > 1
     ag = [(f - 1) * u.shard * rec.compute_bytes if sharded else 0 for u in units]
     rs = [(f - 1) * u.shard * rec.reduce_bytes if sharded else 0 for u in units]
-    ar = [2 * (r - 1) * -(-u.shard // r) * rec.reduce_bytes if replicated else 0 for u in units]
+    ar = [Fraction(2 * (r - 1) * u.shard * rec.reduce_bytes, r) if replicated else Fraction(0) for u in units]
     regather = [sharded and strategy.reshard_after_forward and not u.is_root for u in units]
 
     t_ag = [_ring_time(links, shard_link, f - 1, v) for v in ag]
     t_rs = [_ring_time(links, shard_link, f - 1, v) for v in rs]
-    t_ar = [_ring_time(links, rep_link, 2 * (r - 1), v) for v in ar]
+    t_ar = [_ring_time(links, rep_link, 2 * (r - 1), float(v)) for v in ar]
     ag_bytes = sum(ag) + sum(v for v, again in zip(ag, regather) if again)
     ar_bytes = sum(ar)
-    by_link = {INTRA: 0, INTER: 0, NONE: 0}
+    by_link = {INTRA: Fraction(0), INTER: Fraction(0), NONE: Fraction(0)}
     by_link[shard_link] += ag_bytes + sum(rs)
     by_link[rep_link] += ar_bytes
     m = len(units)
     counts = CollectiveCounts(m if sharded else 0, sum(regather), m if sharded else 0, m if replicated else 0)
     backward_s = sum(t for t, again in zip(t_ag, regather) if again) + sum(t_rs) + sum(t_ar)
     return CommEstimate(
-        counts, ag_bytes, sum(rs), ar_bytes, by_link[INTRA], by_link[INTER], ag_bytes + sum(rs) + ar_bytes,
+        counts, ag_bytes, sum(rs), _number(ar_bytes), _number(by_link[INTRA]), _number(by_link[INTER]),
+        _number(ag_bytes + sum(rs) + ar_bytes),
         shard_link, rep_link, sum(t_ag), backward_s,
-        t_ag[0] if t_ag else 0.0, t_rs[0] if t_rs else 0.0, sum(t_ar),
+        t_ag[0] if t_ag else 0.0, t_rs[0] + t_ar[0] if units else 0.0, t_ar[0] if units else 0.0, sum(t_ar),
     )

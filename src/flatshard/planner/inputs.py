@@ -104,8 +104,9 @@ class PlanInputs:
         shape, micro-batch and sequence length); activation_bytes overrides it.
     compute_time_s, or device_flops (achieved FLOP/s) with micro_batch * seq_len tokens: compute
         per step; neither means the step time is communication only.
-    links: the ring alpha-beta model. overlap_all_reduce: whether replicate-group all-reduces
-        overlap backward (the engine issues them at the end of backward, so default False).
+    links: the ring alpha-beta model. overlap_all_reduce: whether the replicate-group all-reduces
+        (issued per unit in backward, after its reduce-scatter) overlap backward compute in the
+        ``overlapped`` time; False exposes them all.
     sharding_factors: restrict the plans to these F (each must divide W); None means every divisor.
     """
 
@@ -127,7 +128,7 @@ class PlanInputs:
     compute_time_s: float | None = None
     device_flops: float | None = None
     links: Links = field(default_factory=Links)
-    overlap_all_reduce: bool = False
+    overlap_all_reduce: bool = True
     sharding_factors: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:

@@ -10,14 +10,16 @@ steady (between steps, every strategy): sum_u S_u * (master + grad shard + optim
     shard is the whole flat.
 gathered g_u = F * S_u * compute bytes while unit u is unsharded (0 for F = 1 when the compute
     dtype is the master dtype: the flat shard is then used in place).
-unsharded gradient ug_u = F * S_u * reduce bytes, from the unit's backward until its reduce-scatter.
+unsharded gradient ug_u = F * S_u * reduce bytes, from the unit's backward until its reduce-scatter
+    (0 for F = 1 when the reduce dtype is the grad shard's: the gradient then becomes the grad shard).
 
 FULL_SHARD, HYBRID_SHARD (reshard after forward), prefetch depth d:
     forward at unit i:  root + g_i + g_{i+1} + ... + g_{i+d}
     backward at unit i: root + g_i + ug_i + g_{i-1} + ... + g_{i-d}; at the root: root + ug_root
     where "root" is g_root: the root unit stays gathered from its forward to the end of backward.
-SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2, NO_SHARD (no reshard after forward): every unit gathered by the
-    end of forward and kept until the end of backward: forward sum_u g_u, backward sum_u g_u + ug_i.
+SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2, NO_SHARD (no reshard after forward): every unit is gathered by
+    the end of forward and freed after its own backward (its post-backward reshard), so
+    forward: sum_u g_u; backward at unit i (forward order): g_0 + ... + g_i + ug_i.
 activations: counted in full at both peaks (their maximum is at the forward/backward turn), so
     the peak is an upper bound.
 forward_peak = steady + activations + max forward transient; backward_peak likewise; peak = max.
@@ -79,13 +81,14 @@ def memory_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> MemoryEst
     steady = params + grads + optimizer
 
     in_place = f == 1 and rec.compute_bytes == rec.master_bytes
+    grad_in_place = f == 1 and rec.reduce_bytes == rec.grad_shard_bytes
     gathered = [0 if in_place else f * u.shard * rec.compute_bytes for u in units]
-    ugrad = [f * u.shard * rec.reduce_bytes for u in units]
+    ugrad = [0 if grad_in_place else f * u.shard * rec.reduce_bytes for u in units]
     if strategy.reshard_after_forward:
         fwd, bwd, buffer = _resharding_transients(units, gathered, ugrad, inputs.prefetch_depth)
-    else:
-        buffer = sum(gathered)
-        fwd, bwd = buffer, buffer + max(ugrad, default=0)
+    else:  # each unit is freed after its own backward, so unit i's backward holds units 0..i
+        buffer = fwd = sum(gathered)
+        bwd = max((sum(gathered[:i + 1]) + ugrad[i] for i in range(len(units))), default=0)
     acts = activation_bytes(inputs)
     forward_peak, backward_peak = steady + acts + fwd, steady + acts + bwd
     return MemoryEstimate(params, grads, optimizer, buffer, max(ugrad, default=0), acts, steady,

@@ -19,7 +19,8 @@ from flatshard.planner.quantities import fmt_bytes, fmt_seconds
 class TimeEstimate:
     """Seconds per step. ``serial``: compute then every collective, nothing overlapped.
     ``overlapped``: collectives hidden behind the phase's compute except the first forward
-    all-gather, the last reduce-scatter and (unless ``overlap_all_reduce``) the all-reduces.
+    all-gather, the last unit's reduce-scatter and all-reduce, and (unless ``overlap_all_reduce``)
+    every all-reduce.
     ``expected`` is ``overlapped`` with prefetch (depth >= 1) and ``serial`` without, which is how
     the engine runs today (prefetch depth 0). The optimizer step (local, no communication) is not
     counted."""
@@ -100,11 +101,14 @@ def time_estimate(inputs: PlanInputs, comm: CommEstimate) -> TimeEstimate:
     fwd = cf
     if comm.forward_s > 0:
         fwd = comm.first_forward_s + max(cf, comm.forward_s - comm.first_forward_s)
-    exposed_ar = 0.0 if inputs.overlap_all_reduce else comm.all_reduce_s
+    if inputs.overlap_all_reduce:
+        exposed_ar, tail = 0.0, comm.last_backward_s
+    else:
+        exposed_ar, tail = comm.all_reduce_s, comm.last_backward_s - comm.last_all_reduce_s
     hideable = comm.backward_s - exposed_ar
     bwd = cb + exposed_ar
     if hideable > 0:
-        tail = min(comm.last_backward_s, hideable)
+        tail = min(tail, hideable)
         bwd = tail + max(cb, hideable - tail) + exposed_ar
     overlapped = fwd + bwd
     expected = overlapped if inputs.prefetch_depth >= 1 else serial
