@@ -24,7 +24,7 @@ _BYTE_SUFFIX = {
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }
-_NUMBER = r"([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
+_NUMBER = r"([+-]?[0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
 
 
 def _split(text: str, what: str, example: str) -> tuple[float, str]:
@@ -44,8 +44,10 @@ def parse_count(text: str | int | float, what: str = "parameter count") -> int:
     if factor is None:
         raise PlanError(f"unknown suffix {suffix!r} in {what} {text!r}", "use K, M, B (10^9) or T")
     count = value * factor
-    if not math.isfinite(count) or count < 0 or count != round(count):
-        raise PlanError(f"{what} {text!r} is not a whole non-negative number", "pass e.g. 7B or 7000000000")
+    if count < 0:
+        raise PlanError(f"{what} {text!r} is negative", "pass a size >= 0, e.g. 7B")
+    if not math.isfinite(count) or count != round(count):
+        raise PlanError(f"{what} {text!r} is not a whole number", "pass e.g. 7B or 7000000000")
     return int(round(count))
 
 
@@ -60,7 +62,7 @@ def parse_bytes(text: str | int | float, what: str = "memory size") -> int:
         raise PlanError(f"unknown unit {suffix!r} in {what} {text!r}", "use B, MB, GB, TB, MiB, GiB or TiB")
     size = value * factor
     if not math.isfinite(size) or size < 0:
-        raise PlanError(f"{what} {text!r} must be a non-negative size", "pass e.g. 80GB")
+        raise PlanError(f"{what} {text!r} is negative or not finite", "pass a size >= 0, e.g. 80GB")
     return int(round(size))
 
 
