@@ -1,0 +1,458 @@
+"""The planner: every worked figure of the documents, by closed form, through the API and the CLI.
+
+Pure arithmetic: no processes, no torch.distributed. Sizes in the documents are decimal (GB = 1e9).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+from fractions import Fraction
+
+import pytest
+
+from flatshard.planner import (
+    BF16_MIXED, FP32, Links, ModelShape, PlanError, PlanInputs, Strategy, activation_bytes,
+    choose_sharding_factor, group_link, layout_from_module, parse_bandwidth, parse_bytes, parse_count,
+    plan, plan_strategy, preset, to_json_dict,
+)
+from flatshard.planner.cli import main as plan_main
+
+GB = 10**9
+FULL, SGO, NO = Strategy.FULL_SHARD, Strategy.SHARD_GRAD_OP, Strategy.NO_SHARD
+HYB, HYB2 = Strategy.HYBRID_SHARD, Strategy._HYBRID_SHARD_ZERO2
+
+
+def report(params: int, units: int, world: int, **kw):
+    return plan(PlanInputs.from_params(params, units, world, **kw))
+
+
+def cli_json(argv: list[str], capsys) -> dict:
+    rc = plan_main(argv + ["--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(out)  # exactly one JSON object: json.loads rejects anything after it
+
+
+def cli_plan(doc: dict, strategy: str, f: int | None = None) -> dict:
+    hits = [p for p in doc["plans"] if p["strategy"] == strategy and f in (None, p["sharding_factor"])]
+    assert len(hits) == 1
+    return hits[0]
+
+
+# ---------------------------------------------------------------- the documents' worked figures
+def test_7b_on_8_a100_40gb_api():
+    """001: DDP 112 GB; FULL_SHARD 3.5 + 3.5 + 7 = 14 GB steady, 28/32 = 0.875 GB buffer, 14.875 GB."""
+    P, N, M = 7 * GB, 8, 32
+    r = report(P, M, N, device_memory_bytes=40 * GB)
+    ddp = r.plan_for(NO).memory
+    assert (ddp.params, ddp.grads, ddp.optimizer, ddp.steady) == (28 * GB, 28 * GB, 56 * GB, 112 * GB)
+    assert ddp.steady / (40 * GB) == 2.8  # "exceeds the 40 GB GPU capacity by 2.8x"
+    fs = r.plan_for(FULL)
+    m = fs.memory
+    assert (m.params, m.grads, m.optimizer, m.steady) == (3_500_000_000, 3_500_000_000, 7 * GB, 14 * GB)
+    assert m.gather_buffer == 4 * P // M == 875_000_000
+    assert m.forward_peak == 16 * P // N + 4 * P // M == 14_875_000_000  # the document's peak
+    assert m.peak == 16 * P // N + 8 * P // M == 15_750_000_000  # plus the unit's unsharded gradient
+    assert fs.fits and 40 * GB - m.forward_peak == 25_125_000_000  # "approximately 25 GB" left
+
+
+def test_7b_bf16_mixed_peak_is_the_documents_formula():
+    # bf16 compute copy (2P/M) + bf16 unsharded gradient (2P/M) = the document's 4P/M
+    m = report(7 * GB, 32, 8, precision="bf16-mixed").plan_for(FULL).memory
+    assert (m.steady, m.gather_buffer, m.peak) == (14 * GB, 437_500_000, 14_875_000_000)
+
+
+def test_13b_on_8_gpus():
+    r = report(13 * GB, 40, 8, device_memory_bytes=40 * GB)
+    assert r.plan_for(NO).memory.steady == 208 * GB
+    fs = r.plan_for(FULL)
+    assert fs.memory.steady == 26 * GB and fs.fits
+
+
+def test_70b_on_8_and_32_gpus():
+    r8 = report(70 * GB, 80, 8)
+    assert r8.plan_for(NO).memory.steady == 1120 * GB  # 004: static memory 1,120 GB
+    assert r8.plan_for(FULL).memory.steady == 140 * GB and not r8.plan_for(FULL).fits
+    assert r8.recommendation.strategy is None and r8.recommendation.why.startswith("nothing fits")
+    r32 = report(70 * GB, 80, 32)
+    assert r32.plan_for(FULL).memory.steady == 35 * GB and r32.plan_for(FULL).fits
+    # 000: HYBRID_SHARD on 4 nodes x 8 keeps 1/8 (saves 7/8); FULL_SHARD keeps 1/32 (saves 31/32)
+    assert r32.plan_for(HYB, 8).memory.steady == 16 * 70 * GB // 8
+    assert r32.plan_for(FULL).memory.steady == 16 * 70 * GB // 32
+
+
+def test_70b_on_64_gpus_zero3():
+    """004: ZeRO-3 16/N bytes per parameter: 1,120 GB -> 17.5 GB on 64 GPUs (bf16-mixed)."""
+    r = report(70 * GB, 80, 64, precision="bf16-mixed")
+    assert r.plan_for(FULL).memory.steady == 17_500_000_000
+    assert Fraction(r.plan_for(FULL).memory.steady, 70 * GB) == Fraction(16, 64)
+
+
+def test_175b_on_64_gpus():
+    """001: 16 x 175 / 64 = 43.75 GB; 96 equal units of 175e9/96 elements pad 8 elements in all."""
+    P, N, M = 175 * GB, 64, 96
+    r = report(P, M, N)
+    units = [P // M + (1 if i < P % M else 0) for i in range(M)]
+    padded = sum(-(-t // N) for t in units)
+    assert padded - P // N == 8
+    fs = r.plan_for(FULL)
+    assert fs.memory.steady == 16 * padded == 43_750_000_128 and fs.fits
+    assert report(P, 100, N).plan_for(FULL).memory.steady == 43_750_000_000
+    assert report(P, 100, N).plan_for(NO).memory.steady == 2800 * GB  # "nearly 70 A100s" of 40 GB
+
+
+def test_zero_stage_bytes_per_parameter_at_64():
+    """004 at N = 64: ZeRO-3 16/N = 0.25; ZeRO-2 2 + 14/N = 2.21875 in the document's accounting.
+    flatshard's SHARD_GRAD_OP holds the full bf16 copy (2) plus a 4+4+8 shard: 2 + 16/N = 2.25."""
+    N, P = 64, 70 * GB
+    r = report(P, 80, N, precision="bf16-mixed")
+    fs, sgo = r.plan_for(FULL).memory, r.plan_for(SGO).memory
+    assert Fraction(fs.steady, P) == Fraction(16, N) == Fraction(1, 4)
+    assert Fraction(sgo.steady + sgo.gather_buffer, P) == 2 + Fraction(16, N) == Fraction(9, 4)
+    assert Fraction(sgo.steady + sgo.gather_buffer, P) - (2 + Fraction(14, N)) == Fraction(2, N)
+
+
+def test_shard_grad_op_saving():
+    """000: SHARD_GRAD_OP saves 12P(1 - 1/N) (11.8P at N = 64); FULL_SHARD nearly 15.75P. The fp32
+    parameter shard lives beside the gathered copy, so the saving is 12P - 16P/N = 11.75P."""
+    N, P = 64, 64 * GB
+    r = report(P, 64, N)
+    ddp, sgo, fs = r.plan_for(NO).memory, r.plan_for(SGO).memory, r.plan_for(FULL).memory
+    saving = ddp.steady - (sgo.steady + sgo.gather_buffer)
+    assert saving == 12 * P - 16 * P // N
+    assert Fraction(12 * P) * (1 - Fraction(1, N)) - saving == Fraction(4 * P, N)
+    assert Fraction(saving, P) == Fraction(47, 4)
+    assert ddp.steady - fs.steady == Fraction(63, 4) * P  # 15.75P
+
+
+def test_full_shard_moves_one_and_a_half_times_ddp():
+    P, N, M, b = 7 * GB, 8, 32, 4
+    r = report(P, M, N)
+    fs, ddp, sgo = r.plan_for(FULL).comm, r.plan_for(NO).comm, r.plan_for(SGO).comm
+    assert fs.total == 3 * P * b * (N - 1) // N and ddp.total == 2 * P * b * (N - 1) // N
+    assert Fraction(fs.total, ddp.total) == Fraction(3, 2)
+    assert sgo.total == ddp.total  # SHARD_GRAD_OP: M all-gathers + M reduce-scatters = 2P b (N-1)/N
+
+
+def test_70b_on_8_gpus_communication():
+    """001 says 70e9 x 4 x 6 = 1.68 TB of all-gather for FULL_SHARD; it is 2 P b (N-1)/N = 490 GB."""
+    r = report(70 * GB, 80, 8)
+    fs = r.plan_for(FULL).comm
+    assert (fs.all_gather, fs.reduce_scatter, fs.total) == (490 * GB, 245 * GB, 735 * GB)
+    assert r.plan_for(NO).comm.total == r.plan_for(SGO).comm.total == 490 * GB
+    assert (fs.counts.all_gather_forward, fs.counts.all_gather_backward, fs.counts.reduce_scatter_backward) == (80, 80, 80)
+
+
+DOC_FIGURES = [  # (argv, strategy, F, key, value): the commands docs/planner.md prints
+    (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "NO_SHARD", 1, "steady", 112 * GB),
+    (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "steady", 14 * GB),
+    (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "gather_buffer", 875_000_000),
+    (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "peak", 15_750_000_000),
+    (["--params", "7B", "--units", "32", "--world", "8", "--precision", "bf16-mixed"], "FULL_SHARD", 8, "peak", 14_875_000_000),
+    (["--params", "13B", "--units", "40", "--world", "8", "--gpu-mem", "40GB"], "NO_SHARD", 1, "steady", 208 * GB),
+    (["--params", "13B", "--units", "40", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "steady", 26 * GB),
+    (["--params", "70B", "--units", "80", "--world", "8"], "NO_SHARD", 1, "steady", 1120 * GB),
+    (["--params", "70B", "--units", "80", "--world", "8"], "FULL_SHARD", 8, "steady", 140 * GB),
+    (["--params", "70B", "--units", "80", "--world", "32"], "FULL_SHARD", 32, "steady", 35 * GB),
+    (["--params", "70B", "--units", "80", "--world", "32"], "HYBRID_SHARD", 8, "steady", 140 * GB),
+    (["--params", "70B", "--units", "80", "--world", "64", "--precision", "bf16-mixed"], "FULL_SHARD", 64, "steady", 17_500_000_000),
+    (["--params", "70B", "--units", "80", "--world", "64", "--precision", "bf16-mixed"], "SHARD_GRAD_OP", 64, "gather_buffer", 140 * GB),
+    (["--params", "175B", "--units", "96", "--world", "64"], "FULL_SHARD", 64, "steady", 43_750_000_128),
+    (["--params", "175B", "--units", "100", "--world", "64"], "FULL_SHARD", 64, "steady", 43_750_000_000),
+    (["--params", "175B", "--units", "100", "--world", "64"], "NO_SHARD", 1, "steady", 2800 * GB),
+    (["--params", "64B", "--units", "64", "--world", "64"], "SHARD_GRAD_OP", 64, "gather_buffer", 256 * GB),
+    (["--params", "64B", "--units", "64", "--world", "64"], "SHARD_GRAD_OP", 64, "steady", 16 * GB),
+    (["--params", "70B", "--units", "80", "--world", "8"], "FULL_SHARD", 8, "all_gather", 490 * GB),
+    (["--params", "70B", "--units", "80", "--world", "8"], "FULL_SHARD", 8, "total", 735 * GB),
+    (["--params", "70B", "--units", "80", "--world", "8"], "NO_SHARD", 1, "total", 490 * GB),
+    (["--params", "70B", "--units", "80", "--world", "8"], "SHARD_GRAD_OP", 8, "total", 490 * GB),
+    (["--params", "7B", "--units", "32", "--world", "8"], "FULL_SHARD", 8, "total", 73_500_000_000),
+    (["--params", "7B", "--units", "32", "--world", "8"], "NO_SHARD", 1, "total", 49 * GB),
+]
+
+
+@pytest.mark.parametrize("argv,strategy,f,key,value", DOC_FIGURES)
+def test_document_figures_through_cli_json(argv, strategy, f, key, value, capsys):
+    p = cli_plan(cli_json(argv, capsys), strategy, f)
+    section = p["memory_bytes"] if key in p["memory_bytes"] else p["comm_bytes_per_step"]
+    assert section[key] == value
+
+
+def test_cli_ratios_and_fits(capsys):
+    doc = cli_json(["--params", "7B", "--units", "32", "--world", "8"], capsys)
+    fs, ddp = cli_plan(doc, "FULL_SHARD")["comm_bytes_per_step"], cli_plan(doc, "NO_SHARD")["comm_bytes_per_step"]
+    assert Fraction(fs["total"], ddp["total"]) == Fraction(3, 2)
+    doc = cli_json(["--params", "175B", "--units", "96", "--world", "64", "--gpu-mem", "80GB"], capsys)
+    assert cli_plan(doc, "FULL_SHARD")["fits"] is True
+    assert doc["recommendation"] == {"strategy": "FULL_SHARD", "sharding_factor": 64,
+                                      "why": doc["recommendation"]["why"]}
+
+
+# ---------------------------------------------------------------- JSON schema
+def test_json_schema_keys_exactly(capsys):
+    doc = cli_json(["--model", "llama2-7b", "--world", "16", "--micro-batch", "1", "--seq-len", "2048"], capsys)
+    assert set(doc) == {"inputs", "plans", "recommendation"}
+    assert set(doc["recommendation"]) == {"strategy", "sharding_factor", "why"}
+    for p in doc["plans"]:
+        assert set(p) == {"strategy", "sharding_factor", "replicas", "memory_bytes", "fits",
+                          "comm_bytes_per_step", "step_time_s"}
+        assert set(p["memory_bytes"]) == {"params", "grads", "optimizer", "gather_buffer", "activations",
+                                          "steady", "peak"}
+        assert set(p["comm_bytes_per_step"]) == {"all_gather", "reduce_scatter", "all_reduce", "intra_node",
+                                                 "inter_node", "total"}
+        c = p["comm_bytes_per_step"]
+        assert c["intra_node"] + c["inter_node"] == c["total"] == c["all_gather"] + c["reduce_scatter"] + c["all_reduce"]
+        assert p["replicas"] * p["sharding_factor"] == 16
+    assert [(p["strategy"], p["sharding_factor"]) for p in doc["plans"]] == [
+        ("NO_SHARD", 1), ("HYBRID_SHARD", 2), ("_HYBRID_SHARD_ZERO2", 2), ("HYBRID_SHARD", 4),
+        ("_HYBRID_SHARD_ZERO2", 4), ("HYBRID_SHARD", 8), ("_HYBRID_SHARD_ZERO2", 8),
+        ("FULL_SHARD", 16), ("SHARD_GRAD_OP", 16)]
+    assert doc["inputs"]["params"] == 6_738_415_616
+
+
+def test_api_json_dict_matches_cli(capsys):
+    argv = ["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"]
+    api = to_json_dict(report(7 * GB, 32, 8, device_memory_bytes=40 * GB))
+    assert cli_json(argv, capsys) == json.loads(json.dumps(api))
+
+
+# ---------------------------------------------------------------- engine conventions, small cases
+def test_hand_computed_full_shard_with_root_and_prefetch():
+    """Units 10, 20, 30 elements plus a 6-element root, F = W = 2, fp32, Adam."""
+    inputs = PlanInputs(world_size=2, unit_elements=(10, 20, 30), root_elements=6)
+    m = plan_strategy(inputs, FULL, 2).memory
+    assert m.steady == (3 + 5 + 10 + 15) * 16 == 528
+    # gathered F*S*4: root 24, units 40, 80, 120; the root stays gathered; backward adds ug_i
+    assert (m.gather_buffer, m.forward_peak, m.peak) == (24 + 120, 528 + 144, 528 + 24 + 120 + 120)
+    m1 = plan_strategy(inputs.replace(prefetch_depth=1), FULL, 2).memory
+    assert (m1.gather_buffer, m1.forward_peak, m1.peak) == (224, 528 + 224, 528 + 24 + 120 + 80 + 120)
+    sgo = plan_strategy(inputs, SGO, 2).memory
+    assert (sgo.gather_buffer, sgo.peak) == (264, 528 + 264 + 120)
+    c = plan_strategy(inputs, FULL, 2).comm
+    assert (c.counts.all_gather_forward, c.counts.all_gather_backward, c.counts.reduce_scatter_backward,
+            c.counts.all_reduce_backward) == (4, 3, 4, 0)
+    assert (c.all_gather, c.reduce_scatter) == ((3 + 5 + 10 + 15) * 4 + (5 + 10 + 15) * 4, 33 * 4)
+    s = plan_strategy(inputs, SGO, 2).comm.counts
+    assert (s.all_gather_forward, s.all_gather_backward, s.reduce_scatter_backward) == (4, 0, 4)
+
+
+def test_no_shard_all_reduces_whole_units():
+    inputs = PlanInputs(world_size=2, unit_elements=(10, 20, 30), root_elements=6)
+    p = plan_strategy(inputs, NO, 1)
+    # F = 1, fp32: the unsharded flat is the flat shard and the gradient becomes the grad shard
+    assert p.memory.steady == p.memory.peak == 66 * 16 and p.memory.gather_buffer == 0
+    assert p.comm.all_reduce == 2 * (3 + 5 + 10 + 15) * 4 and p.comm.counts.all_reduce_backward == 4
+    bf16 = plan_strategy(inputs.replace(precision="bf16-mixed"), NO, 1).memory
+    assert bf16.gather_buffer == 66 * 2  # the bf16 compute copies
+
+
+def test_padding_with_odd_shapes():
+    """A 7x15 weight with a bias (120 elements) and a 3-element unit on F = 3 and F = 4."""
+    inputs = PlanInputs(world_size=12, unit_elements=(7 * 15 + 15, 3), gpus_per_node=12)
+    for f, shard in ((3, 40 + 1), (4, 30 + 1)):
+        s = HYB if f < 12 else FULL
+        p = plan_strategy(inputs, s, f)
+        assert p.memory.params == 4 * shard
+        assert p.comm.reduce_scatter == (f - 1) * shard * 4
+    p = plan_strategy(inputs, HYB, 4)  # all-reduce of the 31-element shards over R = 3: 2 (R-1)/R n b
+    assert p.comm.all_reduce == float(Fraction(2 * 2 * (30 + 1) * 4, 3))
+    assert p.comm.total == float(3 * (3 * 31 * 4) + Fraction(2 * 2 * 31 * 4, 3))  # 2 AG + RS + AR
+
+
+def test_hybrid_intra_and_inter_bytes():
+    """HYBRID_SHARD at F = G: intra 3 P b (F-1)/F, inter 2 (P/F) b (R-1)/R; ZERO2 2 P b (F-1)/F inside."""
+    P, W, G, b = 64 * GB, 32, 8, 2
+    r = report(P, 64, W, gpus_per_node=G, precision="bf16-mixed")
+    h, z = r.plan_for(HYB, 8).comm, r.plan_for(HYB2, 8).comm
+    assert (h.shard_link, h.replicate_link) == ("intra_node", "inter_node")
+    assert h.intra_node == 3 * P * b * 7 // 8 and h.inter_node == 2 * (P // 8) * b * 3 // 4
+    assert z.intra_node == 2 * P * b * 7 // 8 and z.inter_node == h.inter_node
+    fs = r.plan_for(FULL).comm
+    assert fs.intra_node == 0 and fs.inter_node == fs.total  # a 32-rank ring crosses nodes
+
+
+def test_link_classes():
+    assert group_link(8, 8, 8, replicate=False) == "intra_node"
+    assert group_link(16, 8, 8, replicate=False) == "intra_node"
+    assert group_link(16, 8, 8, replicate=True) == "inter_node"
+    assert group_link(16, 8, 16, replicate=False) == "inter_node"
+    assert group_link(16, 8, 4, replicate=True) == "inter_node"  # {0, 4, 8, 12}
+    assert group_link(12, 6, 4, replicate=False) == "inter_node"  # F <= G but F does not divide G
+    assert group_link(16, 8, 16, replicate=True) == "none"
+    assert group_link(4, 8, 2, replicate=True) == "intra_node"  # one node
+
+
+def test_adam_step_term_and_optimizers():
+    base = PlanInputs(world_size=2, unit_elements=(100,))
+    assert plan_strategy(base.replace(param_tensors=5), FULL, 2).memory.optimizer == 50 * 8 + 5 * 4
+    assert plan_strategy(base.replace(optimizer="sgd-momentum", param_tensors=5), FULL, 2).memory.optimizer == 50 * 4
+    assert plan_strategy(base.replace(optimizer="sgd"), FULL, 2).memory.optimizer == 0
+    assert plan_strategy(base.replace(optimizer="adamw"), FULL, 2).memory.optimizer == 400
+    assert (BF16_MIXED.master_bytes, BF16_MIXED.grad_shard_bytes, BF16_MIXED.compute_bytes) == (4, 4, 2)
+    assert FP32.compute_bytes == FP32.reduce_bytes == 4
+
+
+def test_ring_alpha_beta_and_step_time():
+    links = Links(intra_bandwidth=100e9, inter_bandwidth=10e9, intra_latency_s=1e-5, inter_latency_s=2e-5)
+    inputs = PlanInputs(world_size=8, unit_elements=(8 * 10**9,), links=links, device_flops=1e15,
+                        micro_batch=2, seq_len=1000)
+    p = plan_strategy(inputs, FULL, 8)
+    ag = 7 * 10**9 * 4
+    assert p.comm.forward_s == pytest.approx(7e-5 + ag / 100e9)
+    assert p.comm.backward_s == pytest.approx(2 * (7e-5 + ag / 100e9))
+    t = p.time
+    assert t.compute_forward_s == pytest.approx(2 * 8e9 * 2000 / 1e15)
+    assert t.compute_backward_s == pytest.approx(2 * t.compute_forward_s)
+    assert t.serial_s == pytest.approx(3 * t.compute_forward_s + p.comm.forward_s + p.comm.backward_s)
+    assert t.expected_s == t.serial_s  # prefetch depth 0: nothing overlaps
+    t1 = plan_strategy(inputs.replace(prefetch_depth=1), FULL, 8).time
+    assert t1.expected_s == t1.overlapped_s <= t1.serial_s
+    ck = plan_strategy(inputs.replace(activation_checkpointing=True), FULL, 8).time
+    assert ck.compute_backward_s == pytest.approx(3 * t.compute_forward_s)  # recompute: 6 -> 8 P tokens
+
+
+def test_activation_estimate():
+    shape = ModelShape("llama", layers=32, hidden=4096, vocab=32000, heads=32, intermediate=11008)
+    base = PlanInputs.from_shape(shape, 8, micro_batch=4, seq_len=2048, precision="bf16-mixed")
+    s, b, h, a = 2048, 4, 4096, 32
+    per_layer = s * b * (34 * h + 5 * a * s)  # Korthikanti et al. at 2-byte activations
+    logits = s * b * 32000 * 4
+    assert activation_bytes(base) == 32 * per_layer + logits
+    ck = base.replace(activation_checkpointing=True)
+    assert s * b * h * 2 == 67_108_864  # 001: "4 x 2048 x 4096 x 2 = 67 MB per layer"
+    assert activation_bytes(ck) == 32 * 67_108_864 + per_layer + logits
+    assert activation_bytes(base.replace(activation_bytes=123)) == 123
+    assert activation_bytes(PlanInputs.from_params(10, 1, 1, micro_batch=4, seq_len=8)) == 0  # no shape
+
+
+# ---------------------------------------------------------------- recommendation (R4)
+def test_recommends_smallest_fitting_factor():
+    r = report(7 * GB, 32, 8, device_memory_bytes=40 * GB)
+    assert (r.recommendation.strategy, r.recommendation.sharding_factor) == (HYB, 4)
+    assert "F=4" in r.recommendation.why and "F=2 would need" in r.recommendation.why
+    r = report(7 * GB, 32, 8, device_memory_bytes=1000 * GB)
+    assert (r.recommendation.strategy, r.recommendation.sharding_factor) == (NO, 1)
+
+
+def test_tie_at_smallest_factor_goes_to_the_fastest():
+    r = report(7 * GB, 32, 8, device_memory_bytes=100 * GB, headroom=0.0)
+    at2 = [p for p in r.plans if p.sharding_factor == 2]
+    assert all(p.fits for p in at2) and not r.plan_for(NO).fits
+    fastest = min(at2, key=lambda p: p.time.expected_s)
+    assert fastest.strategy is HYB2 and r.recommendation.strategy is HYB2
+    assert r.recommendation.sharding_factor == 2 and "faster" in r.recommendation.why
+
+
+def test_choose_sharding_factor():
+    inputs = PlanInputs.from_params(7 * GB, 32, 8, device_memory_bytes=40 * GB)
+    f, why = choose_sharding_factor(inputs)
+    assert f == 4 and "HYBRID_SHARD" in why
+    f, why = choose_sharding_factor(inputs, reshard_after_forward=False)
+    assert f == 8 and why.startswith("nothing fits")
+    f, _ = choose_sharding_factor(inputs.replace(device_memory_bytes=200 * GB))
+    assert f == 1
+
+
+def test_sharding_factor_filter(capsys):
+    doc = cli_json(["--params", "7B", "--units", "32", "--world", "8", "--sharding-factor", "8"], capsys)
+    assert {p["sharding_factor"] for p in doc["plans"]} == {8}
+    assert doc["recommendation"]["sharding_factor"] == 8
+
+
+# ---------------------------------------------------------------- model sizes
+@pytest.mark.parametrize("name,params", [
+    ("llama2-7b", 6_738_415_616), ("llama2-13b", 13_015_864_320), ("llama2-70b", 68_976_648_192),
+    ("llama-65b", 65_285_660_672), ("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496),
+    ("gpt2", 124_439_808), ("gpt3-175b", 174_604_259_328), ("Llama-2-7B", 6_738_415_616),
+])
+def test_presets_have_the_published_sizes(name, params):
+    assert preset(name).params() == params
+
+
+def test_preset_units_are_layers_plus_root():
+    inputs = PlanInputs.from_shape(preset("llama2-7b"), 8)
+    assert inputs.unit_elements == (202_383_360,) * 32 and inputs.root_elements == 2 * 32000 * 4096 + 4096
+    grouped = PlanInputs.from_shape(preset("llama2-7b"), 8, units=8)
+    assert grouped.unit_elements == (4 * 202_383_360,) * 8 and grouped.params == inputs.params
+
+
+def test_layout_from_module():
+    nn = pytest.importorskip("torch.nn")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(7, 15)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(11, 7)
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.head = nn.Linear(7, 11, bias=False)
+            self.head.weight = self.emb.weight  # tied: counted once
+
+    net = Net()
+    layout = layout_from_module(net, [Block])
+    assert layout.unit_elements == (7 * 15 + 15, 7 * 15 + 15) and layout.root_elements == 77
+    assert layout.param_tensors == 5
+    assert layout_from_module(net, [net.blocks[1]]).unit_elements == (120,)
+    inputs = PlanInputs.from_module(net, [Block], world_size=2)
+    assert inputs.params == sum(p.numel() for p in net.parameters()) and inputs.param_tensors == 5
+
+
+def test_planner_imports_no_torch():
+    root = pathlib.Path(__file__).resolve().parents[1] / "src" / "flatshard" / "planner"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "torch" or n.startswith("torch.") for n in names), path.name
+
+
+# ---------------------------------------------------------------- parsing and errors
+def test_parsing():
+    assert parse_count("7e9") == parse_count("7B") == 7 * GB
+    assert parse_count("175B") == 175 * GB and parse_count("350M") == 350 * 10**6
+    assert parse_count("6738415616") == 6_738_415_616 and parse_count("1.5T") == 1_500 * GB
+    assert parse_bytes("40GB") == 40 * GB and parse_bytes("40GiB") == 40 * 2**30
+    assert parse_bytes("512MiB") == 2**29 and parse_bytes(1000) == 1000
+    assert parse_bandwidth("200Gb/s") == parse_bandwidth("200Gbps") == 25e9
+    assert parse_bandwidth("300") == parse_bandwidth("300GB/s") == 300e9
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--params", "7B", "--world", "8", "--sharding-factor", "3"], "F=3 does not divide world size W=8"),
+    (["--params=-7B", "--world", "8"], "negative"),
+    (["--params", "7B", "--world", "8", "--gpu-mem=-40GB"], "negative"),
+    (["--params", "7B", "--world", "-8"], "--world must be"),
+    (["--model", "llama-8b", "--world", "8"], "unknown model preset 'llama-8b'"),
+    (["--params", "7B", "--world", "12"], "not a whole number of nodes"),
+    (["--params", "7B", "--world", "8", "--headroom", "1.5"], "headroom"),
+    (["--params", "7X", "--world", "8"], "unknown suffix"),
+    (["--params", "7B"], "--world is required"),
+    (["--world", "8"], "no model given"),
+    (["--params", "7B", "--world", "8", "--units", "0"], "--units must be >= 1"),
+    (["--params", "7B", "--world", "8", "--precision", "fp8"], "invalid choice"),
+    (["--model", "llama2-7b", "--params", "7B", "--world", "8"], "both given"),
+])
+def test_cli_errors(argv, needle, capsys):
+    assert plan_main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and needle in err and "fix:" in err and "Traceback" not in err
+
+
+def test_api_errors_name_the_fix():
+    with pytest.raises(PlanError, match="does not divide"):
+        PlanInputs(world_size=8, unit_elements=(10,), sharding_factors=(3,))
+    with pytest.raises(PlanError, match="does not run at F=2"):
+        plan_strategy(PlanInputs(world_size=8, unit_elements=(10,)), FULL, 2)
+    with pytest.raises(PlanError, match=">= 0"):
+        PlanInputs.from_params(-1, 1, 8)
+
+
+def test_table_output(capsys):
+    assert plan_main(["--model", "llama2-70b", "--world", "32", "--precision", "bf16-mixed"]) == 0
+    out = capsys.readouterr().out
+    assert "_HYBRID_SHARD_ZERO2" in out and "recommendation: FULL_SHARD, F=32" in out
