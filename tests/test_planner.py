@@ -316,6 +316,7 @@ def test_activation_estimate():
     shape = ModelShape("llama", layers=32, hidden=4096, vocab=32000, heads=32, intermediate=11008)
     base = PlanInputs.from_shape(shape, 8, micro_batch=4, seq_len=2048, precision="bf16-mixed")
     s, b, h, a = 2048, 4, 4096, 32
+    base = base.replace(flash_attention=False)
     per_layer = s * b * (34 * h + 5 * a * s)  # Korthikanti et al. at 2-byte activations
     logits = s * b * 32000 * 4
     assert activation_bytes(base) == 32 * per_layer + logits
@@ -323,6 +324,8 @@ def test_activation_estimate():
     assert s * b * h * 2 == 67_108_864  # 001: "4 x 2048 x 4096 x 2 = 67 MB per layer"
     assert activation_bytes(ck) == 32 * 67_108_864 + per_layer + logits
     assert activation_bytes(base.replace(activation_bytes=123)) == 123
+    flash = base.replace(flash_attention=True)  # fused attention keeps no s x s scores
+    assert activation_bytes(flash) == 32 * s * b * 34 * h + logits
     assert activation_bytes(PlanInputs.from_params(10, 1, 1, micro_batch=4, seq_len=8)) == 0  # no shape
 
 

@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument("--micro-batch", type=int, default=0, help="sequences per rank per step")
     training.add_argument("--seq-len", type=int, default=0, help="tokens per sequence")
     training.add_argument("--checkpointing", action="store_true", help="per-layer activation checkpointing")
+    training.add_argument("--no-flash-attention", action="store_true",
+                          help="attention keeps its s x s score matrices (eager attention)")
     training.add_argument("--activation-bytes", help="per-rank activation bytes, overriding the estimate")
     training.add_argument("--compute-time", type=float, help="forward+backward compute seconds per step")
     training.add_argument("--tflops", type=float, help="achieved TFLOP/s per device, for 6*P*tokens compute")
@@ -92,7 +94,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         gpus_per_node=args.gpus_per_node, device_memory_bytes=parse_bytes(args.gpu_mem, "--gpu-mem"),
         headroom=args.headroom, precision=args.precision, optimizer=args.optimizer,
         param_tensors=args.param_tensors, prefetch_depth=args.prefetch, micro_batch=args.micro_batch,
-        seq_len=args.seq_len, activation_checkpointing=args.checkpointing, compute_time_s=args.compute_time,
+        seq_len=args.seq_len, activation_checkpointing=args.checkpointing,
+        flash_attention=not args.no_flash_attention, compute_time_s=args.compute_time,
         device_flops=None if args.tflops is None else args.tflops * 1e12, links=links,
         overlap_all_reduce=not args.exposed_all_reduce, sharding_factors=args.sharding_factor,
         activation_bytes=None if args.activation_bytes is None else parse_bytes(args.activation_bytes, "--activation-bytes"),

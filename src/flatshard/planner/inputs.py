@@ -100,8 +100,8 @@ class PlanInputs:
     param_tensors: number of original parameters; with Adam each rank holds a 4-byte ``step``
         tensor per parameter (0 leaves the term out, as the documents do).
     prefetch_depth: units gathered ahead of the one computing (engine default 0).
-    micro_batch, seq_len, activation_checkpointing, shape: the activation estimate (0 without a
-        shape, micro-batch and sequence length); activation_bytes overrides it.
+    micro_batch, seq_len, activation_checkpointing, flash_attention, shape: the activation
+        estimate (0 without a shape, micro-batch and sequence length); activation_bytes overrides it.
     compute_time_s, or device_flops (achieved FLOP/s) with micro_batch * seq_len tokens: compute
         per step; neither means the step time is communication only.
     links: the ring alpha-beta model. overlap_all_reduce: whether the replicate-group all-reduces
@@ -123,6 +123,7 @@ class PlanInputs:
     micro_batch: int = 0
     seq_len: int = 0
     activation_checkpointing: bool = False
+    flash_attention: bool = True
     shape: ModelShape | None = None
     activation_bytes: int | None = None
     compute_time_s: float | None = None

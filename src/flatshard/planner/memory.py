@@ -113,7 +113,9 @@ def activation_bytes(inputs: PlanInputs) -> int:
 
     Without checkpointing, a layer saves about s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations
     (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022,
-    no tensor parallelism), scaled by compute bytes / 2. With per-layer checkpointing only each
+    no tensor parallelism), scaled by compute bytes / 2; the 5*a*s/h term is the attention score
+    matrices, which fused (flash) attention does not keep, so ``flash_attention`` drops it. With
+    per-layer checkpointing only each
     layer's input (s*b*h elements) is kept, plus one layer's full set while it is recomputed; that
     is O(L), not the O(sqrt L) of checkpointing every sqrt(L) layers. Both add the fp32 logits
     (s*b*vocab*4) for the loss.
@@ -124,7 +126,8 @@ def activation_bytes(inputs: PlanInputs) -> int:
     if shape is None or b == 0 or s == 0:
         return 0
     cb, h, a = inputs.recipe.compute_bytes, shape.hidden, shape.heads
-    per_layer = s * b * (34 * h + 5 * a * s) * cb // 2
+    scores = 0 if inputs.flash_attention else 5 * a * s
+    per_layer = s * b * (34 * h + scores) * cb // 2
     logits = s * b * shape.vocab * 4
     if inputs.activation_checkpointing:
         return shape.layers * s * b * h * cb + per_layer + logits
