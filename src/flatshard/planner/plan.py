@@ -141,6 +141,18 @@ def _budget_text(inputs: PlanInputs) -> str:
             f"{inputs.headroom:.0%} headroom)")
 
 
+def _remedies(inputs: PlanInputs, best: StrategyPlan) -> str:
+    """What could make the smallest peak fit, leaving out what is already in use."""
+    out = ["more GPUs"]
+    if best.memory.activations and not inputs.activation_checkpointing:
+        out.append("activation checkpointing")
+    if best.memory.activations and inputs.micro_batch > 1:
+        out.append("a smaller micro-batch")
+    if best.memory.gather_buffer + best.memory.unsharded_grad > best.memory.steady // 4:
+        out.append("more, smaller units")
+    return "try " + ", ".join(out) + " (or CPU offload, which flatshard does not plan)"
+
+
 def recommend(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[StrategyPlan]) -> Recommendation:
     """R4 of the PyTorch FSDP paper: the smallest F that fits, then the fastest at that F."""
     fitting = [p for p in plans if p.fits]
@@ -148,8 +160,7 @@ def recommend(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[Strateg
         best = min(plans, key=lambda p: p.memory.peak)
         return Recommendation(None, None, (
             f"nothing fits in {_budget_text(inputs)}: the smallest peak is {fmt_bytes(best.memory.peak)} "
-            f"({best.strategy.value}, F={best.sharding_factor}); add GPUs, use bf16-mixed, a smaller "
-            f"micro-batch or activation checkpointing, or more units"))
+            f"({best.strategy.value}, F={best.sharding_factor}); {_remedies(inputs, best)}"))
     f = min(p.sharding_factor for p in fitting)
     at_f = sorted((p for p in fitting if p.sharding_factor == f), key=lambda p: (p.time.expected_s, p.memory.peak))
     best = at_f[0]
