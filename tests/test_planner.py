@@ -167,6 +167,12 @@ DOC_FIGURES = [  # (argv, strategy, F, key, value): the commands docs/planner.md
     (["--params", "70B", "--units", "80", "--world", "8"], "FULL_SHARD", 8, "total", 735 * GB),
     (["--params", "70B", "--units", "80", "--world", "8"], "NO_SHARD", 1, "total", 490 * GB),
     (["--params", "70B", "--units", "80", "--world", "8"], "SHARD_GRAD_OP", 8, "total", 490 * GB),
+    (["--params", "64B", "--units", "64", "--world", "64"], "NO_SHARD", 1, "steady", 1024 * GB),
+    (["--params", "64B", "--units", "64", "--world", "64"], "FULL_SHARD", 64, "steady", 16 * GB),
+    (["--params", "70B", "--units", "80", "--world", "64", "--precision", "bf16-mixed"], "SHARD_GRAD_OP", 64, "steady", 17_500_000_000),
+    (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "params", 3_500_000_000),
+    (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "grads", 3_500_000_000),
+    (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "optimizer", 7 * GB),
     (["--params", "7B", "--units", "32", "--world", "8"], "FULL_SHARD", 8, "total", 73_500_000_000),
     (["--params", "7B", "--units", "32", "--world", "8"], "NO_SHARD", 1, "total", 49 * GB),
 ]
@@ -187,6 +193,30 @@ def test_cli_ratios_and_fits(capsys):
     assert cli_plan(doc, "FULL_SHARD")["fits"] is True
     assert doc["recommendation"] == {"strategy": "FULL_SHARD", "sharding_factor": 64,
                                       "why": doc["recommendation"]["why"]}
+
+
+@pytest.mark.parametrize("argv,fits,recommended", [
+    (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], True, ("HYBRID_SHARD", 4)),
+    (["--params", "13B", "--units", "40", "--world", "8", "--gpu-mem", "40GB"], True, ("FULL_SHARD", 8)),
+    (["--params", "70B", "--units", "80", "--world", "8"], False, (None, None)),
+    (["--params", "70B", "--units", "80", "--world", "32"], True, ("FULL_SHARD", 32)),
+    (["--params", "175B", "--units", "96", "--world", "64"], True, ("FULL_SHARD", 64)),
+])
+def test_document_fits_through_cli_json(argv, fits, recommended, capsys):
+    doc = cli_json(argv, capsys)
+    full = [p for p in doc["plans"] if p["strategy"] == "FULL_SHARD"][0]
+    assert full["fits"] is fits
+    assert (doc["recommendation"]["strategy"], doc["recommendation"]["sharding_factor"]) == recommended
+
+
+def test_real_models_quoted_in_the_docs():
+    r = plan(PlanInputs.from_shape(preset("llama2-7b"), 8, device_memory_bytes=40 * GB))
+    m = r.plan_for(FULL).memory
+    root, layer = 262_148_096, 202_383_360
+    assert m.gather_buffer == 4 * (root + layer) == 1_858_125_824  # the root stays gathered
+    assert (m.steady, m.peak) == (13_476_831_232, 16_144_490_496)
+    assert plan(PlanInputs.from_shape(preset("llama2-70b"), 32)).plan_for(FULL).memory.peak == 43_430_744_064
+    assert plan(PlanInputs.from_shape(preset("gpt3-175b"), 64)).plan_for(FULL).memory.peak == 60_718_851_072
 
 
 # ---------------------------------------------------------------- JSON schema
