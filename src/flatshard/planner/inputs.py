@@ -16,7 +16,7 @@ from flatshard.planner.models import ModelShape, layout_from_module
 
 
 class Strategy(str, enum.Enum):
-    """The five strategies, named as ``torch.distributed.fsdp.ShardingStrategy`` names them."""
+    """The five strategies, named as PyTorch FSDP's ``ShardingStrategy`` names them."""
 
     FULL_SHARD = "FULL_SHARD"
     SHARD_GRAD_OP = "SHARD_GRAD_OP"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 
 from flatshard.planner.errors import PlanError
 
@@ -27,43 +28,41 @@ _BYTE_SUFFIX = {
 _NUMBER = r"([+-]?[0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
 
 
-def _split(text: str, what: str, example: str) -> tuple[float, str]:
+def _split(text: str, what: str, example: str) -> tuple[Decimal, str]:
     match = re.fullmatch(_NUMBER + r"\s*([A-Za-z/]*)", text.strip())
     if match is None:
         raise PlanError(f"cannot read {what} {text!r}", f"write it like {example}")
-    return float(match.group(1).replace("_", "")), match.group(2)
+    return Decimal(match.group(1).replace("_", "")), match.group(2)
+
+
+def _read(text: str | int | float, what: str, example: str, factors: dict[str, int], hint: str) -> Decimal:
+    """The number ``text`` stands for, exactly (decimal arithmetic: "6.7B" is 6,700,000,000)."""
+    value, suffix = (Decimal(repr(text)), "") if isinstance(text, (int, float)) else _split(text, what, example)
+    factor = factors.get(suffix.upper())
+    if factor is None:
+        raise PlanError(f"unknown unit {suffix!r} in {what} {text!r}", hint)
+    if not value.is_finite():
+        raise PlanError(f"{what} {text!r} is not a finite number", f"write it like {example}")
+    return value * factor
 
 
 def parse_count(text: str | int | float, what: str = "parameter count") -> int:
     """``"7e9"``, ``"7B"``, ``"175B"``, ``"350M"``, ``"6738415616"`` -> an exact integer count."""
-    if isinstance(text, (int, float)):
-        value, suffix = float(text), ""
-    else:
-        value, suffix = _split(text, what, "7e9, 7B, 175B or 350M")
-    factor = _COUNT_SUFFIX.get(suffix.upper())
-    if factor is None:
-        raise PlanError(f"unknown suffix {suffix!r} in {what} {text!r}", "use K, M, B (10^9) or T")
-    count = value * factor
+    count = _read(text, what, "7e9, 7B, 175B or 350M", _COUNT_SUFFIX, "use K, M, B (10^9) or T")
     if count < 0:
         raise PlanError(f"{what} {text!r} is negative", "pass a size >= 0, e.g. 7B")
-    if not math.isfinite(count) or count != round(count):
+    if count != count.to_integral_value():
         raise PlanError(f"{what} {text!r} is not a whole number", "pass e.g. 7B or 7000000000")
-    return int(round(count))
+    return int(count)
 
 
 def parse_bytes(text: str | int | float, what: str = "memory size") -> int:
     """``"40GB"`` -> 40e9, ``"40GiB"`` -> 40 * 2^30, a bare number is bytes."""
-    if isinstance(text, (int, float)):
-        value, suffix = float(text), ""
-    else:
-        value, suffix = _split(text, what, "40GB (10^9 bytes) or 40GiB (2^30 bytes)")
-    factor = _BYTE_SUFFIX.get(suffix.upper())
-    if factor is None:
-        raise PlanError(f"unknown unit {suffix!r} in {what} {text!r}", "use B, MB, GB, TB, MiB, GiB or TiB")
-    size = value * factor
-    if not math.isfinite(size) or size < 0:
-        raise PlanError(f"{what} {text!r} is negative or not finite", "pass a size >= 0, e.g. 80GB")
-    return int(round(size))
+    size = _read(text, what, "40GB (10^9 bytes) or 40GiB (2^30 bytes)", _BYTE_SUFFIX,
+                 "use B, MB, GB, TB, MiB, GiB or TiB")
+    if size < 0:
+        raise PlanError(f"{what} {text!r} is negative", "pass a size >= 0, e.g. 80GB")
+    return int(size.to_integral_value())
 
 
 def parse_bandwidth(text: str | int | float, what: str = "bandwidth") -> float:
