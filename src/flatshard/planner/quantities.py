@@ -35,12 +35,12 @@ def _split(text: str, what: str, example: str) -> tuple[Decimal, str]:
     return Decimal(match.group(1).replace("_", "")), match.group(2)
 
 
-def _read(text: str | int | float, what: str, example: str, factors: dict[str, int], hint: str) -> Decimal:
+def _read(text: str | int | float, what: str, example: str, factors: dict[str, int], hint: str, noun: str) -> Decimal:
     """The number ``text`` stands for, exactly (decimal arithmetic: "6.7B" is 6,700,000,000)."""
     value, suffix = (Decimal(repr(text)), "") if isinstance(text, (int, float)) else _split(text, what, example)
     factor = factors.get(suffix.upper())
     if factor is None:
-        raise PlanError(f"unknown unit {suffix!r} in {what} {text!r}", hint)
+        raise PlanError(f"unknown {noun} {suffix!r} in {what} {text!r}", hint)
     if not value.is_finite():
         raise PlanError(f"{what} {text!r} is not a finite number", f"write it like {example}")
     return value * factor
@@ -48,7 +48,7 @@ def _read(text: str | int | float, what: str, example: str, factors: dict[str, i
 
 def parse_count(text: str | int | float, what: str = "parameter count") -> int:
     """``"7e9"``, ``"7B"``, ``"175B"``, ``"350M"``, ``"6738415616"`` -> an exact integer count."""
-    count = _read(text, what, "7e9, 7B, 175B or 350M", _COUNT_SUFFIX, "use K, M, B (10^9) or T")
+    count = _read(text, what, "7e9, 7B, 175B or 350M", _COUNT_SUFFIX, "use K, M, B (10^9) or T", "suffix")
     if count < 0:
         raise PlanError(f"{what} {text!r} is negative", "pass a size >= 0, e.g. 7B")
     if count != count.to_integral_value():
@@ -59,7 +59,7 @@ def parse_count(text: str | int | float, what: str = "parameter count") -> int:
 def parse_bytes(text: str | int | float, what: str = "memory size") -> int:
     """``"40GB"`` -> 40e9, ``"40GiB"`` -> 40 * 2^30, a bare number is bytes."""
     size = _read(text, what, "40GB (10^9 bytes) or 40GiB (2^30 bytes)", _BYTE_SUFFIX,
-                 "use B, MB, GB, TB, MiB, GiB or TiB")
+                 "use B, MB, GB, TB, MiB, GiB or TiB", "unit")
     if size < 0:
         raise PlanError(f"{what} {text!r} is negative", "pass a size >= 0, e.g. 80GB")
     return int(size.to_integral_value())
@@ -80,7 +80,7 @@ def parse_bandwidth(text: str | int | float, what: str = "bandwidth") -> float:
         factor = _BYTE_SUFFIX.get(unit) if unit else None
     if factor is None:
         raise PlanError(f"unknown unit {suffix!r} in {what} {text!r}", "use GB/s (bytes) or Gb/s (bits)")
-    rate = value * factor
+    rate = float(value) * factor
     if not math.isfinite(rate) or rate <= 0:
         raise PlanError(f"{what} {text!r} must be positive", "pass e.g. 25GB/s")
     return rate
