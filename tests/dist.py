@@ -58,7 +58,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     missing = sorted(set(range(world_size)) - set(outcomes))
     if errors or missing:
         msg = "\n".join(errors)
-        if missing:
+        if missing and not errors:
             msg += f"\nranks {missing} gave no result within {timeout:.0f}s (hung or died)"
+        elif missing:
+            msg += f"\n(ranks {missing} were stopped after the failure above)"
         raise AssertionError(msg)
     return [outcomes[r][1] for r in range(world_size)]

@@ -182,8 +182,8 @@ class Unit:
             gathered = self.unsharded.untyped_storage().nbytes()
         if self.unsharded.grad is not None:
             gathered += self.unsharded.grad.untyped_storage().nbytes()
-        if self._pending_grad is not None:
-            gathered += self._pending_grad.untyped_storage().nbytes()
+        if self._pending_grad is not None:  # reduced, not yet exposed as .grad
+            grads += self._pending_grad.untyped_storage().nbytes()
         return {
             "params": self.flat_shard.untyped_storage().nbytes(),
             "grads": grads,
