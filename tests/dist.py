@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -22,7 +23,9 @@ def _entry(fn, rank, world_size, store_path, args, results) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # plain pickle (bytes), so tensors are copied rather than shared through file descriptors that
+        # die with this process
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including assertion failures, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -63,4 +66,4 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         elif missing:
             msg += f"\n(ranks {missing} were stopped after the failure above)"
         raise AssertionError(msg)
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
