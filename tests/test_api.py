@@ -28,14 +28,11 @@ def errors_worker(rank: int, world: int) -> dict:
     from flatshard import FullyShardedDataParallel as FSDP
 
     out = {
-        "hybrid": _raises(lambda: FSDP(OddMLP(), sharding_strategy=ShardingStrategy.HYBRID_SHARD)),
-        "hybrid_zero2": _raises(lambda: FSDP(OddMLP(), sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2)),
         "backward_prefetch": _raises(lambda: FSDP(OddMLP(), backward_prefetch=BackwardPrefetch.BACKWARD_PRE)),
         "forward_prefetch": _raises(lambda: FSDP(OddMLP(), forward_prefetch=True)),
         "mixed_precision": _raises(lambda: FSDP(OddMLP(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))),
         "cpu_offload": _raises(lambda: FSDP(OddMLP(), cpu_offload=CPUOffload(offload_params=True))),
         "param_init_fn": _raises(lambda: FSDP(OddMLP(), param_init_fn=lambda m: None)),
-        "mesh_2d": _raises(lambda: FSDP(OddMLP(), device_mesh=init_device_mesh("cpu", (1, world)))),
         "group_pair": _raises(lambda: FSDP(OddMLP(), process_group=(None, None))),
         "state_dict": _raises(lambda: FSDP(OddMLP()).state_dict()),
         "wrapped_twice": _raises(lambda: FSDP(FSDP(OddMLP()))),
@@ -59,15 +56,12 @@ def errors_worker(rank: int, world: int) -> dict:
 def test_unbuilt_keywords_and_bad_input_raise_on_every_rank():
     results = run_distributed(errors_worker, 2, timeout=120)
     expected = {
-        "hybrid": "NotBuiltError: sharding_strategy=HYBRID_SHARD is not built yet",
-        "hybrid_zero2": "NotBuiltError: sharding_strategy=_HYBRID_SHARD_ZERO2 is not built yet",
         "backward_prefetch": "NotBuiltError: backward_prefetch=BackwardPrefetch.BACKWARD_PRE is not built yet",
         "forward_prefetch": "NotBuiltError: forward_prefetch=True is not built yet",
         "mixed_precision": "NotBuiltError: mixed_precision is not built yet",
         "cpu_offload": "NotBuiltError: CPUOffload(offload_params=True) is not built yet",
         "param_init_fn": "NotBuiltError: param_init_fn (deferred initialisation) is not built yet",
-        "mesh_2d": "NotBuiltError: a 2-D device_mesh means hybrid sharding",
-        "group_pair": "NotBuiltError: process_group=(shard_group, replicate_group) is for hybrid sharding",
+        "group_pair": "ValueError: process_group=(shard_group, replicate_group) is for HYBRID_SHARD",
         "state_dict": "NotBuiltError: state dicts of flatshard models are not built yet",
         "wrapped_twice": "ValueError: this module is already wrapped",
         "mixed_dtypes": "TypeError: unit '<root>' holds parameters of several dtypes",

@@ -25,12 +25,15 @@ STEPS = 10
 PER_RANK = 3  # odd micro-batch
 
 
-def build(kind: str, strategy: str):
-    """(reference, wrapped, batch(step, global_size) -> (inputs, targets), loss_fn)."""
+def build(kind: str, strategy: str, **fsdp_kwargs):
+    """(reference, wrapped, batch(step, global_size) -> (inputs, targets), loss_fn).
+
+    ``fsdp_kwargs`` go to every FullyShardedDataParallel call (groups, sharding_factor, ...)."""
     from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy
     from flatshard.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy
 
     strat = ShardingStrategy[strategy]
+    FSDP = functools.partial(FSDP, **fsdp_kwargs)
     torch.manual_seed(0)
     make = {"odd_mlp": OddMLP, "frozen_nested_manual": FrozenTrunk}.get(kind, TinyGPT)
     ref = make()
@@ -72,13 +75,14 @@ def make_optimizer(kind: str, model: nn.Module):
     return torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=1e-2)
 
 
-def run_case(rank: int, world: int, kind: str, strategy: str, opt_kind: str) -> None:
-    ref, model, batch, loss_fn = build(kind, strategy)
+def run_case(rank: int, world: int, kind: str, strategy: str, opt_kind: str, **fsdp_kwargs) -> nn.Module:
+    """Train ``kind`` for STEPS steps beside its reference, checking every step; returns the wrapped model."""
+    ref, model, batch, loss_fn = build(kind, strategy, **fsdp_kwargs)
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     ref_opt, opt = make_optimizer(opt_kind, ref), make_optimizer(opt_kind, model)
     local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     for step in range(STEPS):
-        what = f"{kind}/{strategy}/{opt_kind} W={world} step {step}"
+        what = f"{kind}/{strategy}/{opt_kind} {fsdp_kwargs} W={world} step {step}"
         x, y = batch(step, world * PER_RANK)
         ref_out = ref(x)
         loss_fn(ref_out, y).backward()
@@ -100,6 +104,7 @@ def run_case(rank: int, world: int, kind: str, strategy: str, opt_kind: str) -> 
         for v in opt.state[p].values():
             if torch.is_tensor(v) and v.dim() > 0:
                 assert v.numel() == local_numel, "optimizer state must be shard-sized"
+    return model
 
 
 def parity_worker(rank: int, world: int) -> int:

@@ -68,7 +68,13 @@ class FullyShardedDataParallel(nn.Module):
         use_orig_params: bool = False,
         ignored_states=None,
         device_mesh=None,
+        *,
+        sharding_factor: Optional[int] = None,
     ):
+        """All keywords as in PyTorch FSDP, plus ``sharding_factor`` (flatshard's): the number of ranks F
+        that share one copy of the model (any divisor of the world size; W / F replicas). F = W is
+        FULL_SHARD, F = 1 is NO_SHARD; with FULL_SHARD or HYBRID_SHARD and 1 < F < W the units are fully
+        sharded inside groups of F consecutive ranks and gradients all-reduced across them."""
         super().__init__()
         _reject_not_built(backward_prefetch, forward_prefetch, mixed_precision, cpu_offload, param_init_fn)
         if isinstance(module, FullyShardedDataParallel):
@@ -76,7 +82,7 @@ class FullyShardedDataParallel(nn.Module):
         strategy = sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD
         if not isinstance(strategy, ShardingStrategy):
             raise TypeError(f"sharding_strategy must be a flatshard.ShardingStrategy, got {strategy!r}")
-        groups = resolve_groups(strategy, process_group, device_mesh)
+        groups = resolve_groups(strategy, process_group, device_mesh, sharding_factor)
         ignored = _ignored_modules(module, ignored_modules, ignored_states)
         ignored_params = {p for m in ignored for p in m.parameters()}
         _place_on_device(module, device_id, ignored_params)
@@ -127,7 +133,8 @@ class FullyShardedDataParallel(nn.Module):
         if config.sync_module_states and config.groups.process_group is not None:
             _broadcast(flat, config.groups)
         self._flattened_originals = {id(p): weakref.ref(p) for p in originals}
-        self._unit = Unit(name, layout, flat, config.groups, full_shard=config.strategy is ShardingStrategy.FULL_SHARD)
+        full_shard = config.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+        self._unit = Unit(name, layout, flat, config.groups, full_shard=full_shard)
 
     def _lazy_init(self) -> RunContext:
         """On first use, the outermost wrapper becomes the root and hands one run context to every unit."""

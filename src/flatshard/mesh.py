@@ -1,18 +1,30 @@
 """World → shard group × replicate group: the sharding factor F and the replica count R = W / F.
 
-Every strategy is a pair of groups. FULL_SHARD and SHARD_GRAD_OP shard over the whole process group
-(F = W, R = 1); NO_SHARD replicates over it (F = 1, R = W). A group of size 1 is never called: a unit
-with F = 1 aliases its unsharded flat to its flat shard, and R = 1 skips the all-reduce.
+Every strategy is a pair of groups over the W ranks that train one model:
+
+  FULL_SHARD, SHARD_GRAD_OP      F = W, R = 1 (unless a sharding_factor says otherwise)
+  NO_SHARD                       F = 1, R = W (gradients all-reduced, as DDP)
+  HYBRID_SHARD, _HYBRID_ZERO2    1 <= F <= W, shard groups of F consecutive ranks (a node under
+                                 torchrun), replicate groups of the ranks with the same index in them
+
+Three ways to name the groups, all equivalent: a 2-D ``DeviceMesh`` (replicate, shard);
+``process_group=(shard_group, replicate_group)``; or flatshard's ``sharding_factor=F``. With a hybrid
+strategy and none of them, F is the node size (torchrun's ``LOCAL_WORLD_SIZE``). A group of size 1
+is never called: a unit with F = 1 aliases its unsharded flat to its flat shard, R = 1 skips the
+all-reduce.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from flatshard.api import NotBuiltError, ShardingStrategy
+from flatshard.api import ShardingStrategy
+
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 @dataclass(frozen=True)
@@ -39,32 +51,129 @@ def _require_initialized() -> None:
         )
 
 
-def resolve_groups(strategy: ShardingStrategy, process_group, device_mesh) -> ShardGroups:
-    """Turn FSDP's ``process_group`` / ``device_mesh`` keywords into a pair of groups."""
+def resolve_groups(strategy: ShardingStrategy, process_group, device_mesh, sharding_factor=None) -> ShardGroups:
+    """Turn FSDP's ``process_group`` / ``device_mesh`` keywords (and ``sharding_factor``) into a pair of groups."""
     _require_initialized()
-    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        raise NotBuiltError(
-            f"sharding_strategy={strategy.name} is not built yet in flatshard (hybrid sharding lands with "
-            "its own issue); use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD for now."
-        )
+    if device_mesh is not None and process_group is not None:
+        raise ValueError("pass either process_group or device_mesh, not both")
+    ways = {
+        "device_mesh": device_mesh,
+        "process_group=(shard_group, replicate_group)": process_group if isinstance(process_group, tuple) else None,
+        "sharding_factor": sharding_factor,
+    }
+    given = [name for name, value in ways.items() if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"name the shard and replicate groups one way only; got {' and '.join(given)}")
     if isinstance(process_group, tuple):
-        raise NotBuiltError(
-            "process_group=(shard_group, replicate_group) is for hybrid sharding, which is not built yet; "
-            "pass one ProcessGroup (or None for the default group)."
-        )
+        return _from_pair(strategy, process_group)
+    if device_mesh is not None and device_mesh.ndim == 2:
+        return _from_mesh(strategy, device_mesh)
     if device_mesh is not None:
-        if process_group is not None:
-            raise ValueError("pass either process_group or device_mesh, not both")
         if device_mesh.ndim != 1:
-            raise NotBuiltError(
-                f"a {device_mesh.ndim}-D device_mesh means hybrid sharding, which is not built yet; "
-                "pass a 1-D mesh (or process_group=) for now."
-            )
+            raise ValueError(f"device_mesh must be 1-D (shard) or 2-D (replicate, shard); got {device_mesh.ndim}-D")
         process_group = device_mesh.get_group()
     group = process_group if process_group is not None else dist.group.WORLD
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if rank < 0:
+    world = dist.get_world_size(group)
+    if dist.get_rank(group) < 0:
         raise ValueError("this rank is not a member of the process_group given to FullyShardedDataParallel")
-    if strategy is ShardingStrategy.NO_SHARD or size == 1:
-        return ShardGroups(None, group if size > 1 else None, 1, 0, size, group)
-    return ShardGroups(group, None, size, rank, 1, group)
+    factor = _factor(strategy, sharding_factor, world)
+    return _split(group, world, factor)
+
+
+def _factor(strategy: ShardingStrategy, sharding_factor, world: int) -> int:
+    if sharding_factor is None:
+        if strategy is ShardingStrategy.NO_SHARD:
+            return 1
+        if strategy in HYBRID:
+            return _node_size(strategy, world)
+        return world
+    if isinstance(sharding_factor, bool) or not isinstance(sharding_factor, int):
+        raise TypeError(f"sharding_factor must be an int dividing the world size {world}; got {sharding_factor!r}")
+    if sharding_factor < 1 or world % sharding_factor:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(
+            f"sharding_factor={sharding_factor} does not divide the world size {world}; choose one of {divisors} "
+            "(F ranks share one copy of the model, W / F replicas train on different data)."
+        )
+    if strategy is ShardingStrategy.NO_SHARD and sharding_factor != 1:
+        raise ValueError(
+            f"NO_SHARD means sharding_factor=1; for F={sharding_factor} use HYBRID_SHARD (or FULL_SHARD, which "
+            "takes any sharding_factor)."
+        )
+    return sharding_factor
+
+
+def _node_size(strategy: ShardingStrategy, world: int) -> int:
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None:
+        raise ValueError(
+            f"{strategy.name} needs its shard groups: pass sharding_factor=F, a 2-D device_mesh "
+            "(init_device_mesh(device, (R, F), mesh_dim_names=('replicate', 'shard'))) or "
+            "process_group=(shard_group, replicate_group); under torchrun the default is one node "
+            "(LOCAL_WORLD_SIZE ranks)."
+        )
+    factor = int(local)
+    if world % factor:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={factor} does not divide the world size {world}: nodes of different sizes "
+            "cannot form shard groups; pass sharding_factor=F explicitly."
+        )
+    return factor
+
+
+def _split(group: ProcessGroup, world: int, factor: int) -> ShardGroups:
+    """Shard groups of ``factor`` consecutive ranks of ``group``; replicate groups across them.
+
+    Every rank creates every subgroup, in the same order (``new_group`` is collective)."""
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank(group)
+    replicas = world // factor
+    shard_group = replicate_group = None
+    if 1 < factor < world:
+        for r in range(replicas):
+            g = dist.new_group(ranks[r * factor : (r + 1) * factor])
+            if r == me // factor:
+                shard_group = g
+        for k in range(factor):
+            g = dist.new_group(ranks[k::factor])
+            if k == me % factor:
+                replicate_group = g
+    elif factor == world and world > 1:
+        shard_group = group
+    elif factor == 1 and world > 1:
+        replicate_group = group
+    return ShardGroups(shard_group, replicate_group, factor, me % factor, replicas, group)
+
+
+def _from_pair(strategy: ShardingStrategy, pair: tuple) -> ShardGroups:
+    if strategy not in HYBRID:
+        raise ValueError(
+            f"process_group=(shard_group, replicate_group) is for HYBRID_SHARD or _HYBRID_SHARD_ZERO2, not {strategy.name}"
+        )
+    if len(pair) != 2:
+        raise ValueError("process_group as a tuple must be (shard_group, replicate_group)")
+    shard, replicate = pair
+    return _checked(shard, replicate, dist.group.WORLD, "process_group=(shard_group, replicate_group)")
+
+
+def _from_mesh(strategy: ShardingStrategy, mesh) -> ShardGroups:
+    if strategy not in HYBRID:
+        raise ValueError(
+            f"a 2-D device_mesh (replicate, shard) is for HYBRID_SHARD or _HYBRID_SHARD_ZERO2, not {strategy.name}; "
+            "pass a 1-D mesh for FULL_SHARD / SHARD_GRAD_OP / NO_SHARD"
+        )
+    names = mesh.mesh_dim_names
+    shard_dim, replicate_dim = ("shard", "replicate") if names and set(names) == {"shard", "replicate"} else (1, 0)
+    return _checked(mesh.get_group(shard_dim), mesh.get_group(replicate_dim), dist.group.WORLD, "device_mesh")
+
+
+def _checked(shard: ProcessGroup, replicate: ProcessGroup, world_group: ProcessGroup, how: str) -> ShardGroups:
+    F, R, W = dist.get_world_size(shard), dist.get_world_size(replicate), dist.get_world_size(world_group)
+    if F * R != W:
+        raise ValueError(
+            f"{how} describes {R} replicas × {F} shards = {F * R} ranks, but the world has {W}; the groups must "
+            "cover every rank exactly once."
+        )
+    return ShardGroups(
+        shard if F > 1 else None, replicate if R > 1 else None, F, dist.get_rank(shard), R, world_group
+    )
