@@ -6,13 +6,15 @@
     torchrun --standalone --nproc-per-node=2 examples/train_gpt.py --steps 50
 
 Not under torchrun and asked for more than one process, the script starts itself through torchrun's
-own entry point (``torch.distributed.run.main``), so both ways of launching are the same code path.
+own machinery (``torch.distributed.run``: its argument parser and ``run``, with ``--standalone``), so
+both ways of launching are the same code path in the ranks.
 Reads top to bottom: config → dist init → data → model → optimizer → loop → evaluation → summary.
 Rank 0 shows a progress bar while training and a table of figures at the end (``--json`` writes them).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -62,9 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(args):
-    preset = PRESETS[args.model]
+    """The preset named by --model, with any of --layers/--dim/--heads/--block-size given over it."""
     overrides = {k: getattr(args, k) for k in ("layers", "dim", "heads", "block_size") if getattr(args, k) is not None}
-    return preset.__class__(**{**preset.__dict__, **overrides})
+    return dataclasses.replace(PRESETS[args.model], **overrides)
 
 
 def under_torchrun() -> bool:
