@@ -11,7 +11,6 @@ nothing is gathered and nothing is freed.
 from __future__ import annotations
 
 import enum
-from typing import Optional
 
 import torch
 
@@ -55,7 +54,6 @@ class Unit:
         self.unsharded.requires_grad_(self.requires_grad)
         self._gather_target = self.unsharded.data  # what collectives write into (own version counter)
         self.shard_views = make_shard_views(layout, self.flat_shard, rank)
-        self._pending_grad: Optional[torch.Tensor] = None  # reduced this backward, not yet exposed
         self._gathered_version = -1
         self.state = UnitState.UNSHARDED if groups.shard_size == 1 else UnitState.SHARDED
         self._compute_views_set = False
@@ -126,7 +124,8 @@ class Unit:
                 self.reshard()
             return
         grad, unsharded.grad = unsharded.grad, None
-        self._pending_grad = self._reduce(grad)
+        self._expose_grads(self._reduce(grad))
+        del grad
         self.reshard()
 
     def _reduce(self, grad: torch.Tensor) -> torch.Tensor:
@@ -145,24 +144,27 @@ class Unit:
         return reduced
 
     def finish_backward(self, synced: bool) -> None:
-        """End of backward: reshard what is still gathered and expose reduced gradients as ``.grad``."""
+        """End of backward: put shard views back and reshard what is still gathered."""
         self.use_shard_views()
         if synced or self.full_shard:
             self.reshard()
-        if synced and self._pending_grad is not None:
-            self._expose_grads(self._pending_grad)
-            self._pending_grad = None
 
     def _expose_grads(self, reduced: torch.Tensor) -> None:
-        """Point each trainable shard view's ``.grad`` into the new grad shard, adding any gradient the
-        user kept from an earlier backward (``torch.autograd`` accumulates; so do we)."""
+        """Make ``reduced`` this rank's gradient: after ``zero_grad()`` (set_to_none, PyTorch's default)
+        it becomes the grad shard, each trainable shard view's ``.grad`` a slice of it; where a view still
+        holds a gradient (``zero_grad(set_to_none=False)``, or no zero_grad at all) the new gradient is
+        added to it in place, as ``torch.autograd`` accumulates, and ``reduced`` is dropped."""
         slices = self.layout.local_slices(self.groups.shard_rank)
-        for view, (lo, hi) in zip(self.shard_views, slices):
-            if view.requires_grad and view.grad is not None:
-                reduced[lo:hi].add_(view.grad)
-        for view, (lo, hi) in zip(self.shard_views, slices):
-            if view.requires_grad:
+        trainable = [(v, lo, hi) for v, (lo, hi) in zip(self.shard_views, slices) if v.requires_grad]
+        if all(v.grad is None for v, _, _ in trainable):
+            for view, lo, hi in trainable:
                 view.grad = reduced[lo:hi]
+            return
+        for view, lo, hi in trainable:
+            if view.grad is None:
+                view.grad = reduced[lo:hi].clone()
+            else:
+                view.grad.add_(reduced[lo:hi])
 
     # ---- accounting ------------------------------------------------------------------------
     def _record(self, result: collectives.Collective, group: str) -> None:
@@ -182,8 +184,6 @@ class Unit:
             gathered = self.unsharded.untyped_storage().nbytes()
         if self.unsharded.grad is not None:
             gathered += self.unsharded.grad.untyped_storage().nbytes()
-        if self._pending_grad is not None:  # reduced, not yet exposed as .grad
-            grads += self._pending_grad.untyped_storage().nbytes()
         return {
             "params": self.flat_shard.untyped_storage().nbytes(),
             "grads": grads,
