@@ -270,8 +270,9 @@ def test_hand_computed_full_shard_with_root_and_prefetch():
 def test_no_shard_all_reduces_whole_units():
     inputs = PlanInputs(world_size=2, unit_elements=(10, 20, 30), root_elements=6)
     p = plan_strategy(inputs, NO, 1)
-    # F = 1, fp32: the unsharded flat is the flat shard and the gradient becomes the grad shard
-    assert p.memory.steady == p.memory.peak == 66 * 16 and p.memory.gather_buffer == 0
+    # F = 1, fp32: the unsharded flat is the flat shard; the largest unit's new gradient sits beside
+    # the resident grad shards until it is reduced and added in
+    assert p.memory.steady == 66 * 16 and p.memory.peak == 66 * 16 + 30 * 4 and p.memory.gather_buffer == 0
     assert p.comm.all_reduce == 2 * (3 + 5 + 10 + 15) * 4 and p.comm.counts.all_reduce_backward == 4
     bf16 = plan_strategy(inputs.replace(precision="bf16-mixed"), NO, 1).memory
     assert bf16.gather_buffer == 66 * 2  # the bf16 compute copies

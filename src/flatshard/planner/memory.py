@@ -11,7 +11,8 @@ steady (between steps, every strategy): sum_u S_u * (master + grad shard + optim
 gathered g_u = F * S_u * compute bytes while unit u is unsharded (0 for F = 1 when the compute
     dtype is the master dtype: the flat shard is then used in place).
 unsharded gradient ug_u = F * S_u * reduce bytes, from the unit's backward until its reduce-scatter
-    (0 for F = 1 when the reduce dtype is the grad shard's: the gradient then becomes the grad shard).
+    (also for F = 1: gradient shards are counted resident through the step, so the new gradient
+    cannot be the grad shard; it is reduced, added to the resident shard, and freed).
 
 FULL_SHARD, HYBRID_SHARD (reshard after forward), prefetch depth d:
     forward at unit i:  root + g_i + g_{i+1} + ... + g_{i+d}
@@ -81,9 +82,8 @@ def memory_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> MemoryEst
     steady = params + grads + optimizer
 
     in_place = f == 1 and rec.compute_bytes == rec.master_bytes
-    grad_in_place = f == 1 and rec.reduce_bytes == rec.grad_shard_bytes
     gathered = [0 if in_place else f * u.shard * rec.compute_bytes for u in units]
-    ugrad = [0 if grad_in_place else f * u.shard * rec.reduce_bytes for u in units]
+    ugrad = [f * u.shard * rec.reduce_bytes for u in units]
     if strategy.reshard_after_forward:
         fwd, bwd, buffer = _resharding_transients(units, gathered, ugrad, inputs.prefetch_depth)
     else:  # each unit is freed after its own backward, so unit i's backward holds units 0..i
