@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -19,7 +19,8 @@ from flatshard import full_params, grad
 from flatshard.api import CPUOffload, MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.flat_param import FlatLayout
 from flatshard.instrument import CommRecorder, MemoryRecorder
-from flatshard.mesh import ShardGroups, resolve_groups
+from flatshard.auto import auto_sharding_factor
+from flatshard.mesh import ShardGroups, require_initialized, resolve_groups
 from flatshard.placement import Placement, check_no_tie_into_wrapped
 from flatshard.schedule import RunContext
 from flatshard.unit import Unit
@@ -69,12 +70,17 @@ class FullyShardedDataParallel(nn.Module):
         ignored_states=None,
         device_mesh=None,
         *,
-        sharding_factor: Optional[int] = None,
+        sharding_factor: Union[int, str, None] = None,
+        memory_budget: Optional[int] = None,
     ):
-        """All keywords as in PyTorch FSDP, plus ``sharding_factor`` (flatshard's): the number of ranks F
-        that share one copy of the model (any divisor of the world size; W / F replicas). F = W is
-        FULL_SHARD, F = 1 is NO_SHARD; with FULL_SHARD or HYBRID_SHARD and 1 < F < W the units are fully
-        sharded inside groups of F consecutive ranks and gradients all-reduced across them."""
+        """All keywords as in PyTorch FSDP, plus flatshard's own:
+
+        ``sharding_factor``: the number of ranks F that share one copy of the model (any divisor of the
+        world size; W / F replicas). F = W is FULL_SHARD, F = 1 is NO_SHARD; with FULL_SHARD or
+        HYBRID_SHARD and 1 < F < W the units are fully sharded inside groups of F consecutive ranks
+        and gradients all-reduced across them. ``"auto"`` asks the planner for the smallest F whose
+        per-rank peak (AdamW, no activations) fits ``memory_budget`` bytes (default: the accelerator's
+        free memory); the choice and why are logged on rank 0 and kept in ``model.sharding_decision``."""
         super().__init__()
         _reject_not_built(backward_prefetch, forward_prefetch, mixed_precision, cpu_offload, param_init_fn)
         if isinstance(module, FullyShardedDataParallel):
@@ -82,17 +88,22 @@ class FullyShardedDataParallel(nn.Module):
         strategy = sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD
         if not isinstance(strategy, ShardingStrategy):
             raise TypeError(f"sharding_strategy must be a flatshard.ShardingStrategy, got {strategy!r}")
-        groups = resolve_groups(strategy, process_group, device_mesh, sharding_factor)
         ignored = _ignored_modules(module, ignored_modules, ignored_states)
         ignored_params = {p for m in ignored for p in m.parameters()}
         _place_on_device(module, device_id, ignored_params)
-        config = _WrapConfig(groups, strategy, sync_module_states)
         wrapped_earlier = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         skip = set(ignored) | set(wrapped_earlier)
         chosen = select_units(module, auto_wrap_policy, skip, ignored_params)
         placement = Placement(module, chosen, skip, ignored_params)
         check_no_tie_into_wrapped(placement, wrapped_earlier)
         by_unit = placement.infos_by_unit()
+        self.sharding_decision: Optional[tuple[int, str]] = None
+        if sharding_factor == "auto":
+            sharding_factor = self._auto_factor(strategy, module, chosen, by_unit, process_group, device_mesh, memory_budget)
+        elif memory_budget is not None:
+            raise ValueError('memory_budget is read only with sharding_factor="auto"')
+        groups = resolve_groups(strategy, process_group, device_mesh, sharding_factor)
+        config = _WrapConfig(groups, strategy, sync_module_states)
         parents = _parents(module)
         for child in chosen:  # children first: a unit's parent is still the plain module when it is replaced
             wrapper = FullyShardedDataParallel._new_unit_wrapper(child, by_unit.get(child, []), config, placement.path[child])
@@ -104,6 +115,21 @@ class FullyShardedDataParallel(nn.Module):
             _broadcast_buffers(module, groups, ignored)
 
     # ---- construction -----------------------------------------------------------------------
+    def _auto_factor(self, strategy, module, chosen, by_unit, process_group, device_mesh, budget) -> int:
+        if device_mesh is not None or isinstance(process_group, tuple):
+            raise ValueError('sharding_factor="auto" picks the groups itself; do not pass device_mesh or a group pair')
+        require_initialized()
+        group = process_group if process_group is not None else torch.distributed.group.WORLD
+        sizes = [sum(i.numel for i, _ in by_unit.get(m, [])) for m in chosen]
+        infos = [i for m in [*chosen, module] for i, _ in by_unit.get(m, [])]
+        device = next((p.device for _, p in by_unit.get(module, [])), torch.device("cpu"))
+        factor, why = auto_sharding_factor(
+            strategy, sizes, sum(i.numel for i, _ in by_unit.get(module, [])), len(infos),
+            torch.distributed.get_world_size(group), budget, device,
+        )
+        self.sharding_decision = (factor, why)
+        return factor
+
     @classmethod
     def _new_unit_wrapper(cls, module, params, config, name) -> "FullyShardedDataParallel":
         self = cls.__new__(cls)

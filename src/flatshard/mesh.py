@@ -42,7 +42,7 @@ class ShardGroups:
         return self.shard_size * self.replicate_size
 
 
-def _require_initialized() -> None:
+def require_initialized() -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "flatshard needs torch.distributed: call torch.distributed.init_process_group(backend) "
@@ -53,7 +53,7 @@ def _require_initialized() -> None:
 
 def resolve_groups(strategy: ShardingStrategy, process_group, device_mesh, sharding_factor=None) -> ShardGroups:
     """Turn FSDP's ``process_group`` / ``device_mesh`` keywords (and ``sharding_factor``) into a pair of groups."""
-    _require_initialized()
+    require_initialized()
     if device_mesh is not None and process_group is not None:
         raise ValueError("pass either process_group or device_mesh, not both")
     ways = {
