@@ -1,0 +1,117 @@
+"""The planner against the engine: measured bytes vs predicted, and sharding_factor="auto".
+
+Steady bytes (rank 0, the fullest shard) and collective bytes per kind must equal the planner's
+prediction exactly; the measured peak of what flatshard manages must be within 5% of the planner's
+peak (activations are not part of either). The planner counts gradient shards as resident through
+the step (the documents' convention), so the run zeroes gradients with ``set_to_none=False``; with
+PyTorch's default ``set_to_none=True`` the measured peak is lower by the shards not yet reduced."""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F_
+
+from tests.dist import run_distributed
+from tests.models import Block, TinyGPT
+
+CONFIGS = {  # world size -> (strategy, sharding factor) pairs to check
+    1: [("NO_SHARD", 1)],  # at W = 1 every strategy is F = 1
+    2: [("FULL_SHARD", 2), ("SHARD_GRAD_OP", 2), ("NO_SHARD", 1)],
+    4: [("FULL_SHARD", 4), ("SHARD_GRAD_OP", 4), ("NO_SHARD", 1), ("HYBRID_SHARD", 2), ("_HYBRID_SHARD_ZERO2", 2)],
+}
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return TinyGPT(vocab=61, dim=24, heads=2, layers=3, block=8)
+
+
+def _inputs(world: int, **kw):
+    from flatshard.planner import PlanInputs
+
+    return PlanInputs.from_module(_gpt(), [Block], world, gpus_per_node=world, headroom=0.0, **kw)
+
+
+def measured_vs_planned_worker(rank: int, world: int) -> list:
+    from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from flatshard.planner import plan_strategy
+    from flatshard.wrap import ModuleWrapPolicy
+
+    rows = []
+    for strategy, factor in CONFIGS[world]:
+        model = FSDP(_gpt(), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}),
+                     sharding_factor=factor if strategy.startswith("_HYBRID") or strategy == "HYBRID_SHARD" else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(3):  # measure the third step: gradients and optimizer state exist
+            x, y = torch.randint(0, 61, (2, 8), generator=g), torch.randint(0, 61, (2, 8), generator=g)
+            opt.zero_grad(set_to_none=False)
+            with model.record_memory(opt) as mem, model.record_comms() as rec:
+                mem.reset_peak()
+                F_.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+                opt.step()
+                now = mem.sample()
+        predicted = plan_strategy(_inputs(world), strategy, factor)
+        measured_steady = now["params"] + now["grads"] + now["optimizer"]
+        row = {
+            "config": (strategy, factor),
+            "steady": (measured_steady, predicted.memory.steady),
+            "peak": (mem.peak_total, predicted.memory.peak),
+        }
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            row[kind] = (rec.wire_bytes(kind), float(getattr(predicted.comm, kind)))
+        rows.append(row)
+    return rows
+
+
+def test_measured_bytes_match_the_planner():
+    for world in (1, 2, 4):
+        results = run_distributed(measured_vs_planned_worker, world, timeout=200)
+        for row in results[0]:  # rank 0 holds the fullest shard, which is what the planner reports
+            what = f"W={world} {row['config']}"
+            print(f"{what:32} steady {row['steady']} peak measured/predicted {row['peak']} "
+                  f"({row['peak'][0] / row['peak'][1]:.3f}) all_gather {row['all_gather']} "
+                  f"reduce_scatter {row['reduce_scatter']} all_reduce {row['all_reduce']}")
+            assert row["steady"][0] == row["steady"][1], f"{what}: steady {row['steady']}"
+            measured, predicted = row["peak"]
+            assert abs(measured - predicted) <= 0.05 * predicted, f"{what}: peak measured {measured} predicted {predicted}"
+            for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+                m, p = row[kind]
+                assert abs(m - p) <= 1e-6 * max(p, 1), f"{what}: {kind} measured {m} predicted {p}"
+
+
+def auto_worker(rank: int, world: int) -> dict:
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard.planner import plan_strategy
+    from flatshard.wrap import ModuleWrapPolicy
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("flatshard").addHandler(handler)
+    logging.getLogger("flatshard").setLevel(logging.INFO)
+    peaks = {f: plan_strategy(_inputs(world), s, f).memory.peak
+             for s, f in (("NO_SHARD", 1), ("HYBRID_SHARD", 2), ("FULL_SHARD", 4))}
+    out = {"peaks": peaks}
+    for name, budget in (("admits_2", (peaks[2] + peaks[1]) // 2), ("only_4", (peaks[4] + peaks[2]) // 2)):
+        model = FSDP(_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_factor="auto", memory_budget=budget)
+        out[name] = (model._unit.groups.shard_size, model._unit.groups.replicate_size, model.sharding_decision[1])
+    try:
+        FSDP(_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_factor="auto", memory_budget=peaks[4] // 2)
+        out["too_small"] = "no error"
+    except ValueError as e:
+        out["too_small"] = str(e)
+    out["logged"] = [r.getMessage() for r in records]
+    return out
+
+
+def test_sharding_factor_auto_picks_the_smallest_that_fits():
+    results = run_distributed(auto_worker, 4, timeout=120)
+    for rank, out in enumerate(results):
+        assert out["peaks"][1] > out["peaks"][2] > out["peaks"][4]
+        assert out["admits_2"][:2] == (2, 2), out["admits_2"]
+        assert out["only_4"][:2] == (4, 1), out["only_4"]
+        assert "F=2" in out["admits_2"][2] and "smallest sharding factor" in out["admits_2"][2]
+        assert out["too_small"].startswith('sharding_factor="auto": nothing fits'), out["too_small"]
+        assert len(out["logged"]) == (2 if rank == 0 else 0), out["logged"]  # logged once per wrap, rank 0 only
