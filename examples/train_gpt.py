@@ -4,6 +4,14 @@
     python examples/train_gpt.py --nproc 4 --strategy SHARD_GRAD_OP --steps 100
     python examples/train_gpt.py --nproc 1                # one process, a 1-rank group
     torchrun --standalone --nproc-per-node=2 examples/train_gpt.py --steps 50
+    python examples/train_gpt.py --nproc 4 --strategy HYBRID_SHARD --sharding-factor 2
+
+Two machines (or two "nodes" on one machine), HYBRID_SHARD's shard groups being the nodes; run once per
+node, with the same endpoint (host:port of the first node):
+    torchrun --nnodes=2 --nproc-per-node=2 --node-rank=0 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+        examples/train_gpt.py --strategy HYBRID_SHARD
+    torchrun --nnodes=2 --nproc-per-node=2 --node-rank=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+        examples/train_gpt.py --strategy HYBRID_SHARD
 
 Not under torchrun and asked for more than one process, the script starts itself through torchrun's
 own machinery (``torch.distributed.run``: its argument parser and ``run``, with ``--standalone``), so
@@ -38,7 +46,11 @@ B_FP32 = 4  # bytes per element: parameters, gradients and AdamW's two moments a
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="world size W when not under torchrun (default 2)")
-    p.add_argument("--strategy", default="FULL_SHARD", choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    p.add_argument("--strategy", default="FULL_SHARD",
+                   choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
+    p.add_argument("--sharding-factor", type=int, default=None,
+                   help="ranks F that share one copy of the model (a divisor of W); hybrid strategies default to "
+                        "the node size under torchrun")
     p.add_argument("--model", default="small", choices=sorted(PRESETS), help="size preset (see examples/gpt.py)")
     p.add_argument("--layers", type=int, help="override the preset's number of blocks")
     p.add_argument("--dim", type=int, help="override the preset's width")
@@ -120,23 +132,25 @@ def lr_at(step: int, steps: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def comm_formula(strategy: str, n: int, padded: int, root_padded: int) -> dict[str, float]:
-    """Wire bytes per rank per step, by "phase/kind/group", for P = ``padded`` elements over n ranks.
+def comm_formula(strategy: str, f: int, r: int, padded: int, root_padded: int) -> dict[str, float]:
+    """Wire bytes per rank per step, by "phase/kind/group", for P = ``padded`` elements (F·ΣS_u) in shard
+    groups of f ranks and replicate groups of r ranks.
 
-    FULL_SHARD: all-gather in forward and again in backward (not the root unit, which stays gathered
-    from forward to backward), reduce-scatter in backward: 3·P·b·(N−1)/N − root. SHARD_GRAD_OP: one
-    all-gather and one reduce-scatter, 2·P·b·(N−1)/N. NO_SHARD: one all-reduce of the gradients,
-    also 2·P·b·(N−1)/N. Plus clip_grad_norm_'s one-scalar all-reduce when the gradients are sharded."""
-    if n == 1:
-        return {}
-    r = (n - 1) / n
-    if strategy == "NO_SHARD":
-        return {"backward/all_reduce/replicate": 2 * padded * B_FP32 * r}
-    out = {"forward/all_gather/shard": padded * B_FP32 * r}
-    if strategy == "FULL_SHARD":
-        out["backward/all_gather/shard"] = (padded - root_padded) * B_FP32 * r
-    out["backward/reduce_scatter/shard"] = padded * B_FP32 * r
-    out["optimizer/all_reduce/shard"] = 2 * B_FP32 * r  # the global gradient norm (one fp32 scalar)
+    Inside a shard group, FULL_SHARD and HYBRID_SHARD all-gather in forward and again in backward (not
+    the root unit, which stays gathered from forward to backward) and reduce-scatter in backward:
+    3·P·b·(F−1)/F − root. SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2: one all-gather and one reduce-scatter,
+    2·P·b·(F−1)/F. Across replicas, one all-reduce of each unit's shard: 2·(P/F)·b·(R−1)/R (NO_SHARD is
+    F = 1: 2·P·b·(W−1)/W). Plus clip_grad_norm_'s one-scalar all-reduce when gradients are sharded."""
+    out = {}
+    if f > 1:
+        ring = (f - 1) / f
+        out["forward/all_gather/shard"] = padded * B_FP32 * ring
+        if strategy in ("FULL_SHARD", "HYBRID_SHARD"):
+            out["backward/all_gather/shard"] = (padded - root_padded) * B_FP32 * ring
+        out["backward/reduce_scatter/shard"] = padded * B_FP32 * ring
+        out["optimizer/all_reduce/shard"] = 2 * B_FP32 * ring  # the global gradient norm (one fp32 scalar)
+    if r > 1:
+        out["backward/all_reduce/replicate"] = 2 * (padded / f) * B_FP32 * (r - 1) / r
     return out
 
 
@@ -197,7 +211,8 @@ def main(argv=None) -> int:
 
     # model: the same seed on every rank gives identical initial weights before sharding
     torch.manual_seed(args.seed)
-    model = FSDP(GPT(cfg), sharding_strategy=ShardingStrategy[args.strategy], auto_wrap_policy=ModuleWrapPolicy({Block}))
+    model = FSDP(GPT(cfg), sharding_strategy=ShardingStrategy[args.strategy], auto_wrap_policy=ModuleWrapPolicy({Block}),
+                 sharding_factor=args.sharding_factor)
     units = [w._unit for w in FSDP.fsdp_modules(model)]
     n_params = sum(u.layout.total for u in units)
 
@@ -274,13 +289,13 @@ def gather_figures(model, rec, run: dict) -> dict:
     n_params = sum(u.layout.total for u in units)
     padded = sum(u.layout.padded for u in units)
     root = model._unit
-    formula = comm_formula(args.strategy, world, padded, root.layout.padded)
+    f, r = root.groups.shard_size, root.groups.replicate_size  # the sharding factor and the replicas
+    formula = comm_formula(args.strategy, f, r, padded, root.layout.padded)
     summary = rec.summary()  # every step moves the same bytes, so totals / steps is the per-step figure
-    f = 1 if args.strategy == "NO_SHARD" else world  # the sharding factor
     tokens_per_step = world * args.batch_size * run["cfg"].block_size
     losses = run["losses"]
     return {
-        "strategy": args.strategy, "world": world, "model": run["cfg"].__dict__, "units": len(units),
+        "strategy": args.strategy, "world": world, "sharding_factor": f, "replicas": r, "model": run["cfg"].__dict__, "units": len(units),
         "steps": args.steps, "batch_size": args.batch_size, "tokens_per_step": tokens_per_step,
         "P": n_params, "P_padded": padded, "root_padded": root.layout.padded,
         "unit_shard_numel": [u.layout.shard_numel for u in units], "n_state_params": n_state,
@@ -333,7 +348,7 @@ def print_summary(fig: dict) -> None:
     head.add_row("peak bytes per rank, incl. gathered", fmt_bytes(max(mem["peak_bytes"])))
     console.print(head)
 
-    ideal = "16·P" if strategy == "NO_SHARD" else "16·P/W"
+    ideal = f"16·P/F (F={fig['sharding_factor']})"
     mt = Table(title="bytes per rank after a step (fp32, AdamW)")
     for col in ("rank", "params + grads", "AdamW state", "total", "per-unit formula", ideal):
         mt.add_column(col, justify="right")
@@ -342,7 +357,9 @@ def print_summary(fig: dict) -> None:
                    f"{mem['formula_bytes'][r]:,}", f"{mem['ideal_bytes']:,.0f}")
     console.print(mt)
 
-    headline = {"FULL_SHARD": "3·P·b·(N−1)/N − root", "SHARD_GRAD_OP": "2·P·b·(N−1)/N", "NO_SHARD": "2·P·b·(N−1)/N"}[strategy]
+    headline = {"FULL_SHARD": "3·P·b·(F−1)/F − root", "HYBRID_SHARD": "3·P·b·(F−1)/F − root + 2·(P/F)·b·(R−1)/R",
+                "SHARD_GRAD_OP": "2·P·b·(F−1)/F", "_HYBRID_SHARD_ZERO2": "2·P·b·(F−1)/F + 2·(P/F)·b·(R−1)/R",
+                "NO_SHARD": "2·P·b·(W−1)/W"}[strategy]
     ct = Table(title="bytes sent per rank per step (ring algorithm)")
     for col, just in (("collective", "left"), ("phase", "left"), ("group", "left"), ("calls", "right"),
                       ("measured", "right"), ("formula", "right")):
