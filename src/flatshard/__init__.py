@@ -3,33 +3,35 @@
 The public names mirror ``torch.distributed.fsdp``; change the imports of a PyTorch FSDP script to
 ``flatshard`` and it runs (on CPU with gloo too). Reading path: fsdp.py → unit.py → flat_param.py →
 collectives.py; schedule.py holds what spans units.
-"""
-from flatshard.api import (
-    BackwardPrefetch,
-    CPUOffload,
-    MixedPrecision,
-    NotBuiltError,
-    ShardingStrategy,
-    StateDictType,
-)
-from flatshard.fsdp import FullyShardedDataParallel
-from flatshard.instrument import CommRecorder, MemoryRecorder
-from flatshard.optim import param_groups
 
-FSDP = FullyShardedDataParallel
+Names load on first use, so ``flatshard plan`` (pure arithmetic) starts without importing torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BackwardPrefetch",
-    "CPUOffload",
-    "CommRecorder",
-    "FSDP",
-    "FullyShardedDataParallel",
-    "MemoryRecorder",
-    "MixedPrecision",
-    "NotBuiltError",
-    "ShardingStrategy",
-    "StateDictType",
-    "param_groups",
-]
+_EXPORTS = {
+    "BackwardPrefetch": "flatshard.api",
+    "CPUOffload": "flatshard.api",
+    "MixedPrecision": "flatshard.api",
+    "NotBuiltError": "flatshard.api",
+    "ShardingStrategy": "flatshard.api",
+    "StateDictType": "flatshard.api",
+    "FullyShardedDataParallel": "flatshard.fsdp",
+    "CommRecorder": "flatshard.instrument",
+    "MemoryRecorder": "flatshard.instrument",
+    "param_groups": "flatshard.optim",
+}
+
+__all__ = sorted([*_EXPORTS, "FSDP"])
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FSDP":
+        name = "FullyShardedDataParallel"
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flatshard' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
