@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from flatshard import full_params, grad
-from flatshard.api import CPUOffload, MixedPrecision, NotBuiltError, ShardingStrategy
+from flatshard import state_dict as state_dict_impl
+from flatshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.flat_param import FlatLayout
 from flatshard.instrument import CommRecorder, MemoryRecorder
 from flatshard.auto import auto_sharding_factor
@@ -30,16 +31,25 @@ WRAPPED = "_fsdp_wrapped_module"
 _PREFIX = WRAPPED + "."
 
 
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper, stripped as PyTorch FSDP does
+
+
 def clean_name(name: str) -> str:
     """A parameter or buffer name as in the unwrapped model."""
-    return name.replace(_PREFIX, "")
+    return name.replace(_PREFIX, "").replace(_CHECKPOINT_PREFIX, "")
 
 
 @dataclass(frozen=True)
 class _WrapConfig:
+    """What every unit built by one constructor call shares."""
+
     groups: ShardGroups
     strategy: ShardingStrategy
     sync_module_states: bool
+    mixed_precision: Optional[MixedPrecision] = None
+    backward_prefetch: Optional[BackwardPrefetch] = None
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -103,7 +113,8 @@ class FullyShardedDataParallel(nn.Module):
         elif memory_budget is not None:
             raise ValueError('memory_budget is read only with sharding_factor="auto"')
         groups = resolve_groups(strategy, process_group, device_mesh, sharding_factor)
-        config = _WrapConfig(groups, strategy, sync_module_states)
+        config = _WrapConfig(groups, strategy, sync_module_states, mixed_precision, backward_prefetch,
+                             forward_prefetch, limit_all_gathers)
         parents = _parents(module)
         for child in chosen:  # children first: a unit's parent is still the plain module when it is replaced
             wrapper = FullyShardedDataParallel._new_unit_wrapper(child, by_unit.get(child, []), config, placement.path[child])
@@ -143,6 +154,7 @@ class FullyShardedDataParallel(nn.Module):
         self._ctx: Optional[RunContext] = None
         self._is_root: Optional[bool] = None
         self._strategy = config.strategy
+        self._config = config
         infos = [info for info, _ in params]
         originals = [p for _, p in params]
         dtypes = {p.dtype for p in originals}
@@ -223,17 +235,28 @@ class FullyShardedDataParallel(nn.Module):
     def __getitem__(self, key):
         return self._modules[WRAPPED].__getitem__(key)
 
+    # ---- state dicts: every method delegates to state_dict.py -----------------------------------
     def state_dict(self, *args, **kwargs):
-        raise NotBuiltError(
-            "state dicts of flatshard models are not built yet (they land with the checkpoint issue); to read "
-            "full parameters use `with FullyShardedDataParallel.summon_full_params(model): ...`."
-        )
+        return state_dict_impl.module_state_dict(self, super().state_dict, *args, **kwargs)
 
-    def load_state_dict(self, *args, **kwargs):
-        raise NotBuiltError(
-            "load_state_dict is not built yet in flatshard (it lands with the checkpoint issue); to set full "
-            "parameters, edit them in place inside `FullyShardedDataParallel.summon_full_params(model)`."
-        )
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return state_dict_impl.load_module_state_dict(self, super().load_state_dict, state_dict, strict=strict, assign=assign)
+
+    @staticmethod
+    def state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
+        return state_dict_impl.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+    @staticmethod
+    def set_state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
+        return state_dict_impl.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+    @staticmethod
+    def optim_state_dict(model, optim, optim_state_dict=None, group=None):
+        return state_dict_impl.optim_state_dict(model, optim, optim_state_dict, group)
+
+    @staticmethod
+    def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False, load_directly=False, group=None):
+        return state_dict_impl.optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer, load_directly, group)
 
     # ---- training utilities -------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -97,13 +97,24 @@ class Unit:
             self._compute_views_set = False
 
     # ---- forward and backward --------------------------------------------------------------
+    # [Note: recomputation in backward]
+    # Activation checkpointing runs a unit's forward again during backward. Whether the checkpoint
+    # wraps the unit (its forward, with these hooks, runs again) or sits inside it (the module reads
+    # its parameters directly), the unit must be gathered with compute views set on its modules until
+    # its post-backward; so a forward that runs in the backward phase neither reshards nor puts the
+    # shard views back, and pre-backward sets compute views too.
+    def _in_backward(self) -> bool:
+        return self.ctx is not None and self.ctx.phase == "backward"
+
     def pre_forward(self) -> None:
         self.unshard()
         self.use_compute_views()
-        if self.ctx is not None:
+        if self.ctx is not None and not self._in_backward():
             self.ctx.record_forward(self)
 
     def post_forward(self) -> None:
+        if self._in_backward():
+            return
         self.use_shard_views()
         if (self.full_shard and not self.is_root) or not torch.is_grad_enabled():
             self.reshard()
@@ -112,12 +123,15 @@ class Unit:
         if self.ctx is not None:
             self.ctx.begin_backward()
         self.unshard()
+        if not self._compute_views_set:
+            self.use_compute_views()
 
     def _post_backward(self, unsharded: torch.Tensor) -> None:
         """The unsharded flat's gradient is complete: reduce it to this rank's shard, then reshard."""
         if self.ctx is not None:
             self.ctx.begin_backward()
         self._sample_memory()
+        self.use_shard_views()
         if self.ctx is not None and not self.ctx.sync_gradients:
             # no_sync: the full-size gradient stays on the unsharded flat and accumulates there.
             if self.full_shard:
