@@ -62,3 +62,62 @@ class CPUOffload:
     """Keep flat shards and gradient shards in CPU memory between uses."""
 
     offload_params: bool = False
+
+
+# ---- state-dict configurations (``torch.distributed.fsdp``'s names, fields and defaults) -------------
+@dataclass(frozen=True)
+class StateDictConfig:
+    """Base of the module state-dict configurations: ``offload_to_cpu`` moves returned tensors to CPU."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class FullStateDictConfig(StateDictConfig):
+    """FULL_STATE_DICT: full tensors, gathered one unit at a time; with ``rank0_only`` only global rank 0
+    of the model's process group keeps them (the others return an empty dict)."""
+
+    rank0_only: bool = False
+
+
+@dataclass(frozen=True)
+class ShardedStateDictConfig(StateDictConfig):
+    """SHARDED_STATE_DICT: each rank's piece of each original parameter, with its flat offsets."""
+
+    _use_dtensor: bool = False
+
+
+@dataclass(frozen=True)
+class LocalStateDictConfig(StateDictConfig):
+    """LOCAL_STATE_DICT: each rank's flat shards as they are; loads only into the same layout."""
+
+
+@dataclass(frozen=True)
+class OptimStateDictConfig:
+    """Base of the optimizer state-dict configurations."""
+
+    offload_to_cpu: bool = True
+
+
+@dataclass(frozen=True)
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    rank0_only: bool = False
+
+
+@dataclass(frozen=True)
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    _use_dtensor: bool = False
+
+
+@dataclass(frozen=True)
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    offload_to_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class StateDictSettings:
+    """What ``set_state_dict_type`` returns: the settings in force before the call."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig

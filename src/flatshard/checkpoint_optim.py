@@ -1,0 +1,266 @@
+"""Optimizer state dicts of flatshard models, keyed by original parameter names (FQNs).
+
+The optimizer sees shard views, so its state is sharded already: for each parameter, tensors with
+one element per element of this rank's view ("pieces") and scalars such as Adam's ``step``. The
+three types follow the model's ``state_dict_type``:
+
+* FULL     ``{"state": {fqn: {key: full-shape tensor | scalar}}, "param_groups": [{..., "params": [fqn]}]}``,
+           pieces gathered one unit and one state key at a time (an all-gather of the unit's flat layout);
+* SHARDED  the same with each piece a ``ShardedPiece`` (its flat range and full shape);
+* LOCAL    the same with each piece as this rank holds it, plus ``"layouts"``: each unit's fingerprint.
+
+``optim_state_dict_to_load`` turns any of them back into what ``optimizer.load_state_dict`` takes for
+this rank's layout.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from flatshard.api import StateDictType
+from flatshard.checkpoint_sync import CheckpointError, agree, gather_json
+from flatshard.state_dict import ShardedPiece, exchange, gather_flat, layout_fingerprint, model_view, rank_in, settings_of
+
+SCALAR_TYPES = (bool, int, float, str, type(None))
+
+
+def param_names(model, optim, view=None) -> tuple[list, list[str], dict]:
+    """(optimizer's params in state-dict order, their FQNs, fqn -> Slot or None for an unsharded parameter)."""
+    view = view if view is not None else model_view(model)
+    by_view = {id(s.view): s for s in view.slots}
+    plain = {id(obj): name for kind, name, obj in view.entries if kind == "plain"}
+    params, names, slots = [], [], {}
+    for group in optim.param_groups:
+        for p in group["params"]:
+            if id(p) in by_view:
+                slot = by_view[id(p)]
+                names.append(slot.fqn)
+                slots[slot.fqn] = slot
+            elif id(p) in plain:
+                names.append(plain[id(p)])
+                slots[plain[id(p)]] = None
+            else:
+                raise ValueError(
+                    "the optimizer holds a parameter that is not in this model; build the optimizer from "
+                    "model.parameters() of the FullyShardedDataParallel model (after wrapping)"
+                )
+            params.append(p)
+    return params, names, slots
+
+
+def describe(value: Any, local_numel: Optional[int], name: str, key: str) -> dict:
+    """How one optimizer state value travels: a piece of the flattened parameter, a scalar tensor, or a value."""
+    if torch.is_tensor(value):
+        if value.dim() == 0:
+            return {"kind": "scalar", "value": value.item(), "dtype": str(value.dtype).replace("torch.", "")}
+        if local_numel is not None and value.dim() == 1 and value.numel() == local_numel:
+            return {"kind": "piece", "dtype": str(value.dtype).replace("torch.", "")}
+        if local_numel is None:
+            return {"kind": "whole", "dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape)}
+        raise CheckpointError(
+            f"optimizer state {key!r} of {name} has shape {tuple(value.shape)}, neither a scalar nor one value per "
+            "element of the parameter; flatshard shards only element-wise optimizer state (SGD, Adam, AdamW, ...)."
+        )
+    if isinstance(value, SCALAR_TYPES):
+        return {"kind": "value", "value": value}
+    raise CheckpointError(f"optimizer state {key!r} of {name} is a {type(value).__name__}; only tensors and numbers are saved")
+
+
+def scalar_tensor(d: dict) -> torch.Tensor:
+    return torch.tensor(d["value"], dtype=getattr(torch, d["dtype"]))
+
+
+def json_groups(optim, names: list[str]) -> list[dict]:
+    """param_groups with FQNs for params and hyperparameters as JSON values (tuples become lists)."""
+    out, i = [], 0
+    for group in optim.param_groups:
+        g = {}
+        for k, v in group.items():
+            if k == "params":
+                continue
+            if torch.is_tensor(v):
+                v = v.item()
+            if isinstance(v, tuple):
+                v = list(v)
+            if not isinstance(v, (list, *SCALAR_TYPES)):
+                raise CheckpointError(f"optimizer hyperparameter {k!r} is a {type(v).__name__}; only numbers, strings and lists are saved")
+            g[k] = v
+        g["params"] = names[i : i + len(group["params"])]
+        i += len(group["params"])
+        out.append(g)
+    return out
+
+
+def local_state(model, optim, osd=None, view=None) -> tuple[list, dict, dict, dict]:
+    """(param_groups with FQNs, {fqn: {key: description}}, {fqn: {key: local value}}, fqn -> Slot)."""
+    params, names, slots = param_names(model, optim, view)
+    packed = (osd or optim.state_dict())["state"]
+    meta, values = {}, {}
+    for i, (p, name) in enumerate(zip(params, names)):
+        state = packed.get(i)
+        if not state:
+            continue
+        numel = p.numel() if slots[name] is not None else None
+        meta[name] = {k: describe(v, numel, name, k) for k, v in state.items()}
+        values[name] = dict(state)
+    return json_groups(optim, names), meta, values, slots
+
+
+def merged_meta(meta: dict, group) -> dict:
+    """The union over ranks of each parameter's state description (a rank may hold none for a parameter)."""
+    merged: dict[str, dict] = {}
+    for rank_meta in gather_json(meta, group):
+        for name, keys in rank_meta.items():
+            for k, d in keys.items():
+                merged.setdefault(name, {}).setdefault(k, d)
+    return merged
+
+
+def optim_state_dict(model, optim, osd=None, group=None) -> dict:
+    settings = settings_of(model)
+    view = model_view(model)
+    group = group if group is not None else view.group
+    groups, meta, values, slots = local_state(model, optim, osd, view)
+    kind, config = settings.state_dict_type, settings.optim_state_dict_config
+    move = (lambda t: t.detach().cpu()) if config.offload_to_cpu else (lambda t: t.detach())
+    if kind is StateDictType.FULL_STATE_DICT:
+        return _full(view, groups, merged_meta(meta, group), values, slots, config, group, move)
+    state = {}
+    for name, keys in values.items():
+        slot = slots[name]
+        out = {}
+        for k, v in keys.items():
+            d = meta[name][k]
+            if d["kind"] == "piece" and kind is StateDictType.SHARDED_STATE_DICT:
+                out[k] = ShardedPiece(move(v), slot.info.shape, slot.start, slot.end)
+            else:
+                out[k] = move(v) if torch.is_tensor(v) else v
+        state[name] = out
+    result = {"state": state, "param_groups": groups}
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        result["layouts"] = {u.name: layout_fingerprint(u).tolist() for u in view.units}
+    return result
+
+
+def _full(view, groups, meta, values, slots, config, group, move) -> dict:
+    keep = not config.rank0_only or rank_in(group) == 0
+    full_values: dict[tuple[str, str], torch.Tensor] = {}
+    for unit in view.units:  # one unit and one state key gathered at a time
+        unit_slots = [s for s in view.slots if s.unit is unit and s.fqn in meta]
+        keys = sorted({(k, d["dtype"]) for s in unit_slots for k, d in meta[s.fqn].items() if d["kind"] == "piece"})
+        for key, dtype in keys:
+            flat = torch.zeros(unit.layout.shard_numel, dtype=getattr(torch, dtype), device=unit.flat_shard.device)
+            for s in unit_slots:
+                v = values.get(s.fqn, {}).get(key)
+                if v is not None:
+                    flat[s.lo : s.hi].copy_(v.reshape(-1))
+            full = gather_flat(unit, flat)
+            if keep:
+                for s in unit_slots:
+                    if key in meta[s.fqn]:
+                        i = s.info
+                        full_values[(s.fqn, key)] = move(full[i.offset : i.offset + i.numel].view(i.shape).clone())
+            del full, flat
+    if not keep:
+        return {}
+    state = {}
+    for name, keys in meta.items():
+        out = {}
+        for k, d in keys.items():
+            if d["kind"] == "piece":
+                out[k] = full_values[(name, k)]
+            elif d["kind"] == "scalar":
+                out[k] = scalar_tensor(d)
+            else:
+                out[k] = move(values[name][k]) if d["kind"] == "whole" else d["value"]
+        state[name] = out
+    return {"state": state, "param_groups": groups}
+
+
+# ---- loading --------------------------------------------------------------------------------
+def optim_state_dict_to_load(model, optim, osd: dict, group=None) -> dict:
+    """What ``optim.load_state_dict`` takes on this rank, from a FULL, SHARDED or LOCAL optimizer state dict."""
+    settings = settings_of(model)
+    view = model_view(model)
+    group = group if group is not None else view.group
+    params, names, slots = param_names(model, optim, view)
+    problem = _check(optim, osd, names, settings.state_dict_type, view)
+    agree(problem, group)
+    state = osd.get("state", {})
+    sharded = [(n, k) for n in names if n in state for k, v in state[n].items() if isinstance(v, ShardedPiece)]
+    uncovered = [(n, k) for n, k in sharded if not _covers(state[n][k], slots[n])]
+    exchanged = {}
+    if any(gather_json(bool(uncovered), group)):
+        keys = sorted({f"{n}\x00{k}" for n, k in (x for r in gather_json(sharded, group) for x in r)})
+        pieces = {key: state.get(key.split("\x00")[0], {}).get(key.split("\x00")[1]) for key in keys}
+        wanted = {key: _range(slots.get(key.split("\x00")[0])) for key in keys}
+        exchanged = exchange(pieces, wanted, group)
+    packed = {}
+    for i, (p, name) in enumerate(zip(params, names)):
+        if name not in state:
+            continue
+        slot = slots[name]
+        packed[i] = {k: _local_value(v, slot, exchanged.get(f"{name}\x00{k}"), settings.state_dict_type) for k, v in state[name].items()}
+    return {"state": packed, "param_groups": _groups_to_load(optim, osd)}
+
+
+def _range(slot) -> tuple[int, int]:
+    return (slot.start, slot.end) if slot is not None else (0, 0)
+
+
+def _covers(piece: ShardedPiece, slot) -> bool:
+    return slot is not None and piece.start <= slot.start and slot.end <= piece.end
+
+
+def _local_value(v, slot, exchanged, kind):
+    if isinstance(v, ShardedPiece):
+        t = exchanged if exchanged is not None else v.tensor.reshape(-1)[slot.start - v.start : slot.end - v.start]
+        return t.clone()
+    if kind is StateDictType.FULL_STATE_DICT and slot is not None and torch.is_tensor(v) and v.dim() > 0:
+        return v.reshape(-1)[slot.start : slot.end].clone()
+    return v.clone() if torch.is_tensor(v) else v
+
+
+def _check(optim, osd: dict, names: list[str], kind, view) -> Optional[str]:
+    if not isinstance(osd, dict) or "param_groups" not in osd or "state" not in osd:
+        return ("the optimizer state dict has no 'state' and 'param_groups'; pass what "
+                "FullyShardedDataParallel.optim_state_dict(model, optim) returned")
+    saved = osd["param_groups"]
+    if len(saved) != len(optim.param_groups):
+        return f"the optimizer state dict has {len(saved)} param groups, the optimizer {len(optim.param_groups)}; build the optimizer as when saving"
+    i = 0
+    for n, (g_saved, g_now) in enumerate(zip(saved, optim.param_groups)):
+        here = names[i : i + len(g_now["params"])]
+        i += len(g_now["params"])
+        if list(g_saved["params"]) != here:
+            missing = sorted(set(here) - set(g_saved["params"]))
+            extra = sorted(set(g_saved["params"]) - set(here))
+            return (f"param group {n} of the optimizer state dict does not match the optimizer (missing {missing}, "
+                    f"unexpected {extra}); build the optimizer's param groups as when saving")
+    unknown = sorted(set(osd["state"]) - set(names))
+    if unknown:
+        return f"the optimizer state dict has state for parameters this optimizer does not hold: {unknown}"
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        layouts = osd.get("layouts", {})
+        for unit in view.units:
+            if layouts.get(unit.name) != layout_fingerprint(unit).tolist():
+                return (f"LOCAL optimizer state dict for unit {unit.name!r} was saved with another layout; a LOCAL state "
+                        "dict loads only into the same layout. Use SHARDED or FULL (or flatshard.checkpoint) to reshard.")
+    return None
+
+
+def _groups_to_load(optim, osd: dict) -> list[dict]:
+    """The saved hyperparameters with this optimizer's parameter indices (tuples kept as tuples)."""
+    out, i = [], 0
+    for g_saved, g_now in zip(osd["param_groups"], optim.param_groups):
+        g = {}
+        for k, v in g_saved.items():
+            if k == "params":
+                continue
+            g[k] = tuple(v) if isinstance(g_now.get(k), tuple) and isinstance(v, list) else v
+        g["params"] = list(range(i, i + len(g_now["params"])))
+        i += len(g_now["params"])
+        out.append(g)
+    return out

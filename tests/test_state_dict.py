@@ -1,0 +1,173 @@
+"""State dicts, one spawn at W = 3 (padding everywhere): FULL round trip through a plain nn.Module,
+exactly; the FULL optimizer state equal to an unwrapped reference optimizer's; SHARDED across
+strategies; LOCAL only into its own layout; key and layout errors raised alike on every rank."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.dist import run_distributed
+from tests.test_parity import PER_RANK, build, make_optimizer
+
+MODELS = ("gpt_tie_across_units", "frozen_nested_manual", "odd_mlp")
+
+
+def train(model, opt, batch, loss_fn, rank, world, steps, start=0, ref=None, ref_opt=None):
+    local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    losses = []
+    for step in range(start, start + steps):
+        x, y = batch(step, world * PER_RANK)
+        loss = loss_fn(model(x[local]), y[local])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if ref is not None:
+            loss_fn(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    return losses
+
+
+def full_sd(model):
+    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        return model.state_dict()
+
+
+def full_osd(model, opt):
+    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        return FSDP.optim_state_dict(model, opt)
+
+
+def assert_state_equal(a, b, what):
+    assert list(a) == list(b), f"{what}: keys differ\n{list(a)}\n{list(b)}"
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_state_equal(a[k], b[k], f"{what}/{k}")
+        elif torch.is_tensor(a[k]):
+            assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+        else:
+            assert a[k] == b[k], f"{what}: {k}: {a[k]} != {b[k]}"
+
+
+def ref_osd_by_name(ref, ref_opt):
+    """The reference optimizer's state dict keyed by parameter names."""
+    names = {id(p): n for n, p in ref.named_parameters()}
+    params = [p for g in ref_opt.param_groups for p in g["params"]]
+    packed = ref_opt.state_dict()
+    return {names[id(params[i])]: s for i, s in packed["state"].items()}
+
+
+def full_roundtrip(rank, world, kind):
+    from flatshard import FullyShardedDataParallel as FSDP, FullStateDictConfig, StateDictType
+
+    ref, model, batch, loss_fn = build(kind, "FULL_SHARD")
+    ref_opt, opt = make_optimizer("adamw", ref), make_optimizer("adamw", model)
+    train(model, opt, batch, loss_fn, rank, world, 3, ref=ref, ref_opt=ref_opt)
+    sd = model.state_dict()  # FULL is the default
+    assert list(sd) == list(ref.state_dict()), f"{kind}: FULL keys must be the unwrapped model's"
+    # the reference trained alongside: equal to PyTorch's default fp32 tolerances
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, msg=lambda m: f"{kind}: FULL {k}: {m}")
+    for name, ref_state in ref_osd_by_name(ref, ref_opt).items():
+        for key, v in ref_state.items():
+            torch.testing.assert_close(full_osd(model, opt)["state"][name][key], v, msg=lambda m: f"{kind}: optim {name}.{key}: {m}")
+    # exactly through a plain module, strict
+    plain = build(kind, "FULL_SHARD")[0]
+    plain.load_state_dict(sd, strict=True)
+    assert_state_equal(plain.state_dict(), sd, f"{kind}: plain module")
+    torch.manual_seed(rank + 7)  # a different init: the load must overwrite everything
+    _, other, _, _ = build(kind, "FULL_SHARD")
+    other.load_state_dict(plain.state_dict())
+    assert_state_equal(other.state_dict(), sd, f"{kind}: back into flatshard")
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+        only0 = model.state_dict()
+    assert (only0 == {}) == (rank != 0), "rank0_only: a dict on rank 0, an empty one elsewhere"
+    if rank == 0:
+        assert_state_equal(only0, sd, f"{kind}: rank0_only")
+    # the optimizer: FULL round trip, then one more step equals the uninterrupted one bitwise
+    osd = full_osd(model, opt)
+    other_opt = make_optimizer("adamw", other)
+    with FSDP.state_dict_type(other, StateDictType.FULL_STATE_DICT):
+        other_opt.load_state_dict(FSDP.optim_state_dict_to_load(other, other_opt, osd))
+    assert_state_equal(full_osd(other, other_opt), osd, f"{kind}: optimizer FULL round trip")
+    a = train(model, opt, batch, loss_fn, rank, world, 2, start=3)
+    b = train(other, other_opt, batch, loss_fn, rank, world, 2, start=3)
+    assert a == b, f"{kind}: losses after a FULL round trip differ: {a} vs {b}"
+    assert_state_equal(full_sd(other), full_sd(model), f"{kind}: after training on")
+
+
+def sharded_across_strategies(rank, world):
+    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+
+    _, model, batch, loss_fn = build("gpt_tie_in_root", "FULL_SHARD")
+    opt = make_optimizer("sgd_momentum", model)
+    train(model, opt, batch, loss_fn, rank, world, 2)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sd, osd = model.state_dict(), FSDP.optim_state_dict(model, opt)
+    want, want_o = full_sd(model), full_osd(model, opt)
+    for strategy in ("NO_SHARD", "SHARD_GRAD_OP"):
+        torch.manual_seed(11)
+        _, other, _, _ = build("gpt_tie_in_root", strategy)
+        other_opt = make_optimizer("sgd_momentum", other)
+        with FSDP.state_dict_type(other, StateDictType.SHARDED_STATE_DICT):
+            other.load_state_dict(sd)
+            other_opt.load_state_dict(FSDP.optim_state_dict_to_load(other, other_opt, osd))
+        assert_state_equal(full_sd(other), want, f"SHARDED into {strategy}")
+        assert_state_equal(full_osd(other, other_opt), want_o, f"SHARDED optimizer into {strategy}")
+    return model, opt
+
+
+def local_and_errors(rank, world, model, opt) -> list[str]:
+    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        sd, osd = model.state_dict(), FSDP.optim_state_dict(model, opt)
+    _, same, _, _ = build("gpt_tie_in_root", "FULL_SHARD")
+    same_opt = make_optimizer("sgd_momentum", same)
+    with FSDP.state_dict_type(same, StateDictType.LOCAL_STATE_DICT):
+        same.load_state_dict(sd)
+        same_opt.load_state_dict(FSDP.optim_state_dict_to_load(same, same_opt, osd))
+    assert_state_equal(full_sd(same), full_sd(model), "LOCAL round trip")
+    assert_state_equal(full_osd(same, same_opt), full_osd(model, opt), "LOCAL optimizer round trip")
+    messages = []
+    _, other, _, _ = build("gpt_tie_in_root", "NO_SHARD")
+    with FSDP.state_dict_type(other, StateDictType.LOCAL_STATE_DICT):
+        messages.append(_error(lambda: other.load_state_dict(sd)))
+    assert "loads only into the same layout" in messages[-1], messages[-1]
+    broken = full_sd(model)
+    if rank == 1:  # one rank's dict lacks a key: every rank raises, none hangs
+        del broken["blocks.0.fc.weight"]
+    messages.append(_error(lambda: other.load_state_dict(broken)))
+    assert '"blocks.0.fc.weight"' in messages[-1] and "[rank 1 of 3]" in messages[-1], messages[-1]
+    bad_shape = dict(full_sd(model))
+    bad_shape["ln_f.weight"] = torch.zeros(5)
+    messages.append(_error(lambda: other.load_state_dict(bad_shape)))
+    assert "size mismatch for ln_f.weight" in messages[-1], messages[-1]
+    return messages
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc)
+    raise AssertionError("expected an error")
+
+
+def worker(rank: int, world: int) -> list[str]:
+    for kind in MODELS:
+        full_roundtrip(rank, world, kind)
+    model, opt = sharded_across_strategies(rank, world)
+    messages = local_and_errors(rank, world, model, opt)
+    dist.barrier()
+    return messages
+
+
+def test_state_dicts_w3():
+    messages = run_distributed(worker, 3, timeout=300)
+    assert messages[0] == messages[1] == messages[2], "every rank raises the same error"
