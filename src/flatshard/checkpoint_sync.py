@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 
 
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint or state dict that cannot be saved or loaded; the message names the file or parameter
     and the fix. Raised alike on every rank."""
@@ -42,12 +45,12 @@ def gather_json(obj: Any, group=None) -> list[Any]:
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
     n = world_of(group)
     sizes = torch.zeros(n, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
+    all_gather_single(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
     longest = int(sizes.max())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: data.numel()] = data
     out = torch.empty(n * longest, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(out, padded, group=group)
+    all_gather_single(out, padded, group=group)
     out = out.cpu()
     return [json.loads(bytes(out[r * longest : r * longest + int(sizes[r])].numpy()).decode()) for r in range(n)]
 

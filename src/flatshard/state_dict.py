@@ -40,7 +40,7 @@ from flatshard.api import (
     StateDictSettings,
     StateDictType,
 )
-from flatshard.checkpoint_sync import agree, gather_json, world_of
+from flatshard.checkpoint_sync import agree, all_gather_single, gather_json, world_of
 
 _HOPS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")  # wrapper attributes that add no name
 _SETTINGS = "_flatshard_state_dict_settings"
@@ -157,7 +157,7 @@ def gather_flat(unit, flat: torch.Tensor) -> torch.Tensor:
     if groups.shard_size == 1:
         return flat
     full = torch.empty(unit.layout.padded, dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(full, flat.contiguous(), group=groups.shard_group)
+    all_gather_single(full, flat.contiguous(), group=groups.shard_group)
     return full
 
 
@@ -404,7 +404,7 @@ def exchange(pieces: dict[str, Any], wanted: dict[str, tuple[int, int]], group) 
             t = _piece_tensor(piece).reshape(-1)
             local[: t.numel()] = t.to(dtype)
         everything = torch.empty(len(ranges) * longest, dtype=dtype)
-        dist.all_gather_into_tensor(everything, local, group=group)
+        all_gather_single(everything, local, group=group)
         a, b = wanted[key]
         dest = torch.zeros(b - a, dtype=dtype)
         for r, rng in enumerate(ranges):

@@ -1,0 +1,263 @@
+"""Checkpoints on disk. One spawn at W = 4 saves (sync and async) and loads back at W = 4 (bitwise resume,
+RNG included), at W = 4 with F = 2 and with NO_SHARD, and at W = 1, 2, 3 (subgroups of the same
+processes); then the command-line consolidation and inspection of what it saved. A second test kills
+savers (SIGKILL while writing, and just before commit) and then, in one spawn at W = 2, loads what
+is left and every corruption, which must fail with its named error on every rank."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests.dist import run_distributed
+from tests.models import TinyGPT
+from tests.test_parity import build, make_optimizer
+from tests.test_state_dict import assert_state_equal, full_osd, full_sd
+
+KIND = "gpt_tie_in_root"
+GLOBAL = 12  # samples per step, split evenly over 1, 2, 3 or 4 ranks
+SAVE_AT, MORE = 3, 3
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train(model, opt, batch, loss_fn, start, steps, group=None):
+    """Steps ``start``.. on the global batch split over ``group``; returns the global mean losses."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    per = GLOBAL // n
+    losses = []
+    for step in range(start, start + steps):
+        x, y = batch(step, GLOBAL)
+        loss = loss_fn(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=group)
+        losses.append(mean.item() / n)
+    return losses
+
+
+def fresh(strategy="FULL_SHARD", **kw):
+    torch.manual_seed(1234 + dist.get_rank())  # a different init on every rank: loading must overwrite it all
+    _, model, _, _ = build(KIND, strategy, **kw)
+    return model, make_optimizer("adamw", model)
+
+
+def reshard_worker(rank: int, world: int, tmp: str) -> dict:
+    from flatshard import checkpoint
+
+    _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
+    opt = make_optimizer("adamw", model)
+    train(model, opt, batch, loss_fn, 0, SAVE_AT)
+    assert checkpoint.save(f"{tmp}/sync", model, opt, step=SAVE_AT, extra={"run": "a"}) is None
+    handle = checkpoint.save(f"{tmp}/async", model, opt, step=SAVE_AT, extra={"run": "b"}, async_save=True)
+    want_sd, want_osd = full_sd(model), full_osd(model, opt)  # runs while the save writes
+    assert handle.wait() == f"{tmp}/async"
+    draws = torch.rand(4)
+    ref_losses = train(model, opt, batch, loss_fn, SAVE_AT, MORE)
+    ref_final = full_sd(model)
+
+    # the same layout: bitwise, RNG included
+    model2, opt2 = fresh()
+    assert tuple(checkpoint.load(f"{tmp}/async", model2, opt2)) == (SAVE_AT, {"run": "b"})
+    assert torch.equal(torch.rand(4), draws), "RNG state not restored"
+    assert_state_equal(full_sd(model2), want_sd, "resume: params")
+    assert_state_equal(full_osd(model2, opt2), want_osd, "resume: optimizer")
+    assert train(model2, opt2, batch, loss_fn, SAVE_AT, MORE) == ref_losses, "resume: losses not bitwise"
+    assert_state_equal(full_sd(model2), ref_final, "resume: final params")
+
+    losses = {}
+    for strategy, kw in (("HYBRID_SHARD", {"sharding_factor": 2}), ("NO_SHARD", {})):
+        m, o = fresh(strategy, **kw)
+        checkpoint.load(f"{tmp}/sync", m, o)
+        assert_state_equal(full_sd(m), want_sd, f"{strategy}: params")
+        assert_state_equal(full_osd(m, o), want_osd, f"{strategy}: optimizer")
+        losses[strategy] = train(m, o, batch, loss_fn, SAVE_AT, MORE)
+    for n in (1, 2, 3):
+        group = dist.new_group(list(range(n)))  # every rank creates every group
+        if rank < n:
+            m, o = fresh(process_group=group)
+            assert checkpoint.load(f"{tmp}/sync", m, o).step == SAVE_AT
+            assert_state_equal(full_sd(m), want_sd, f"W={n}: params")
+            assert_state_equal(full_osd(m, o), want_osd, f"W={n}: optimizer")
+            losses[f"W={n}"] = train(m, o, batch, loss_fn, SAVE_AT, MORE, group)
+    for what, got in losses.items():
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), msg=lambda m: f"{what}: losses: {m}")
+    dist.barrier()
+    return {"sd": want_sd if rank == 0 else None, "resumed_at": sorted(losses)}
+
+
+def test_save_w4_load_anywhere(tmp_path, capsys):
+    from flatshard.cli import main
+    from safetensors.torch import load_file
+
+    results = run_distributed(reshard_worker, 4, str(tmp_path), timeout=300)
+    assert results[3]["resumed_at"] == ["HYBRID_SHARD", "NO_SHARD"], "rank 3 takes part in W=4 loads only"
+    assert results[0]["resumed_at"] == ["HYBRID_SHARD", "NO_SHARD", "W=1", "W=2", "W=3"]
+    want = results[0]["sd"]
+    files = sorted(os.listdir(tmp_path / "sync"))
+    assert files == ["manifest.json"] + [f"rank-{r:05d}-of-00004.safetensors" for r in range(4)], files
+    assert not any(name.endswith((".partial", ".replaced")) for name in os.listdir(tmp_path))
+    # every rank file is a plain safetensors file
+    assert set(load_file(str(tmp_path / "sync" / files[1]))) >= {"rng/torch", "model/wte.weight"}
+
+    assert main(["consolidate", str(tmp_path / "sync"), str(tmp_path / "model.safetensors")]) == 0
+    flat = load_file(str(tmp_path / "model.safetensors"))
+    assert list(flat) == list(want) or set(flat) == set(want)
+    plain = TinyGPT()
+    plain.load_state_dict(flat, strict=True)
+    assert_state_equal(dict(plain.state_dict()), want, "consolidated")
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "async")]) == 0
+    out = capsys.readouterr().out
+    assert "step 3" in out and "checksums: all 4 files verified" in out and "blocks.1.fc.weight" in out, out
+    with open(tmp_path / "async" / "rank-00002-of-00004.safetensors", "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\xfe\xfd")
+    assert main(["inspect", str(tmp_path / "async")]) == 1
+    assert "rank-00002-of-00004.safetensors: checksum mismatch" in capsys.readouterr().out
+
+
+# ---- crashes and corruption -------------------------------------------------------------------
+_SAVER = """
+import sys, time, torch, torch.distributed as dist
+sys.path.insert(0, {root!r})
+dist.init_process_group("gloo", init_method="file://{tmp}/store-{stage}", rank=0, world_size=1)
+from tests.test_parity import build, make_optimizer
+from tests.test_checkpoint import train
+from flatshard import checkpoint
+_, model, batch, loss_fn = build({kind!r}, "FULL_SHARD")
+opt = make_optimizer("adamw", model)
+train(model, opt, batch, loss_fn, 0, 1)
+checkpoint.save("{tmp}/{stage}", model, opt, step=1)
+train(model, opt, batch, loss_fn, 1, 1)
+def hook(stage):
+    if stage == {stage!r}:
+        print("PAUSED", flush=True)
+        time.sleep(600)
+target = "{tmp}/{stage}" if {stage!r} == "before_commit" else "{tmp}/{stage}-next"
+checkpoint.save(target, model, opt, step=2, _test_hook=hook)
+print("NOT KILLED", flush=True)
+"""
+
+
+def kill_savers(tmp: str) -> None:
+    """Two savers, each killed at its pause point: while writing a new checkpoint, and just before
+    committing one that replaces the checkpoint it saved first."""
+    procs = {}
+    for stage in ("writing", "before_commit"):
+        code = _SAVER.format(root=ROOT, tmp=tmp, stage=stage, kind=KIND)
+        procs[stage] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    for stage, proc in procs.items():
+        line = proc.stdout.readline()
+        assert line.strip() == "PAUSED", f"{stage}: the saver did not reach its pause point: {line!r}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _error(fn) -> str:
+    from flatshard.checkpoint_sync import CheckpointError
+
+    try:
+        fn()
+    except CheckpointError as exc:
+        return str(exc)
+    raise AssertionError("expected a CheckpointError")
+
+
+class _Payload:
+    """Unpickling this would create a file: proof that nothing was unpickled if the file never appears."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def corrupt_worker(rank: int, world: int, tmp: str) -> list[str]:
+    from flatshard import checkpoint
+    from flatshard.checkpoint_format import ShardReader
+
+    _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
+    opt = make_optimizer("adamw", model)
+    # what the killed savers left: the first checkpoints load, nothing else does
+    assert checkpoint.load(f"{tmp}/writing", model, opt).step == 1
+    assert checkpoint.load(f"{tmp}/before_commit", model, opt).step == 1
+    messages = [_error(lambda: checkpoint.load(f"{tmp}/writing-next", model, opt))]
+    assert "never finished" in messages[-1], messages[-1]
+    train(model, opt, batch, loss_fn, 0, 2)
+    checkpoint.save(f"{tmp}/good", model, opt, step=2)
+    before = full_sd(model)
+    f1 = "rank-00001-of-00002.safetensors"
+
+    def broken(name, damage):
+        if rank == 0:
+            shutil.copytree(f"{tmp}/good", f"{tmp}/{name}")
+            damage(f"{tmp}/{name}")
+        dist.barrier()
+        return f"{tmp}/{name}"
+
+    def flip(d):
+        with ShardReader(f"{d}/{f1}") as r:
+            at = r.data_start + r.header["model/blocks.0.fc.weight"]["data_offsets"][0] + 5
+        with open(f"{d}/{f1}", "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x40]))
+
+    def plant_pickle(d):
+        size = os.path.getsize(f"{d}/{f1}")
+        payload = pickle.dumps(_Payload(f"{tmp}/UNPICKLED"))
+        with open(f"{d}/{f1}", "wb") as f:
+            f.write(payload + b"\0" * (size - len(payload)))
+        with open(f"{d}/manifest.json", "wb") as f:
+            f.write(pickle.dumps(_Payload(f"{tmp}/UNPICKLED")))
+
+    cases = {
+        "missing": (lambda d: os.remove(f"{d}/{f1}"), f"{f1} is missing"),
+        "truncated": (lambda d: os.truncate(f"{d}/{f1}", os.path.getsize(f"{d}/{f1}") - 100), f"{f1} is truncated"),
+        "flipped": (flip, f"checksum mismatch in shard file {tmp}/flipped/{f1}, tensor 'model/blocks.0.fc.weight'"),
+        "no_manifest": (lambda d: os.remove(f"{d}/manifest.json"), "has no manifest.json"),
+        "pickle": (plant_pickle, "manifest.json is not valid JSON"),
+    }
+    for name, (damage, expected) in cases.items():
+        messages.append(_error(lambda: checkpoint.load(broken(name, damage), model, opt)))
+        assert expected in messages[-1], f"{name}: {messages[-1]}"
+    pickled = broken("pickle_shard", lambda d: plant_pickle(d) or shutil.copy(f"{tmp}/good/manifest.json", f"{d}/manifest.json"))
+    messages.append(_error(lambda: checkpoint.load(pickled, model, opt)))
+    assert f"{f1} is not a safetensors file" in messages[-1], messages[-1]
+    assert not os.path.exists(f"{tmp}/UNPICKLED"), "a pickle payload was executed"
+    assert_state_equal(full_sd(model), before, "a failed load changed the model")
+    # a checkpoint of another model: names, then shapes
+    _, other, _, _ = build("odd_mlp", "FULL_SHARD")
+    messages.append(_error(lambda: checkpoint.load(f"{tmp}/good", other)))
+    assert "does not match the model: the model's scale, fc1.weight" in messages[-1], messages[-1]
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard.wrap import ModuleWrapPolicy
+    from tests.models import Block, TinyGPT
+
+    wide = FSDP(TinyGPT(vocab=41), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    messages.append(_error(lambda: checkpoint.load(f"{tmp}/good", wide)))
+    assert "holds wte.weight with shape (37, 12), the model has (41, 12)" in messages[-1], messages[-1]
+    dist.barrier()
+    return messages
+
+
+def test_crash_safety_and_corruption(tmp_path):
+    kill_savers(str(tmp_path))
+    assert not os.path.exists(tmp_path / "writing-next"), "a killed save left a loadable directory"
+    assert not os.path.exists(tmp_path / "writing-next.partial" / "manifest.json")
+    with open(tmp_path / "before_commit" / "manifest.json") as f:
+        assert json.load(f)["step"] == 1, "a save killed before commit replaced the previous checkpoint"
+    assert os.path.exists(tmp_path / "before_commit.partial" / "manifest.json"), "the kill came after the manifest"
+    messages = run_distributed(corrupt_worker, 2, str(tmp_path), timeout=200)
+    assert messages[0] == messages[1], "every rank raises the same error"
