@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from flatshard import full_params, grad
+from flatshard import deferred, full_params, grad
 from flatshard import state_dict as state_dict_impl
 from flatshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.flat_param import FlatLayout
@@ -93,6 +93,7 @@ class FullyShardedDataParallel(nn.Module):
         free memory); the choice and why are logged on rank 0 and kept in ``model.sharding_decision``."""
         super().__init__()
         _reject_not_built(backward_prefetch, forward_prefetch, mixed_precision, cpu_offload, param_init_fn)
+        deferred.check_init_fn(param_init_fn)
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError("this module is already wrapped in FullyShardedDataParallel; wrap it once")
         strategy = sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD
@@ -116,11 +117,19 @@ class FullyShardedDataParallel(nn.Module):
         config = _WrapConfig(groups, strategy, sync_module_states, mixed_precision, backward_prefetch,
                              forward_prefetch, limit_all_gathers)
         parents = _parents(module)
-        for child in chosen:  # children first: a unit's parent is still the plain module when it is replaced
-            wrapper = FullyShardedDataParallel._new_unit_wrapper(child, by_unit.get(child, []), config, placement.path[child])
-            for parent, attr in parents.get(child, []):
-                parent._modules[attr] = wrapper
-        self._setup(module, by_unit.get(module, []), config, "")
+        if deferred.has_meta_states(module, skip):  # [Note: deferred initialisation] (deferred.py)
+            units = deferred.units_in_init_order(module, [*chosen, module], by_unit, skip, param_init_fn,
+                                                 deferred.materialization_device(device_id))
+        else:  # children first (any order would do: parents are looked up before any unit is built)
+            units = ((m, by_unit.get(m, [])) for m in [*chosen, module])
+        for unit_module, params in units:
+            if unit_module is module:
+                self._setup(module, params, config, "")
+            else:
+                wrapper = FullyShardedDataParallel._new_unit_wrapper(unit_module, params, config, placement.path[unit_module])
+                for parent, attr in parents.get(unit_module, []):
+                    parent._modules[attr] = wrapper
+            del params  # the unit keeps its shard; the full-size parameters go before the next unit is initialised
         self._ignored_params = ignored_params
         if sync_module_states:
             _broadcast_buffers(module, groups, ignored)
@@ -347,11 +356,6 @@ def _reject_not_built(backward_prefetch, forward_prefetch, mixed_precision, cpu_
         )
     if cpu_offload is not None and cpu_offload.offload_params:
         raise NotBuiltError("CPUOffload(offload_params=True) is not built yet in flatshard; pass cpu_offload=None.")
-    if param_init_fn is not None:
-        raise NotBuiltError(
-            "param_init_fn (deferred initialisation) is not built yet in flatshard; build the model on a real "
-            "device (CPU is fine) before wrapping, and pass param_init_fn=None."
-        )
 
 
 def _ignored_modules(module: nn.Module, ignored_modules, ignored_states) -> set[nn.Module]:
@@ -374,22 +378,16 @@ def _ignored_modules(module: nn.Module, ignored_modules, ignored_states) -> set[
 
 
 def _place_on_device(module: nn.Module, device_id, ignored_params: set) -> None:
-    for p in module.parameters():
-        if p.is_meta and p not in ignored_params:
-            raise NotBuiltError(
-                "the model has parameters on the meta device; deferred initialisation is not built yet in "
-                "flatshard. Build the model on a real device, or call module.to_empty(device=...) and "
-                "initialise it (reset_parameters()) before wrapping."
-            )
+    """Move real parameters and buffers to ``device_id``; meta ones are materialised there later (deferred.py)."""
     if device_id is None:
         return
     device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
     for sub in module.modules():
         for attr, p in sub._parameters.items():
-            if p is not None and p not in ignored_params and p.device != device:
+            if p is not None and p not in ignored_params and not p.is_meta and p.device != device:
                 p.data = p.data.to(device)
         for attr, b in sub._buffers.items():
-            if b is not None and b.device != device:
+            if b is not None and not b.is_meta and b.device != device:
                 sub._buffers[attr] = b.to(device)
 
 

@@ -1,0 +1,199 @@
+"""Deferred initialisation: a model built on the ``meta`` device, materialised unit by unit.
+
+[Note: deferred initialisation]
+A model built under ``torch.device("meta")`` has shapes and no data. The constructor walks the
+model's modules once, in ``model.modules()`` order, and for each module that holds parameters or
+buffers of its own on meta: allocates them on the device (uninitialised, as ``to_empty`` would),
+then initialises them with ``param_init_fn(module)`` or, when none was given,
+``module.reset_parameters()``. As soon as every module that uses a unit's parameters has been
+initialised, the unit is built: its parameters are flattened, this rank keeps its flat shard, and
+the full-size tensors are dropped. So a rank holds its flat shards plus the full parameters of the
+units still being initialised (the one being visited and the units around it whose modules come
+later in the order, typically the root), never the whole model.
+
+Every rank initialises every module, in the same order, from the same random-number stream: each
+draws the same numbers for a whole unit and keeps its own slice. The order is ``model.modules()``
+whatever the units are, so the result depends neither on the world size nor on the wrap policy: it
+equals, parameter for parameter and buffer for buffer, a single process running
+
+    model.to_empty(device=...)      # re-tie shared weights: torch's to_empty unties them
+    for m in model.modules():
+        if m has parameters or buffers of its own:
+            param_init_fn(m)   or   m.reset_parameters()
+
+Tied parameters stay tied (one tensor, allocated once; every module that uses it initialises it in
+turn, the last one winning, as in the reference). Each module's init must touch only its own
+parameters and buffers (``recurse=False``), as PyTorch FSDP requires too: a module's children may
+already be sharded when it runs. Ignored modules and units wrapped earlier are not touched.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+
+def has_meta_states(module: nn.Module, skip: set[nn.Module]) -> bool:
+    """Whether any module under ``module`` (outside ``skip``) holds a parameter or buffer on meta."""
+    return any(_own_meta(m) for m in _walk(module, skip))
+
+
+def materialization_device(device_id) -> torch.device:
+    if device_id is not None:
+        return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_init_fn(param_init_fn) -> None:
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(
+            f"param_init_fn must be a callable taking one module (it is called on each module that has parameters "
+            f"or buffers of its own on the meta device), got {param_init_fn!r}"
+        )
+
+
+def units_in_init_order(
+    root: nn.Module,
+    unit_modules: list[nn.Module],
+    by_unit: dict[nn.Module, list],
+    skip: set[nn.Module],
+    param_init_fn: Optional[Callable[[nn.Module], None]],
+    device: torch.device,
+) -> Iterator[tuple[nn.Module, list]]:
+    """Initialise ``root``'s meta modules in ``modules()`` order; yield each unit module with its
+    (layout info, real parameter) pairs as soon as all its parameters are initialised.
+
+    ``unit_modules`` includes ``root``; ``by_unit`` is ``Placement.infos_by_unit()`` of the meta model.
+    The caller builds the unit (flatten, keep the shard) before asking for the next one, which is what
+    frees the full-size parameters."""
+    order = list(_walk(root, skip))
+    index = {m: i for i, m in enumerate(order)}
+    to_init = [m for m in order if _own_meta(m)]
+    _check_initialisable(root, to_init, param_init_fn)
+    last: dict[nn.Module, int] = {}  # unit -> position of the last module that uses one of its parameters
+    for unit in unit_modules:
+        uses = [index[m] for info, _ in by_unit.get(unit, []) for m, _ in info.uses if m in index]
+        last[unit] = max(uses, default=-1)
+    pending = sorted(unit_modules, key=lambda u: last[u])
+    real: dict[int, tuple] = {}  # id(meta tensor) -> (meta tensor, its materialised tensor), shared by tied uses
+    for unit in _ready(pending, last, -1):
+        yield unit, _fresh(unit, by_unit, real)
+    for module in to_init:
+        _allocate(module, device, real)
+        installed = dict(module._parameters)
+        with torch.no_grad():
+            if param_init_fn is not None:
+                param_init_fn(module)
+            else:
+                module.reset_parameters()
+        _keep_ties(root, module, installed)
+        del installed
+        for unit in _ready(pending, last, index[module]):
+            yield unit, _fresh(unit, by_unit, real)
+    for unit in pending:  # units whose last use lies in a module without meta states
+        yield unit, _fresh(unit, by_unit, real)
+    pending.clear()
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _walk(root: nn.Module, skip: set[nn.Module]) -> Iterator[nn.Module]:
+    """``root.modules()`` order (each module once), not entering ``skip``."""
+    from flatshard.fsdp import FullyShardedDataParallel
+
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> Iterator[nn.Module]:
+        if id(m) in seen or m in skip or (m is not root and isinstance(m, FullyShardedDataParallel)):
+            return
+        seen.add(id(m))
+        yield m
+        for child in m._modules.values():
+            if child is not None:
+                yield from visit(child)
+
+    yield from visit(root)
+
+
+def _own_meta(module: nn.Module) -> bool:
+    states = [*module._parameters.values(), *module._buffers.values()]
+    return any(t is not None and t.is_meta for t in states)
+
+
+def _name(root: nn.Module, module: nn.Module) -> str:
+    for name, m in root.named_modules(remove_duplicate=False):
+        if m is module:
+            return name or "<root>"
+    return type(module).__name__
+
+
+def _check_initialisable(root: nn.Module, to_init: list[nn.Module], param_init_fn) -> None:
+    """Before anything is allocated: every module to initialise must know how (same answer on every rank)."""
+    if param_init_fn is not None:
+        return
+    missing = [m for m in to_init if not callable(getattr(m, "reset_parameters", None))]
+    if missing:
+        names = ", ".join(f"{_name(root, m)!r} ({type(m).__name__})" for m in missing[:5])
+        raise ValueError(
+            f"the model is on the meta device, but these modules hold parameters or buffers of their own and have no "
+            f"reset_parameters() to initialise them: {names}{' ...' if len(missing) > 5 else ''}. Give each a "
+            "reset_parameters() that fills its own parameters and buffers, or pass param_init_fn=fn, called as "
+            "fn(module) on each such module in model.modules() order."
+        )
+
+
+def _allocate(module: nn.Module, device: torch.device, real: dict[int, tuple]) -> None:
+    """``module.to_empty(device, recurse=False)``, except that a tensor shared with another module is
+    allocated once and stays shared."""
+    for attr, p in module._parameters.items():
+        if p is not None and p.is_meta:
+            if id(p) not in real:  # the meta tensor is kept in the entry, so its id is not reused meanwhile
+                real[id(p)] = (p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad))
+            module._parameters[attr] = real[id(p)][1]
+    for attr, b in module._buffers.items():
+        if b is not None and b.is_meta:
+            if id(b) not in real:
+                real[id(b)] = (b, torch.empty_like(b, device=device))
+            module._buffers[attr] = real[id(b)][1]
+
+
+def _keep_ties(root: nn.Module, module: nn.Module, installed: dict) -> None:
+    """Accept an init that replaced a parameter (``to_empty`` inside ``param_init_fn``): copy the new value
+    into the tensor we allocated, so every module sharing it sees it. Raise if it left one on meta."""
+    for attr, p in module._parameters.items():
+        if p is None:
+            continue
+        if p.is_meta:
+            raise RuntimeError(
+                f"after initialising module {_name(root, module)!r} ({type(module).__name__}) its parameter {attr!r} "
+                "is still on the meta device; param_init_fn(module) must fill the module's own parameters (flatshard "
+                "has already allocated them: initialise them in place, e.g. module.reset_parameters())."
+            )
+        before = installed.get(attr)
+        if before is not None and p is not before:
+            before.data.copy_(p.detach())
+            module._parameters[attr] = before
+    for attr, b in module._buffers.items():
+        if b is not None and b.is_meta:
+            raise RuntimeError(
+                f"after initialising module {_name(root, module)!r} ({type(module).__name__}) its buffer {attr!r} is "
+                "still on the meta device; its reset_parameters() (or param_init_fn) must fill its buffers too."
+            )
+
+
+def _ready(pending: list[nn.Module], last: dict[nn.Module, int], position: int) -> list[nn.Module]:
+    """Remove and return (in order) the pending units whose last use is at or before ``position``."""
+    done = [u for u in pending if last[u] <= position]
+    del pending[: len(done)]  # ``pending`` is sorted by last use
+    return done
+
+
+def _fresh(unit: nn.Module, by_unit: dict[nn.Module, list], real: dict[int, tuple]) -> list:
+    """The unit's (info, parameter) pairs with the materialised tensors in place of the meta ones; the
+    entries are removed from ``real`` so that building the unit frees the full-size tensors."""
+    out = []
+    for info, p in by_unit.get(unit, []):
+        out.append((info, real.pop(id(p), (p, p))[1]))
+    return out
