@@ -4,15 +4,23 @@
 (forward / backward / optimizer / other), with the tensor bytes and the per-rank ring bytes.
 ``MemoryRecorder`` follows the bytes of the tensors flatshard manages (flat shards, gradient
 shards, unsharded flats and their full-size gradients, optimizer state) and keeps their peak; it
-samples at every unit transition, which is exactly when those bytes change.
+samples at every unit transition, which is exactly when those bytes change, and keeps every sample
+in ``timeline``. Inside ``recorder.tracking_activations()`` it also counts *activations*: every
+tensor that an operator creates while the block runs (saved for backward, recomputed by activation
+checkpointing, temporaries) and that is still alive, less what the other categories count.
 """
 from __future__ import annotations
 
+import contextlib
+import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 @dataclass(frozen=True)
@@ -64,26 +72,36 @@ class CommRecorder:
 
 
 CATEGORIES = ("params", "grads", "optimizer", "gathered")
+ACTIVATIONS = "activations"
 
 
 class MemoryRecorder:
     """Live and peak bytes by category of what flatshard manages on this rank.
 
-    * params     flat shards (and parameters flatshard does not manage, e.g. ignored modules)
-    * grads      gradient shards exposed as ``.grad`` (and unmanaged parameters' grads)
-    * optimizer  tensors in the optimizer's state (when an optimizer is attached)
-    * gathered   unsharded flats with storage, plus their full-size gradients before reduction
+    * params       flat shards (and parameters flatshard does not manage, e.g. ignored modules)
+    * grads        gradient shards exposed as ``.grad`` (and unmanaged parameters' grads)
+    * optimizer    tensors in the optimizer's state (when an optimizer is attached)
+    * gathered     unsharded flats with storage, plus their full-size gradients before reduction
+    * activations  only inside ``tracking_activations()``: tensors created by operators and still alive,
+                   not counted above; its peak is exact (taken after every operator), the other
+                   categories' peaks are taken at samples
+
+    ``timeline`` holds ``(seconds, {category: bytes})`` for every sample, for plotting one step.
     """
 
     def __init__(self, units, optimizer: Optional[torch.optim.Optimizer] = None, extra_params=()):
         self._units = list(units)
         self.optimizer = optimizer
         self._extra = list(extra_params)
+        self.categories: tuple[str, ...] = CATEGORIES
         self.peak: dict[str, int] = {c: 0 for c in CATEGORIES}
         self.peak_total = 0
+        self.timeline: list[tuple[float, dict[str, int]]] = []
+        self._t0 = time.perf_counter()
+        self._tracker: Optional[LiveTensors] = None
 
     def current(self) -> dict[str, int]:
-        now = {c: 0 for c in CATEGORIES}
+        now = {c: 0 for c in self.categories}
         for unit in self._units:
             for category, nbytes in unit.memory_bytes().items():
                 now[category] += nbytes
@@ -93,19 +111,110 @@ class MemoryRecorder:
                 now["grads"] += p.grad.numel() * p.grad.element_size()
         if self.optimizer is not None:
             now["optimizer"] = optimizer_state_bytes(self.optimizer)
+        if self._tracker is not None:
+            now[ACTIVATIONS] = self._tracker.unmanaged_bytes(self._managed_storages())
         return now
 
     def sample(self) -> dict[str, int]:
         now = self.current()
-        for c in CATEGORIES:
+        for c in self.categories:
             self.peak[c] = max(self.peak[c], now[c])
+        if self._tracker is not None:
+            self.peak[ACTIVATIONS] = max(self.peak[ACTIVATIONS], self._tracker.peak)
         self.peak_total = max(self.peak_total, sum(now.values()))
+        self.timeline.append((time.perf_counter() - self._t0, now))
         return now
 
     def reset_peak(self) -> None:
-        self.peak = {c: 0 for c in CATEGORIES}
+        self.peak = {c: 0 for c in self.categories}
         self.peak_total = 0
+        if self._tracker is not None:
+            self._tracker.peak = 0
         self.sample()
+
+    def reset_timeline(self) -> None:
+        """Forget the samples so far; times count from now."""
+        self.timeline = []
+        self._t0 = time.perf_counter()
+
+    @contextlib.contextmanager
+    def tracking_activations(self) -> Iterator["MemoryRecorder"]:
+        """Count activations (see the class) while the block runs, on this thread; adds the category.
+        Every operator passes through a Python hook meanwhile: a few microseconds each."""
+        if self._tracker is not None:
+            raise RuntimeError("tracking_activations() is already active on this recorder")
+        self.categories = (*CATEGORIES, ACTIVATIONS)
+        self.peak.setdefault(ACTIVATIONS, 0)
+        tracker = LiveTensors()
+        self._tracker = tracker
+        try:
+            with tracker:
+                self.sample()
+                yield self
+                self.sample()
+        finally:
+            self._tracker = None
+            self.categories = CATEGORIES
+
+    def _managed_storages(self) -> set[int]:
+        """data_ptr of every storage counted in the other categories."""
+        tensors: list[torch.Tensor] = []
+        for unit in self._units:
+            tensors += [unit.flat_shard, unit.unsharded]
+            if unit.unsharded.grad is not None:
+                tensors.append(unit.unsharded.grad)
+            tensors += [v.grad for v in unit.shard_views if v.grad is not None]
+        for p in self._extra:
+            tensors += [p] + ([p.grad] if p.grad is not None else [])
+        if self.optimizer is not None:
+            tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+class LiveTensors(TorchDispatchMode):
+    """Bytes of the storages that operators create while the mode is active and that are still alive.
+
+    A storage stops counting when Python frees it (a finaliser) or once it is found to be managed (a
+    parameter, gradient or optimizer state, counted elsewhere). ``peak`` is the largest unmanaged
+    total seen after any operator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[weakref.ref, int]] = {}  # id(storage) -> (storage, bytes)
+        self._managed: set[int] = set()  # ids of live storages found managed
+        self.now = 0  # unmanaged live bytes
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # in-place and out= operators and views return storages that existed before: not new
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._live and key not in inputs:
+                    self._live[key] = (weakref.ref(storage), storage.nbytes())
+                    self.now += storage.nbytes()
+                    weakref.finalize(storage, self._freed, key)
+        self.peak = max(self.peak, self.now)
+        return out
+
+    def _freed(self, key: int) -> None:
+        _, nbytes = self._live.pop(key)
+        if key in self._managed:
+            self._managed.discard(key)
+        else:
+            self.now -= nbytes
+
+    def unmanaged_bytes(self, managed_ptrs: set[int]) -> int:
+        for key, (ref, nbytes) in list(self._live.items()):
+            storage = ref()
+            if key not in self._managed and storage is not None and storage.data_ptr() in managed_ptrs:
+                self._managed.add(key)
+                self.now -= nbytes
+        return self.now
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
