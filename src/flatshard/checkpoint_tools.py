@@ -14,6 +14,7 @@ import os
 import sys
 
 import torch
+from safetensors import safe_open
 
 from flatshard.checkpoint import read_manifest
 from flatshard.checkpoint_format import ShardReader, ShardWriter, dtype_from, fsync_dir, sha256_of
@@ -94,8 +95,13 @@ def _verify(ckpt: str, manifest: dict) -> list[str]:
             with ShardReader(path, rec, path) as reader:
                 for key in rec["blocks"]:
                     reader.read(key)
+            with safe_open(path, framework="pt") as f:  # the reference reader agrees that it is safetensors
+                if set(f.keys()) != set(rec["blocks"]):
+                    problems.append(f"{name}: its tensors differ from the manifest's")
         except CheckpointError as exc:
             problems.append(f"{name}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - safetensors' own errors
+            problems.append(f"{name}: not a valid safetensors file ({exc})")
     return problems
 
 
