@@ -82,9 +82,11 @@ class MemoryRecorder:
     * grads        gradient shards exposed as ``.grad`` (and unmanaged parameters' grads)
     * optimizer    tensors in the optimizer's state (when an optimizer is attached)
     * gathered     unsharded flats with storage, plus their full-size gradients before reduction
-    * activations  only inside ``tracking_activations()``: tensors created by operators and still alive,
-                   not counted above; its peak is exact (taken after every operator), the other
-                   categories' peaks are taken at samples
+    * activations  only inside ``tracking_activations()``: tensors that operators created while tracking,
+                   still alive and not held in the categories above: saved activations, recomputed
+                   ones, temporaries, and a unit's full-size gradient from the moment autograd makes
+                   it until the unit claims it (then it counts as gathered). Its peak is exact (taken
+                   after every operator); the other categories' peaks are taken at samples
 
     ``timeline`` holds ``(seconds, {category: bytes})`` for every sample, for plotting one step.
     """
