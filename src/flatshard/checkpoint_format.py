@@ -159,7 +159,8 @@ class ShardReader:
         return self.header[key]
 
     def read(self, key: str, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
-        """Elements [start, end) of tensor ``key``, flattened."""
+        """Elements [start, end) of tensor ``key``, flattened. The result may view a buffer up to one
+        checksum block longer at each end: callers copy it where they keep it."""
         e = self.entry(key)
         dtype = BY_NAME[e["dtype"]]
         item = torch.empty((), dtype=dtype).element_size()
@@ -167,28 +168,34 @@ class ShardReader:
         numel = (stop - begin) // item
         end = numel if end is None else end
         a, b = begin + start * item, begin + end * item  # wanted bytes, from the start of the data section
-        if self.record is None or b <= a:
-            data = os.pread(self._fd, b - a, self.data_start + a) if b > a else b""
-        else:
-            data = self._verified(key, begin, stop, a, b)
-        if len(data) != b - a:
+        if b <= a:
+            return torch.empty(0, dtype=dtype)
+        lo, hi = (a, b) if self.record is None else self._block_range(key, begin, stop, a, b)
+        buf = bytearray(hi - lo)
+        if os.preadv(self._fd, [buf], self.data_start + lo) != hi - lo:
             raise CheckpointError(f"shard file {self.label} ended early while reading {key!r}; the file is truncated")
-        return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        if self.record is not None:
+            self._verify(key, begin, lo, buf)
+        return torch.frombuffer(buf, dtype=dtype, count=(b - a) // item, offset=a - lo)
 
-    def _verified(self, key: str, begin: int, stop: int, a: int, b: int) -> bytes:
-        crcs = self.record["blocks"].get(key)
+    def _block_range(self, key: str, begin: int, stop: int, a: int, b: int) -> tuple[int, int]:
         block = self.record["block_bytes"]
         first, last = (a - begin) // block, (b - begin - 1) // block
-        lo, hi = begin + first * block, min(stop, begin + (last + 1) * block)
-        data = os.pread(self._fd, hi - lo, self.data_start + lo)
-        for i in range(first, last + 1):
-            chunk = data[(i - first) * block : (i - first + 1) * block]
+        return begin + first * block, min(stop, begin + (last + 1) * block)
+
+    def _verify(self, key: str, begin: int, lo: int, buf: bytearray) -> None:
+        crcs = self.record["blocks"].get(key)
+        block = self.record["block_bytes"]
+        first = (lo - begin) // block
+        view = memoryview(buf)
+        for j in range(0, len(buf), block):
+            i = first + j // block
+            chunk = view[j : j + block]
             if crcs is None or i >= len(crcs) or zlib.crc32(chunk) != crcs[i]:
                 raise CheckpointError(
                     f"checksum mismatch in shard file {self.label}, tensor {key!r} (bytes {begin + i * block}–"
                     f"{begin + i * block + len(chunk)} of its data): the file is corrupt; restore it or load an earlier checkpoint"
                 )
-        return data[a - lo : b - lo]
 
     def close(self) -> None:
         os.close(self._fd)
