@@ -82,6 +82,12 @@ def reshard_worker(rank: int, world: int, tmp: str) -> dict:
         assert_state_equal(full_sd(m), want_sd, f"{strategy}: params")
         assert_state_equal(full_osd(m, o), want_osd, f"{strategy}: optimizer")
         losses[strategy] = train(m, o, batch, loss_fn, SAVE_AT, MORE)
+        if strategy == "HYBRID_SHARD":  # saved by the first replica only, loaded back at F = W
+            checkpoint.save(f"{tmp}/hybrid", m, o)
+            back, back_o = fresh()
+            checkpoint.load(f"{tmp}/hybrid", back, back_o)
+            assert_state_equal(full_sd(back), full_sd(m), "HYBRID save -> FULL_SHARD load: params")
+            assert_state_equal(full_osd(back, back_o), full_osd(m, o), "HYBRID save -> FULL_SHARD load: optimizer")
     for n in (1, 2, 3):
         group = dist.new_group(list(range(n)))  # every rank creates every group
         if rank < n:
@@ -122,6 +128,9 @@ def test_checkpoints(tmp_path, capsys):
     files = sorted(os.listdir(tmp_path / "sync"))
     assert files == ["manifest.json"] + [f"rank-{r:05d}-of-00004.safetensors" for r in range(4)], files
     assert not os.path.exists(tmp_path / "sync.partial") and not os.path.exists(tmp_path / "async.partial")
+    hybrid = [set(load_file(str(tmp_path / "hybrid" / f"rank-{r:05d}-of-00004.safetensors"))) for r in range(4)]
+    assert all(k.startswith("rng/") for k in hybrid[2] | hybrid[3]), "the second replica writes its RNG states only"
+    assert "model/blocks.0.fc.weight" in hybrid[1]
     # every rank file is a plain safetensors file
     assert set(load_file(str(tmp_path / "sync" / files[1]))) >= {"rng/torch", "model/wte.weight"}
 
