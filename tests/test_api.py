@@ -24,17 +24,16 @@ def _raises(fn, exc=Exception) -> str:
 def errors_worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from flatshard import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+    from flatshard import CPUOffload, MixedPrecision
     from flatshard import FullyShardedDataParallel as FSDP
 
     out = {
-        "backward_prefetch": _raises(lambda: FSDP(OddMLP(), backward_prefetch=BackwardPrefetch.BACKWARD_PRE)),
-        "forward_prefetch": _raises(lambda: FSDP(OddMLP(), forward_prefetch=True)),
-        "mixed_precision": _raises(lambda: FSDP(OddMLP(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))),
+        "low_precision_grads": _raises(lambda: FSDP(OddMLP(), mixed_precision=MixedPrecision(
+            param_dtype=torch.bfloat16, keep_low_precision_grads=True))),
+        "bad_prefetch": _raises(lambda: FSDP(OddMLP(), backward_prefetch="BACKWARD_PRE")),
         "cpu_offload": _raises(lambda: FSDP(OddMLP(), cpu_offload=CPUOffload(offload_params=True))),
         "param_init_fn": _raises(lambda: FSDP(OddMLP(), param_init_fn="normal")),
         "group_pair": _raises(lambda: FSDP(OddMLP(), process_group=(None, None))),
-        "state_dict": _raises(lambda: FSDP(OddMLP()).state_dict()),
         "wrapped_twice": _raises(lambda: FSDP(FSDP(OddMLP()))),
         "mixed_dtypes": _raises(lambda: FSDP(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))),
         "bad_policy": _raises(lambda: FSDP(OddMLP(), auto_wrap_policy={nn.Linear})),
@@ -56,13 +55,11 @@ def errors_worker(rank: int, world: int) -> dict:
 def test_unbuilt_keywords_and_bad_input_raise_on_every_rank():
     results = run_distributed(errors_worker, 2, timeout=120)
     expected = {
-        "backward_prefetch": "NotBuiltError: backward_prefetch=BackwardPrefetch.BACKWARD_PRE is not built yet",
-        "forward_prefetch": "NotBuiltError: forward_prefetch=True is not built yet",
-        "mixed_precision": "NotBuiltError: mixed_precision is not built yet",
-        "cpu_offload": "NotBuiltError: CPUOffload(offload_params=True) is not built yet",
+        "low_precision_grads": "NotBuiltError: MixedPrecision(keep_low_precision_grads=True) is not built yet",
+        "bad_prefetch": "TypeError: backward_prefetch must be a flatshard.BackwardPrefetch",
+        "cpu_offload": "ValueError: CPUOffload(offload_params=True): offload needs an accelerator compute device",
         "param_init_fn": "TypeError: param_init_fn must be a callable",
         "group_pair": "ValueError: process_group=(shard_group, replicate_group) is for HYBRID_SHARD",
-        "state_dict": "NotBuiltError: state dicts of flatshard models are not built yet",
         "wrapped_twice": "ValueError: this module is already wrapped",
         "mixed_dtypes": "TypeError: unit '<root>' holds parameters of several dtypes",
         "bad_policy": "TypeError: auto_wrap_policy must be a policy object",

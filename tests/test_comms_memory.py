@@ -16,12 +16,12 @@ from tests.models import Block, TinyGPT
 B = 4  # bytes per fp32 element
 
 
-def _model(strategy: str):
+def _model(strategy: str, **kw):
     from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy
     from flatshard.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
-    return FSDP(TinyGPT(), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}))
+    return FSDP(TinyGPT(), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
 
 
 def _step(model, opt, world: int, seed: int) -> None:
@@ -90,7 +90,7 @@ def memory_worker(rank: int, world: int) -> dict:
 
     out = {}
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
-        model = _model(strategy)
+        model = _model(strategy, backward_prefetch=None)  # no prefetch: one unit gathered at a time
         units = [w._unit for w in FSDP.fsdp_modules(model)]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         # after forward: FULL_SHARD frees every unit but the root; SHARD_GRAD_OP keeps every unit

@@ -40,8 +40,10 @@ def measured_vs_planned_worker(rank: int, world: int) -> list:
 
     rows = []
     for strategy, factor in CONFIGS[world]:
+        # no prefetch: the planner's prefetch depth 0 (collectives in order, reductions finished at once)
         model = FSDP(_gpt(), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}),
-                     sharding_factor=factor if strategy.startswith("_HYBRID") or strategy == "HYBRID_SHARD" else None)
+                     sharding_factor=factor if strategy.startswith("_HYBRID") or strategy == "HYBRID_SHARD" else None,
+                     backward_prefetch=None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(rank)
         for step in range(3):  # measure the third step: gradients and optimizer state exist

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from flatshard import deferred, full_params, grad
+from flatshard import deferred, full_params, grad, precision
 from flatshard import state_dict as state_dict_impl
 from flatshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.flat_param import FlatLayout
@@ -68,7 +68,7 @@ class FullyShardedDataParallel(nn.Module):
         sharding_strategy: Optional[ShardingStrategy] = None,
         cpu_offload: Optional[CPUOffload] = None,
         auto_wrap_policy=None,
-        backward_prefetch=None,
+        backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
         mixed_precision: Optional[MixedPrecision] = None,
         ignored_modules=None,
         param_init_fn=None,
@@ -181,7 +181,8 @@ class FullyShardedDataParallel(nn.Module):
             _broadcast(flat, config.groups)
         self._flattened_originals = {id(p): weakref.ref(p) for p in originals}
         full_shard = config.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-        self._unit = Unit(name, layout, flat, config.groups, full_shard=full_shard)
+        self._unit = Unit(name, layout, flat, config.groups, full_shard=full_shard,
+                          precision=precision.resolve(config.mixed_precision, dtype))
 
     def _lazy_init(self) -> RunContext:
         """On first use, the outermost wrapper becomes the root and hands one run context to every unit."""
@@ -195,15 +196,24 @@ class FullyShardedDataParallel(nn.Module):
                 "root for now. Pass the same process_group to every FullyShardedDataParallel."
             )
         ctx = RunContext([w._unit for w in wrappers], self._unit)
+        ctx.configure(self._config.backward_prefetch, self._config.forward_prefetch, self._config.limit_all_gathers)
+        if self._config.mixed_precision is not None:
+            precision.cast_buffers(self.module, self._config.mixed_precision.buffer_dtype)
         for w in wrappers:
             w._ctx, w._is_root = ctx, w is self
             w._unit.ctx, w._unit.is_root = ctx, w is self
+        for path, m in self.named_modules():  # units wrapped by hand learn their place under the root
+            if isinstance(m, FullyShardedDataParallel):
+                m._unit.name = clean_name(path).removesuffix("._fsdp_wrapped_module") or "<root>"
         return ctx
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ctx = self._lazy_init()
         unit = self._unit
+        p = unit.precision
+        if p.mixed and (p.cast_forward_inputs or (self._is_root and p.cast_root_forward_inputs)):
+            args, kwargs = precision.cast_floating((args, kwargs), p.compute)
         if self._is_root:
             ctx.begin_forward()
         try:
@@ -342,20 +352,18 @@ class FullyShardedDataParallel(nn.Module):
 
 # ---- helpers ---------------------------------------------------------------------------------
 def _reject_not_built(backward_prefetch, forward_prefetch, mixed_precision, cpu_offload, param_init_fn) -> None:
-    if backward_prefetch is not None:
-        raise NotBuiltError(
-            f"backward_prefetch={backward_prefetch} is not built yet in flatshard (prefetch lands with the "
-            "overlap issue); pass backward_prefetch=None: collectives then run in order, with the same results."
-        )
-    if forward_prefetch:
-        raise NotBuiltError("forward_prefetch=True is not built yet in flatshard; pass forward_prefetch=False.")
-    if mixed_precision is not None and mixed_precision != MixedPrecision():
-        raise NotBuiltError(
-            "mixed_precision is not built yet in flatshard (it lands with the precision issue); pass "
-            "mixed_precision=None to train in the parameters' own dtype."
-        )
+    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+        raise TypeError(f"backward_prefetch must be a flatshard.BackwardPrefetch or None, got {backward_prefetch!r}")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(f"mixed_precision must be a flatshard.MixedPrecision, got {mixed_precision!r}")
     if cpu_offload is not None and cpu_offload.offload_params:
-        raise NotBuiltError("CPUOffload(offload_params=True) is not built yet in flatshard; pass cpu_offload=None.")
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "CPUOffload(offload_params=True): offload needs an accelerator compute device, and this run has "
+                "none: the parameters already live in CPU memory. Pass cpu_offload=None (or CPUOffload(False))."
+            )
+        raise NotBuiltError("CPUOffload(offload_params=True) with a CUDA compute device is not built yet in flatshard; "
+                            "pass cpu_offload=None.")
 
 
 def _ignored_modules(module: nn.Module, ignored_modules, ignored_states) -> set[nn.Module]:

@@ -8,16 +8,20 @@ the attached recorders.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch.autograd import Variable
 
+from flatshard.api import BackwardPrefetch
 from flatshard.collectives import Collective
 from flatshard.instrument import CommEvent, CommRecorder, MemoryRecorder
 
 if TYPE_CHECKING:
     from flatshard.unit import Unit
+
+logger = logging.getLogger("flatshard")
 
 
 class RunContext:
@@ -31,6 +35,18 @@ class RunContext:
         self._end_of_backward_queued = False
         self.comm_recorders: list[CommRecorder] = []
         self.memory_recorders: list[MemoryRecorder] = []
+        self.backward_prefetch: Optional[BackwardPrefetch] = None
+        self.forward_prefetch = False
+        self.limit_all_gathers = True
+        self.overlap_reductions = False  # leave reduce-scatters in flight until the end of backward
+        self.pending_reductions: list["Unit"] = []
+        self._order_changed_warned = False
+
+    def configure(self, backward_prefetch: Optional[BackwardPrefetch], forward_prefetch: bool, limit_all_gathers: bool) -> None:
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        self.overlap_reductions = backward_prefetch is not None
 
     # ---- phases -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -48,7 +64,12 @@ class RunContext:
     def end_forward(self) -> None:
         self.phase = "optimizer"
         if self._order_this_pass:
+            if self._order_this_pass != self.forward_order:
+                self._order_changed_warned = False
             self.forward_order = self._order_this_pass
+        for unit in self.units:  # a forward prefetch the pass did not use: free it now
+            if unit.full_shard and not unit.is_root and unit.gathered and unit not in self._order_this_pass:
+                unit.reshard()
 
     def record_forward(self, unit: "Unit") -> None:
         self._order_this_pass.append(unit)
@@ -64,12 +85,57 @@ class RunContext:
     def _end_of_backward(self) -> None:
         """Runs once, when the autograd engine finishes the backward pass."""
         try:
+            pending, self.pending_reductions = self.pending_reductions, []
+            for unit in pending:  # in the order issued: the same on every rank
+                unit.finish_reduction()
             for unit in self.units:
                 unit.finish_backward(self.sync_gradients)
             self.sample_memory()
         finally:
             self._end_of_backward_queued = False
             self.phase = "optimizer"
+
+    # ---- prefetch: the schedule that spans units ------------------------------------------
+    # [Note: prefetch]
+    # Forward prefetch gathers the unit that ran after this one in the last recorded forward, if this
+    # pass has followed that order so far; otherwise the order has changed and nothing is prefetched
+    # (logged once) until the end of this pass records the new order. Backward prefetch gathers the
+    # unit that ran before this one in this pass's forward: in pre-backward (BACKWARD_PRE, before this
+    # unit's gradients are computed) or in post-backward before this unit's reduce-scatter
+    # (BACKWARD_POST). The root unit is never prefetched: it stays gathered. With limit_all_gathers,
+    # no prefetch is issued while two units (besides the root) are already gathered.
+    def prefetch_forward(self, unit: "Unit") -> None:
+        if not self.forward_prefetch or not self.forward_order:
+            return
+        k = len(self._order_this_pass)
+        if self._order_this_pass != self.forward_order[:k]:
+            if not self._order_changed_warned:
+                logger.warning("flatshard: the forward order of units changed; forward prefetch is off until "
+                               "this pass has recorded the new order")
+                self._order_changed_warned = True
+            return
+        if k < len(self.forward_order):
+            self._prefetch(self.forward_order[k])
+
+    def prefetch_backward(self, unit: "Unit", *, pre: bool) -> None:
+        wanted = BackwardPrefetch.BACKWARD_PRE if pre else BackwardPrefetch.BACKWARD_POST
+        if self.backward_prefetch is not wanted or unit not in self.forward_order:
+            return
+        k = len(self.forward_order) - 1 - self.forward_order[::-1].index(unit)
+        if k > 0:
+            self._prefetch(self.forward_order[k - 1])
+
+    def _prefetch(self, target: "Unit") -> None:
+        if target.is_root or target.gathered:
+            return
+        if self.limit_all_gathers and sum(u.gathered and not u.is_root for u in self.units) >= 2:
+            return
+        target.unshard(wait=False)
+
+    def poll_reductions(self) -> None:
+        """Finish the reductions already completed, oldest first (frees their full-size gradients)."""
+        while self.pending_reductions and self.pending_reductions[0].reduction.done():
+            self.pending_reductions.pop(0).finish_reduction()
 
     # ---- recorders ----------------------------------------------------------------------
     def record(self, result: Collective, group: str, unit: str) -> None:
@@ -83,10 +149,3 @@ class RunContext:
         for recorder in self.memory_recorders:
             recorder.sample()
 
-
-def current_phase(ctx: Optional[RunContext]) -> str:
-    return ctx.phase if ctx is not None else "other"
-
-
-def is_grad_needed() -> bool:
-    return torch.is_grad_enabled()

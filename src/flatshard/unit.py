@@ -4,19 +4,25 @@ States: SHARDED (only the flat shard holds data) and UNSHARDED (the unsharded fl
 parameters). ``unshard`` and ``reshard`` are idempotent. Terms as in [Note: flatshard tensors]
 (flat_param.py).
 
-When F == 1 the unsharded flat aliases the flat shard's storage (through ``.data``, so it has its
-own version counter and the optimizer's in-place updates never invalidate what autograd saved):
-nothing is gathered and nothing is freed.
+When F == 1 and the compute dtype is the master dtype, the unsharded flat aliases the flat shard's
+storage (through ``.data``, so it has its own version counter and the optimizer's in-place updates
+never invalidate what autograd saved): nothing is gathered and nothing is freed.
+
+Collectives may be issued asynchronously (prefetch): ``unshard(wait=False)`` issues the all-gather
+and returns; whoever needs the parameters waits (``unshard()`` does), and ``reshard`` waits before
+it frees. Gradient reductions likewise (reduce.py).
 """
 from __future__ import annotations
 
 import enum
+from typing import Optional
 
 import torch
 
-from flatshard import collectives
+from flatshard import collectives, reduce
 from flatshard.flat_param import FlatLayout, make_compute_views, make_shard_views, set_views_on_modules
 from flatshard.mesh import ShardGroups
+from flatshard.precision import UnitPrecision
 
 
 class UnitState(enum.Enum):
@@ -33,6 +39,7 @@ class Unit:
         groups: ShardGroups,
         *,
         full_shard: bool,
+        precision: UnitPrecision,
     ):
         """``flat_full`` is the zero-padded concatenation of the unit's parameters, identical on every
         rank of the shard group; the unit keeps this rank's slice and frees the rest."""
@@ -42,47 +49,72 @@ class Unit:
         self.full_shard = full_shard  # FULL_SHARD: free after forward and after each backward
         self.is_root = False  # set by the root on first use; the root stays gathered from forward to backward
         self.ctx = None  # RunContext, set by the root on first use
+        self.precision = precision
         self.requires_grad = any(i.requires_grad for i in layout.infos)
         S, rank = layout.shard_numel, groups.shard_rank
-        if groups.shard_size == 1:
-            self.flat_shard = flat_full
+        self._aliased = groups.shard_size == 1 and not precision.mixed
+        self.flat_shard = flat_full if groups.shard_size == 1 else flat_full[rank * S : (rank + 1) * S].clone()
+        if self._aliased:
             self.unsharded = flat_full.data  # alias with its own version counter
         else:
-            self.flat_shard = flat_full[rank * S : (rank + 1) * S].clone()
-            self.unsharded = flat_full
+            same = groups.shard_size > 1 and not precision.mixed
+            self.unsharded = flat_full if same else torch.empty(layout.padded, dtype=precision.compute, device=flat_full.device)
             self.unsharded.untyped_storage().resize_(0)
         self.unsharded.requires_grad_(self.requires_grad)
         self._gather_target = self.unsharded.data  # what collectives write into (own version counter)
         self.shard_views = make_shard_views(layout, self.flat_shard, rank)
         self._gathered_version = -1
-        self.state = UnitState.UNSHARDED if groups.shard_size == 1 else UnitState.SHARDED
+        self._gather: Optional[tuple] = None  # (work, source) of an all-gather in flight
+        self.reduction: Optional[reduce.PendingReduction] = None
+        self.state = UnitState.UNSHARDED if self._aliased else UnitState.SHARDED
         self._compute_views_set = False
         set_views_on_modules(layout, self.shard_views, as_params=True)
         if self.requires_grad:
             self.unsharded.register_post_accumulate_grad_hook(self._post_backward)
 
     # ---- transitions ---------------------------------------------------------------------
-    def unshard(self) -> None:
-        """Fill the unsharded flat; a no-op if it already holds the current flat shard."""
-        if self.groups.shard_size == 1:
+    def unshard(self, wait: bool = True) -> None:
+        """Fill the unsharded flat; a no-op if it already holds (or is receiving) the current flat shard.
+        With ``wait=False`` the all-gather is only issued (a prefetch)."""
+        if self._aliased:
             return
         if self.state is UnitState.UNSHARDED and self._gathered_version == self.flat_shard._version:
+            if wait:
+                self.wait_for_unshard()
             return
+        self.wait_for_unshard()
         storage = self.unsharded.untyped_storage()
         nbytes = self.layout.padded * self.unsharded.element_size()
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
-        with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"):
-            result = collectives.all_gather(self._gather_target, self.flat_shard, self.groups.shard_group)
-        self._record(result, "shard")
+        source = self.flat_shard if not self.precision.mixed else self.flat_shard.to(self.precision.compute)
+        if self.groups.shard_size == 1:
+            self._gather_target.copy_(source)
+        else:
+            with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"):
+                result = collectives.all_gather(self._gather_target, source, self.groups.shard_group, async_op=not wait)
+            self._record(result, "shard")
+            if result.work is not None:
+                self._gather = (result.work, source)
         self._gathered_version = self.flat_shard._version
         self.state = UnitState.UNSHARDED
         self._sample_memory()
 
+    def wait_for_unshard(self) -> None:
+        if self._gather is not None:
+            self._gather[0].wait()
+            self._gather = None
+
+    @property
+    def gathered(self) -> bool:
+        """Whether this unit holds (or is receiving) its unsharded flat in memory of its own."""
+        return not self._aliased and self.state is UnitState.UNSHARDED
+
     def reshard(self) -> None:
         """Free the unsharded flat (its tensor object stays, for autograd's saved views)."""
-        if self.state is UnitState.SHARDED or self.groups.shard_size == 1:
+        if self.state is UnitState.SHARDED or self._aliased:
             return
+        self.wait_for_unshard()  # never free memory a collective is still writing
         self.unsharded.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
         self._sample_memory()
@@ -111,6 +143,7 @@ class Unit:
         self.use_compute_views()
         if self.ctx is not None and not self._in_backward():
             self.ctx.record_forward(self)
+            self.ctx.prefetch_forward(self)
 
     def post_forward(self) -> None:
         if self._in_backward():
@@ -125,37 +158,42 @@ class Unit:
         self.unshard()
         if not self._compute_views_set:
             self.use_compute_views()
+        if self.ctx is not None:
+            self.ctx.prefetch_backward(self, pre=True)
 
     def _post_backward(self, unsharded: torch.Tensor) -> None:
-        """The unsharded flat's gradient is complete: reduce it to this rank's shard, then reshard."""
-        if self.ctx is not None:
-            self.ctx.begin_backward()
+        """The unsharded flat's gradient is complete: start reducing it to this rank's shard, reshard."""
+        ctx = self.ctx
+        if ctx is not None:
+            ctx.begin_backward()
+            ctx.poll_reductions()
         self._sample_memory()
         self.use_shard_views()
-        if self.ctx is not None and not self.ctx.sync_gradients:
+        if ctx is not None and not ctx.sync_gradients:
             # no_sync: the full-size gradient stays on the unsharded flat and accumulates there.
             if self.full_shard:
                 self.reshard()
             return
+        if ctx is not None:
+            ctx.prefetch_backward(self, pre=False)  # BACKWARD_POST: the next gather goes before this reduction
         grad, unsharded.grad = unsharded.grad, None
-        self._expose_grads(self._reduce(grad))
+        in_flight = ctx is not None and ctx.overlap_reductions
+        self.reduction = reduce.start(grad, self.groups, self.layout.shard_numel, self.precision.reduce,
+                                      self._record, self.name, async_op=in_flight)
         del grad
         self.reshard()
-
-    def _reduce(self, grad: torch.Tensor) -> torch.Tensor:
-        groups = self.groups
-        if groups.shard_size > 1:
-            reduced = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-            with torch.profiler.record_function(f"flatshard::reduce_scatter ({self.name})"):
-                self._record(collectives.reduce_scatter(reduced, grad, groups.shard_group), "shard")
+        if in_flight:
+            ctx.pending_reductions.append(self)
         else:
-            reduced = grad
-        if groups.replicate_size > 1:
-            with torch.profiler.record_function(f"flatshard::all_reduce ({self.name})"):
-                self._record(collectives.all_reduce(reduced, groups.replicate_group), "replicate")
-        if groups.data_parallel_size > 1:
-            reduced.div_(groups.data_parallel_size)
-        return reduced
+            self.finish_reduction()
+
+    def finish_reduction(self) -> None:
+        """Wait for this unit's reduction (if one is in flight) and expose the result as ``.grad``."""
+        if self.reduction is None:
+            return
+        pending, self.reduction = self.reduction, None
+        self._expose_grads(reduce.finish(pending, self.groups, self.precision.master, self._record, self.name))
+        self._sample_memory()
 
     def finish_backward(self, synced: bool) -> None:
         """End of backward: put shard views back and reshard what is still gathered."""
@@ -193,11 +231,13 @@ class Unit:
         """Bytes this unit holds now, by category (see ``instrument.MemoryRecorder``)."""
         storages = {v.grad.untyped_storage().data_ptr(): v.grad.untyped_storage().nbytes() for v in self.shard_views if v.grad is not None}
         grads = sum(storages.values())
-        gathered = 0
-        if self.groups.shard_size > 1:
-            gathered = self.unsharded.untyped_storage().nbytes()
+        gathered = 0 if self._aliased else self.unsharded.untyped_storage().nbytes()
         if self.unsharded.grad is not None:
             gathered += self.unsharded.grad.untyped_storage().nbytes()
+        if self.reduction is not None:  # in flight: the full-size gradient and the shard it lands in
+            full, out = self.reduction.nbytes()
+            gathered += full
+            grads += out
         return {
             "params": self.flat_shard.untyped_storage().nbytes(),
             "grads": grads,

@@ -1,0 +1,67 @@
+"""Reducing one unit's full-size gradient to this rank's grad shard.
+
+Two halves, so the collective can stay in flight while backward goes on: ``start`` casts the
+unsharded flat's gradient to the reduce dtype and issues the reduce-scatter over the shard group
+(or, with F = 1, the all-reduce over the replicate group); ``finish`` waits for it, all-reduces the
+shard across replicas when there are both (hybrid), divides by the data-parallel size and casts to
+the master dtype. The full-size gradient is released as soon as the reduce-scatter is done.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from flatshard import collectives
+from flatshard.mesh import ShardGroups
+
+
+@dataclass
+class PendingReduction:
+    work: Optional[dist.Work]
+    full: Optional[torch.Tensor]  # the gradient being reduced, kept alive until the collective is done
+    out: torch.Tensor  # this rank's reduced shard (reduce dtype)
+    all_reduce_after: bool  # hybrid: the shard still has to be all-reduced across replicas
+
+    def done(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def nbytes(self) -> tuple[int, int]:
+        """(full-size gradient bytes, reduced shard bytes) held now."""
+        full = 0 if self.full is None or self.full is self.out else self.full.untyped_storage().nbytes()
+        return full, self.out.untyped_storage().nbytes()
+
+
+Record = Callable[[collectives.Collective, str], None]
+
+
+def start(grad: torch.Tensor, groups: ShardGroups, shard_numel: int, reduce_dtype: torch.dtype,
+          record: Record, label: str, async_op: bool) -> PendingReduction:
+    full = grad if grad.dtype == reduce_dtype else grad.to(reduce_dtype)
+    if groups.shard_size > 1:
+        out = torch.empty(shard_numel, dtype=reduce_dtype, device=grad.device)
+        with torch.profiler.record_function(f"flatshard::reduce_scatter ({label})"):
+            result = collectives.reduce_scatter(out, full, groups.shard_group, async_op=async_op)
+        record(result, "shard")
+        return PendingReduction(result.work, full, out, groups.replicate_size > 1)
+    if groups.replicate_size > 1:
+        with torch.profiler.record_function(f"flatshard::all_reduce ({label})"):
+            result = collectives.all_reduce(full, groups.replicate_group, async_op=async_op)
+        record(result, "replicate")
+        return PendingReduction(result.work, full, full, False)
+    return PendingReduction(None, full, full, False)
+
+
+def finish(pending: PendingReduction, groups: ShardGroups, master_dtype: torch.dtype, record: Record, label: str) -> torch.Tensor:
+    if pending.work is not None:
+        pending.work.wait()
+    pending.full = None
+    out = pending.out
+    if pending.all_reduce_after:
+        with torch.profiler.record_function(f"flatshard::all_reduce ({label})"):
+            record(collectives.all_reduce(out, groups.replicate_group), "replicate")
+    if groups.data_parallel_size > 1:
+        out.div_(groups.data_parallel_size)
+    return out if out.dtype == master_dtype else out.to(master_dtype)
