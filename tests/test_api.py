@@ -6,7 +6,6 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tests.dist import run_distributed

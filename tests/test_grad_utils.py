@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from tests.dist import run_distributed
 from tests.test_parity import PER_RANK, build, make_optimizer

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F_
 
 from tests.dist import run_distributed
 from tests.test_parity import PER_RANK, build, make_optimizer, run_case

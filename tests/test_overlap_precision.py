@@ -15,7 +15,7 @@ import torch
 
 from tests.dist import run_distributed
 from tests.models import Block, TinyGPT
-from tests.test_parity import PER_RANK, build, make_optimizer, run_case
+from tests.test_parity import PER_RANK, build, run_case
 
 SETTINGS = [*itertools.product((None, "BACKWARD_PRE", "BACKWARD_POST"), (False, True), (True,)), ("BACKWARD_PRE", True, False)]
 

@@ -11,7 +11,6 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Iterator, Optional
 
-import torch
 from torch.autograd import Variable
 
 from flatshard.api import BackwardPrefetch
