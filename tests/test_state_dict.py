@@ -66,7 +66,7 @@ def ref_osd_by_name(ref, ref_opt):
 
 
 def full_roundtrip(rank, world, kind):
-    from flatshard import FullyShardedDataParallel as FSDP, FullStateDictConfig, StateDictType
+    from flatshard import FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
 
     ref, model, batch, loss_fn = build(kind, "FULL_SHARD")
     ref_opt, opt = make_optimizer("adamw", ref), make_optimizer("adamw", model)
@@ -98,6 +98,13 @@ def full_roundtrip(rank, world, kind):
     with FSDP.state_dict_type(other, StateDictType.FULL_STATE_DICT):
         other_opt.load_state_dict(FSDP.optim_state_dict_to_load(other, other_opt, osd))
     assert_state_equal(full_osd(other, other_opt), osd, f"{kind}: optimizer FULL round trip")
+    config = FullOptimStateDictConfig(rank0_only=True)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, None, config):
+        only0 = FSDP.optim_state_dict(model, opt)
+        assert (only0 == {}) == (rank != 0), "rank0_only: an optimizer state dict on rank 0 only"
+        again = make_optimizer("adamw", model)
+        again.load_state_dict(FSDP.optim_state_dict_to_load(model, again, only0 if rank == 0 else None))
+    assert_state_equal(full_osd(model, again), osd, f"{kind}: optimizer from rank 0 only")
     a = train(model, opt, batch, loss_fn, rank, world, 2, start=3)
     b = train(other, other_opt, batch, loss_fn, rank, world, 2, start=3)
     assert a == b, f"{kind}: losses after a FULL round trip differ: {a} vs {b}"

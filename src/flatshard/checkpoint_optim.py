@@ -186,6 +186,8 @@ def optim_state_dict_to_load(model, optim, osd: dict, group=None) -> dict:
     view = model_view(model)
     group = group if group is not None else view.group
     params, names, slots = param_names(model, optim, view)
+    if settings.state_dict_type is StateDictType.FULL_STATE_DICT and settings.optim_state_dict_config.rank0_only:
+        osd = _from_rank0(osd, group, {n: slots[n] for n in names})
     problem = _check(optim, osd, names, settings.state_dict_type, view)
     agree(problem, group)
     state = osd.get("state", {})
@@ -204,6 +206,41 @@ def optim_state_dict_to_load(model, optim, osd: dict, group=None) -> dict:
         slot = slots[name]
         packed[i] = {k: _local_value(v, slot, exchanged.get(f"{name}\x00{k}"), settings.state_dict_type) for k, v in state[name].items()}
     return {"state": packed, "param_groups": _groups_to_load(optim, osd)}
+
+
+def _from_rank0(osd: Optional[dict], group, slots: dict) -> dict:
+    """FULL with ``rank0_only``: rank 0 holds the state dict; the others receive its structure and, one
+    tensor at a time (a broadcast each), the full tensors, keeping only their own range of each."""
+    rank0 = rank_in(group) == 0
+    shape = None
+    if rank0:
+        shape = {"param_groups": osd["param_groups"], "state": {n: {k: _shape_of(v) for k, v in keys.items()}
+                                                                    for n, keys in osd["state"].items()}}
+    shape = gather_json(shape, group)[0]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    state = {}
+    for name, keys in shape["state"].items():
+        out = {}
+        for k, d in keys.items():
+            if d["kind"] != "tensor":
+                out[k] = osd["state"][name][k] if rank0 else (scalar_tensor(d) if d["kind"] == "scalar" else d["value"])
+                continue
+            full = osd["state"][name][k].contiguous() if rank0 else torch.empty(d["shape"], dtype=getattr(torch, d["dtype"]))
+            dist.broadcast(full, src=src, group=group)
+            slot = slots.get(name)
+            if slot is None:
+                out[k] = full
+            else:  # a piece covering this rank's range: loads without another exchange
+                a, b = (0, full.numel()) if rank0 else (slot.start, slot.end)
+                out[k] = ShardedPiece(full.reshape(-1)[a:b].clone() if not rank0 else full.reshape(-1), full.shape, a, b)
+        state[name] = out
+    return {"state": state, "param_groups": shape["param_groups"]}
+
+
+def _shape_of(v) -> dict:
+    if torch.is_tensor(v) and v.dim() > 0:
+        return {"kind": "tensor", "shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+    return describe(v, None, "", "") if torch.is_tensor(v) else {"kind": "value", "value": v}
 
 
 def _range(slot) -> tuple[int, int]:
