@@ -219,8 +219,12 @@ def state_dict_type(module, state_dict_type, state_dict_config=None, optim_state
 
 # ---- module state dicts -----------------------------------------------------------------------
 def module_state_dict(module, base_state_dict, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-    if args:  # nn.Module.state_dict's old positional form: (destination, prefix, keep_vars)
-        destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
+    """The module's state dict of the type set by ``state_dict_type``; called by ``nn.Module.state_dict``'s
+    recursion too (a plain parent passes ``destination`` and ``prefix``). ``keep_vars`` has no effect:
+    FULL values are copies, SHARDED and LOCAL values detached views."""
+    if args:  # nn.Module.state_dict's deprecated positional form: (destination, prefix, keep_vars)
+        destination = args[0]
+        prefix = args[1] if len(args) > 1 else prefix
     if destination is None:
         destination = OrderedDict()
     settings = settings_of(module)
@@ -286,11 +290,8 @@ def load_module_state_dict(module, base_load_state_dict, state_dict, *, strict: 
         agree("load_state_dict(assign=True) is not supported by flatshard: parameters live in flat shards; "
               "call it with assign=False (values are copied in place)", view.group, RuntimeError)
     expected = view.names() if kind is not StateDictType.LOCAL_STATE_DICT else _local_names(view)
-    if not _is_empty_marker(state_dict):
-        missing = [n for n in expected if n not in state_dict]
-        unexpected = [k for k in state_dict if k not in set(expected)]
-    else:
-        missing, unexpected = list(expected), []
+    missing = [n for n in expected if n not in state_dict]
+    unexpected = [k for k in state_dict if k not in set(expected)]
     problem = _key_problem(type(module).__name__, missing, unexpected) if strict else None
     if problem is None:
         problem = _check_values(view, state_dict, kind)
@@ -301,10 +302,6 @@ def load_module_state_dict(module, base_load_state_dict, state_dict, *, strict: 
         staged = stage_pieces(view, state_dict, view.group)
     copy_into_model(view, staged, state_dict)
     return _IncompatibleKeys(missing, unexpected)
-
-
-def _is_empty_marker(state_dict) -> bool:
-    return len(state_dict) == 0
 
 
 def _local_names(view: ModelView) -> list[str]:
