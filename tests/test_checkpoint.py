@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import shutil
 import signal
 import subprocess
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -58,18 +60,22 @@ def reshard_worker(rank: int, world: int, tmp: str) -> dict:
     _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
     opt = make_optimizer("adamw", model)
     train(model, opt, batch, loss_fn, 0, SAVE_AT)
+    torch.manual_seed(100 + rank)  # RNG states that nothing below recreates by seeding
+    random.seed(200 + rank)
+    np.random.seed(300 + rank)
     assert checkpoint.save(f"{tmp}/sync", model, opt, step=SAVE_AT, extra={"run": "a"}) is None
     handle = checkpoint.save(f"{tmp}/async", model, opt, step=SAVE_AT, extra={"run": "b"}, async_save=True)
     want_sd, want_osd = full_sd(model), full_osd(model, opt)  # runs while the save writes
     assert handle.wait() == f"{tmp}/async"
-    draws = torch.rand(4)
+    draws = (torch.rand(4), random.random(), np.random.rand())
     ref_losses = train(model, opt, batch, loss_fn, SAVE_AT, MORE)
     ref_final = full_sd(model)
 
     # the same layout: bitwise, RNG included
     model2, opt2 = fresh()
     assert tuple(checkpoint.load(f"{tmp}/async", model2, opt2)) == (SAVE_AT, {"run": "b"})
-    assert torch.equal(torch.rand(4), draws), "RNG state not restored"
+    assert torch.equal(torch.rand(4), draws[0]), "torch RNG state not restored"
+    assert (random.random(), np.random.rand()) == draws[1:], "random / numpy RNG states not restored"
     assert_state_equal(full_sd(model2), want_sd, "resume: params")
     assert_state_equal(full_osd(model2, opt2), want_osd, "resume: optimizer")
     assert train(model2, opt2, batch, loss_fn, SAVE_AT, MORE) == ref_losses, "resume: losses not bitwise"
