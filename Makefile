@@ -20,5 +20,9 @@ run: install
 test: install
 	$(PY) -m pytest -q tests
 
+.PHONY: bench
+bench: install  # flatshard vs FSDP2 vs DDP (docs/bench.md); ARGS="--quick" for a short run
+	$(PY) -m flatshard.bench $(ARGS)
+
 clean:
 	rm -rf $(VENV) src/*.egg-info

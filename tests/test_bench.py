@@ -1,0 +1,61 @@
+"""The benchmark harness (python -m flatshard.bench) end to end, small: a tiny GPT at W = 2, two measured
+steps per system, fp32 and bf16, and a tiny ablation. Checks the JSON, not the speed: every figure is
+there for every system, the peaks and bytes are positive, flatshard's collectives counted by the
+benchmark's tracker equal its own recorder's, bf16 halves the all-gather bytes, and the three systems'
+losses agree."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 120  # ~20 s on two cores; a hang must fail, not wait
+SYSTEM_FIELDS = {"step_s_median", "step_s", "losses_per_rank", "peak_bytes_per_rank", "comm_per_step",
+                 "bytes_per_step", "recorder_bytes_per_step"}
+
+
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "flatshard.bench", "--sizes", "tiny", "--world", "2", "--dtypes", "fp32", "bf16",
+           "--steps", "2", "--warmup", "0", "--ablation-size", "tiny", "--json", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own session: a hang is ended with every rank
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"the benchmark did not finish within {TIMEOUT_S}s:\n{log[-4000:]}")
+    assert proc.returncode == 0, f"the benchmark exited {proc.returncode}:\n{log[-4000:]}"
+    report = json.loads(out.read_text())
+    assert {"command", "torch", "cpus", "load_average_before", "load_average_after", "results"} <= set(report)
+
+    comparisons = [r for r in report["results"] if r["kind"] == "comparison"]
+    assert [(r["size"], r["world"], r["dtype"]) for r in comparisons] == [("tiny", 2, "fp32"), ("tiny", 2, "bf16")]
+    for r in comparisons:
+        assert list(r["systems"]) == ["flatshard", "FSDP2", "DDP"]
+        assert r["flatshard/FSDP2"] > 0 and r["flatshard/DDP"] > 0
+        for name, fig in r["systems"].items():
+            assert SYSTEM_FIELDS <= set(fig), name
+            assert len(fig["step_s"]) == 2 and fig["step_s_median"] > 0
+            assert len(fig["losses_per_rank"]) == 2 and all(len(ls) == 3 for ls in fig["losses_per_rank"])  # 2 + tracked
+            assert len(fig["peak_bytes_per_rank"]) == 2 and min(fig["peak_bytes_per_rank"]) > 0
+            assert fig["bytes_per_step"] > 0
+        assert all(a["agree"] for a in r["agree"].values()), r["agree"]
+        flat = r["systems"]["flatshard"]
+        assert flat["bytes_per_step"] == pytest.approx(flat["recorder_bytes_per_step"])
+        assert flat["comm_per_step"]["all_gather"] == r["systems"]["FSDP2"]["comm_per_step"]["all_gather"]
+    fp32, bf16 = (r["systems"]["flatshard"]["comm_per_step"]["all_gather"]["wire_bytes"] for r in comparisons)
+    assert bf16 == fp32 / 2
+
+    (ablation,) = [r for r in report["results"] if r["kind"] == "ablation"]
+    assert len(ablation["systems"]) >= 6 and all(a["agree"] for a in ablation["agree"].values())
+    # fp32: the prefetch settings change when collectives run, never the numbers
+    losses = [fig["losses_per_rank"] for name, fig in ablation["systems"].items() if name != "NO_SHARD"]
+    assert all(ls == losses[0] for ls in losses)
