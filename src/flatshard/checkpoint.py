@@ -431,7 +431,7 @@ class _Files:
         for name, start, end in entry["pieces"]:
             lo, hi = max(a, start), min(b, end)
             if hi > lo:
-                out[lo - a : hi - a] = self.reader(name).read(key, lo - start, hi - start)
+                self.reader(name).read_into(key, lo - start, out[lo - a : hi - a])
         return out
 
     def close(self) -> None:

@@ -178,12 +178,32 @@ class ShardReader:
             self._verify(key, begin, lo, buf)
         return torch.frombuffer(buf, dtype=dtype, count=(b - a) // item, offset=a - lo)
 
+    def read_into(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Fill the contiguous CPU tensor ``out`` with elements [start, start + out.numel()) of ``key``.
+        When those bytes are whole checksum blocks (a whole piece, as consolidation and same-layout
+        loads read) they land in ``out`` directly and are verified there: no intermediate buffer."""
+        e = self.entry(key)
+        item = out.element_size()
+        begin, stop = e["data_offsets"]
+        a, b = begin + start * item, begin + (start + out.numel()) * item
+        if b <= a:
+            return
+        exact = self.record is None or self._block_range(key, begin, stop, a, b) == (a, b)
+        if not exact or BY_NAME[e["dtype"]] != out.dtype or not out.is_contiguous() or out.device.type != "cpu":
+            out.copy_(self.read(key, start, start + out.numel()))
+            return
+        buf = memoryview(out.view(torch.uint8).numpy())
+        if os.preadv(self._fd, [buf], self.data_start + a) != b - a:
+            raise CheckpointError(f"shard file {self.label} ended early while reading {key!r}; the file is truncated")
+        if self.record is not None:
+            self._verify(key, begin, a, buf)
+
     def _block_range(self, key: str, begin: int, stop: int, a: int, b: int) -> tuple[int, int]:
         block = self.record["block_bytes"]
         first, last = (a - begin) // block, (b - begin - 1) // block
         return begin + first * block, min(stop, begin + (last + 1) * block)
 
-    def _verify(self, key: str, begin: int, lo: int, buf: bytearray) -> None:
+    def _verify(self, key: str, begin: int, lo: int, buf) -> None:
         crcs = self.record["blocks"].get(key)
         block = self.record["block_bytes"]
         first = (lo - begin) // block

@@ -41,7 +41,7 @@ def consolidate(ckpt: str, out: str, *, verbose: bool = False) -> dict:
                 if name not in readers:
                     path = os.path.join(ckpt, name)
                     readers[name] = ShardReader(path, manifest["files"][name], path)
-                full[a:b] = readers[name].read(tensor_of[key], 0, b - a)
+                readers[name].read_into(tensor_of[key], 0, full[a:b])
             writer.write(key, full)
             largest = max(largest, full.numel() * full.element_size())
             if verbose:
