@@ -269,14 +269,19 @@ def corrupt_worker(rank: int, world: int, tmp: str) -> list[str]:
     assert f"{f1} is not a safetensors file" in messages[-1], messages[-1]
     assert not os.path.exists(f"{tmp}/UNPICKLED"), "a pickle payload was executed"
     assert_state_equal(full_sd(model), before, "a failed load changed the model")
-    # a checkpoint of another model: names, then shapes
+    return messages + mismatch_worker(tmp)
+
+
+def mismatch_worker(tmp: str) -> list[str]:
+    """A checkpoint of another model: names, then shapes."""
+    from flatshard import FullyShardedDataParallel as FSDP, checkpoint
+    from flatshard.wrap import ModuleWrapPolicy
+    from tests.models import Block
+
+    messages = []
     _, other, _, _ = build("odd_mlp", "FULL_SHARD")
     messages.append(_error(lambda: checkpoint.load(f"{tmp}/good", other)))
     assert "does not match the model: the model's scale, fc1.weight" in messages[-1], messages[-1]
-    from flatshard import FullyShardedDataParallel as FSDP
-    from flatshard.wrap import ModuleWrapPolicy
-    from tests.models import Block, TinyGPT
-
     wide = FSDP(TinyGPT(vocab=41), auto_wrap_policy=ModuleWrapPolicy({Block}))
     messages.append(_error(lambda: checkpoint.load(f"{tmp}/good", wide)))
     assert "holds wte.weight with shape (37, 12), the model has (41, 12)" in messages[-1], messages[-1]
