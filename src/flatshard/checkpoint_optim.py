@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.api import StateDictType
-from flatshard.checkpoint_sync import CheckpointError, agree, gather_json
+from flatshard.checkpoint_sync import CheckpointError, agree, collective_device, gather_json
 from flatshard.state_dict import ShardedPiece, exchange, gather_flat, layout_fingerprint, model_view, rank_in, settings_of
 
 SCALAR_TYPES = (bool, int, float, str, type(None))
@@ -225,7 +225,8 @@ def _from_rank0(osd: Optional[dict], group, slots: dict) -> dict:
             if d["kind"] != "tensor":
                 out[k] = osd["state"][name][k] if rank0 else (scalar_tensor(d) if d["kind"] == "scalar" else d["value"])
                 continue
-            full = osd["state"][name][k].contiguous() if rank0 else torch.empty(d["shape"], dtype=getattr(torch, d["dtype"]))
+            device = collective_device(group)
+            full = osd["state"][name][k].to(device).contiguous() if rank0 else torch.empty(d["shape"], dtype=getattr(torch, d["dtype"]), device=device)
             dist.broadcast(full, src=src, group=group)
             slot = slots.get(name)
             if slot is None:

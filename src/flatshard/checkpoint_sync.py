@@ -24,7 +24,8 @@ class CheckpointError(RuntimeError):
     and the fix. Raised alike on every rank."""
 
 
-def _device(group) -> torch.device:
+def collective_device(group) -> torch.device:
+    """Where tensors for collectives on ``group`` must live (NCCL: the current GPU; gloo: CPU)."""
     backend = dist.get_backend(group)
     if "nccl" in str(backend) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -41,7 +42,7 @@ def gather_json(obj: Any, group=None) -> list[Any]:
     """Every rank's ``obj`` (JSON-serialisable), in rank order, on every rank of ``group``."""
     if world_of(group) == 1:
         return [json.loads(json.dumps(obj))]
-    device = _device(group)
+    device = collective_device(group)
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
     n = world_of(group)
     sizes = torch.zeros(n, dtype=torch.int64, device=device)

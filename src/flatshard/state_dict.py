@@ -40,7 +40,7 @@ from flatshard.api import (
     StateDictSettings,
     StateDictType,
 )
-from flatshard.checkpoint_sync import agree, all_gather_single, gather_json, world_of
+from flatshard.checkpoint_sync import agree, all_gather_single, collective_device, gather_json, world_of
 
 _HOPS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")  # wrapper attributes that add no name
 _SETTINGS = "_flatshard_state_dict_settings"
@@ -389,6 +389,7 @@ def exchange(pieces: dict[str, Any], wanted: dict[str, tuple[int, int]], group) 
     every rank gets elements ``wanted[key]``. The keys must be the same, in the same order, on every rank."""
     meta = {k: _piece_range(v) for k, v in pieces.items()}
     everyone = gather_json(meta, group)
+    device = collective_device(group)
     out = {}
     for key, piece in pieces.items():
         ranges = [m[key] for m in everyone]
@@ -396,14 +397,14 @@ def exchange(pieces: dict[str, Any], wanted: dict[str, tuple[int, int]], group) 
             continue
         longest = max(r[1] - r[0] for r in ranges if r is not None)
         dtype = _piece_tensor(piece).dtype if piece is not None else _dtype_of(ranges)
-        local = torch.zeros(longest, dtype=dtype)
+        local = torch.zeros(longest, dtype=dtype, device=device)
         if piece is not None:
             t = _piece_tensor(piece).reshape(-1)
             local[: t.numel()] = t.to(dtype)
-        everything = torch.empty(len(ranges) * longest, dtype=dtype)
+        everything = torch.empty(len(ranges) * longest, dtype=dtype, device=device)
         all_gather_single(everything, local, group=group)
         a, b = wanted[key]
-        dest = torch.zeros(b - a, dtype=dtype)
+        dest = torch.zeros(b - a, dtype=dtype, device=device)
         for r, rng in enumerate(ranges):
             if rng is None:
                 continue
