@@ -224,7 +224,7 @@ def _layout(model, view) -> dict:
     wrappers = FSDP.fsdp_modules(model)
     g = view.units[0].groups if view.units else None
     return {
-        "strategy": wrappers[0]._strategy.name if wrappers else None,
+        "strategy": getattr(getattr(wrappers[0], "_strategy", None), "name", None) if wrappers else None,
         "shard_size": g.shard_size if g else 1, "replicate_size": g.replicate_size if g else 1,
         "units": [{"name": u.name, "total": u.layout.total, "shard_numel": u.layout.shard_numel,
                    "params": [i.name for i in u.layout.infos]} for u in view.units],
@@ -443,7 +443,7 @@ def _read_all(path: str, manifest: dict, model, view, optimizer, with_rng: bool)
     files = _Files(path, manifest)
     try:
         tensor_of = manifest["model"]["tensor_of"]
-        params = {id(s): files.fetch(tensor_of[s.names[0]] if s.names[0] in tensor_of else "model/" + s.fqn, s.start, s.end)
+        params = {id(s): files.fetch(next(tensor_of[n] for n in s.names if n in tensor_of), s.start, s.end)
                   for s in view.slots if any(n in tensor_of for n in s.names)}
         plain = {}
         for kind, name, obj in view.entries:
