@@ -148,7 +148,7 @@ def _full(view, groups, meta, values, slots, config, group, move) -> dict:
     keep = not config.rank0_only or rank_in(group) == 0
     full_values: dict[tuple[str, str], torch.Tensor] = {}
     for unit in view.units:  # one unit and one state key gathered at a time
-        unit_slots = [s for s in view.slots if s.unit is unit and s.fqn in meta]
+        unit_slots = [s for s in view.slots_of(unit) if s.fqn in meta]
         keys = sorted({(k, d["dtype"]) for s in unit_slots for k, d in meta[s.fqn].items() if d["kind"] == "piece"})
         for key, dtype in keys:
             flat = torch.zeros(unit.layout.shard_numel, dtype=getattr(torch, dtype), device=unit.flat_shard.device)

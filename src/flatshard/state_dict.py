@@ -102,6 +102,13 @@ class ModelView:
                 out.append(s.unit)
         return out
 
+    def slots_of(self, unit) -> list[Slot]:
+        if not hasattr(self, "_by_unit"):
+            self._by_unit: dict[int, list[Slot]] = {}
+            for s in self.slots:
+                self._by_unit.setdefault(id(s.unit), []).append(s)
+        return self._by_unit.get(id(unit), [])
+
     def names(self) -> list[str]:
         return [name for _, name, _ in self.entries]
 
@@ -249,7 +256,7 @@ def _full(view: ModelView, destination: dict, config: FullStateDictConfig) -> No
     for unit in view.units:  # one unit gathered at a time
         full = gather_flat(unit, unit.flat_shard.detach())
         if keep:
-            for slot in (s for s in view.slots if s.unit is unit):
+            for slot in view.slots_of(unit):
                 i = slot.info
                 piece = full[i.offset : i.offset + i.numel].view(i.shape)
                 values[id(slot)] = piece.to("cpu", copy=True) if config.offload_to_cpu else piece.clone()
@@ -356,7 +363,7 @@ def _stage_local(view: ModelView, sd: dict) -> dict[int, torch.Tensor]:
         flat = sd.get(prefix + LOCAL_SUFFIX)
         if flat is None:
             continue
-        for slot in (s for s in view.slots if s.unit is wrapper._unit):
+        for slot in view.slots_of(wrapper._unit):
             staged[id(slot)] = flat.reshape(-1)[slot.lo : slot.hi]
     return staged
 
