@@ -1,8 +1,9 @@
 """Checkpoints on disk: one safetensors file per rank and a JSON manifest; atomic, verified, pickle-free,
 and loadable at any world size, sharding factor or strategy.
 
-    handle = flatshard.checkpoint.save("ckpt/step_100", model, opt, step=100, extra={"lr": 3e-4})
-    step, extra = flatshard.checkpoint.load("ckpt/step_100", model, opt)
+    flatshard.checkpoint.save("ckpt/step_100", model, opt, step=100, extra={"lr": 3e-4})
+    handle = flatshard.checkpoint.save("ckpt/step_200", model, opt, step=200, async_save=True); handle.wait()
+    step, extra = flatshard.checkpoint.load("ckpt/step_200", model, opt)
 
 A checkpoint directory holds ``rank-RRRRR-of-WWWWW.safetensors`` per rank and ``manifest.json``
 (written last): every tensor's name, shape, dtype and the flat ranges [start, end) each file holds,
