@@ -382,7 +382,7 @@ def plot_timelines(ranks: list[dict], path: Path, title: str) -> None:
     axes[0, 0].set_title(title, fontsize=9)
     axes[-1, 0].set_xlabel("seconds into the step (samples at unit transitions)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
 
 
 def main(argv=None) -> int:
