@@ -168,14 +168,16 @@ def report(args, cfg, tmp: str, results: list[dict]) -> None:
     print(f"GPT {args.model} with {cfg.layers} blocks, dim {cfg.dim}: {r0['params']:,} parameters; W = {W}, FULL_SHARD, AdamW")
     print(f"checkpoint: {size / MB:.1f} MB on disk ({W} files + manifest); each rank's share "
           f"(parameters + AdamW state) {r0['share'] / MB:.1f} MB\n")
-    print(f"{'':<28}{'time s (max over ranks)':>24}{'peak extra MB per rank':>28}")
+    print(f"{'':<28}{'time s':>8}   peak extra MB on " + "  ".join(f"{'rank ' + str(r):>7}" for r in range(W)))
     rows = [("save (sync)", "save", "save_mem"), ("save (async): the call", "async_call", "async_call_mem"),
             ("save (async): wait", "async_wait", None), (f"load, W = {W}", "load", "load_mem")]
+    pad = " " * len("   peak extra MB on ")
     for label, t, m in rows:
-        mem = "  ".join(f"{r[m] / MB:6.1f}" for r in results) if m else "-"
-        print(f"{label:<28}{max(r[t] for r in results):>24.2f}{mem:>28}")
-    print(f"{'load, W = 1 (rank 0 alone)':<28}{r0['load1']:>24.2f}{r0['load1_mem'] / MB:>28.1f}"
+        mem = "  ".join(f"{r[m] / MB:7.1f}" for r in results) if m else ""
+        print(f"{label:<28}{max(r[t] for r in results):>8.2f}{pad}{mem}".rstrip())
+    print(f"{'load, W = 1 (rank 0 alone)':<28}{r0['load1']:>8.2f}{pad}{r0['load1_mem'] / MB:7.1f}"
           f"   (its share at W = 1: {r0['share1'] / MB:.1f} MB)")
+    print("(time: the slowest rank; peak extra: resident memory above the level before the call)")
     manifest = read_manifest(os.path.join(tmp, "sync"))
     model_bytes = sum(4 * int(__import__("math").prod(t["shape"])) for k, t in manifest["tensors"].items() if k.startswith("model/"))
     with PeakRSS() as mem:
