@@ -233,3 +233,30 @@ def offload_worker(rank: int, world: int) -> str:
 def test_cpu_offload_without_an_accelerator_is_a_clear_error():
     for msg in run_distributed(offload_worker, 2, timeout=60):
         assert "offload needs an accelerator compute device" in msg, msg
+
+
+def bounded_worker(rank: int, world: int) -> dict:
+    from flatshard import BackwardPrefetch
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard.wrap import ModuleWrapPolicy
+
+    out = {}
+    for bp in (None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST):
+        torch.manual_seed(0)
+        model = FSDP(TinyGPT(layers=6, dim=24), auto_wrap_policy=ModuleWrapPolicy({Block}), backward_prefetch=bp)
+        sizes = [w._unit.layout.padded * 4 for w in FSDP.fsdp_modules(model)]
+        x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(rank))
+        with model.record_memory() as mem:
+            torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        out[str(bp)] = (mem.peak["gathered"], sizes)
+    return out
+
+
+def test_prefetch_keeps_gathered_memory_bounded():
+    """Whatever the depth: the root, the unit computing, its full-size gradient, and (with prefetch) the
+    next unit. A reduction left in flight is finished at the next post-backward, never accumulated."""
+    for out in run_distributed(bounded_worker, 2, timeout=120):
+        for key, (peak, sizes) in out.items():
+            root, unit = sizes[0], max(sizes[1:])
+            expected = root + (2 if key == "None" else 3) * unit
+            assert peak == expected, (key, peak, expected)

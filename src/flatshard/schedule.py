@@ -131,9 +131,13 @@ class RunContext:
             return
         target.unshard(wait=False)
 
-    def poll_reductions(self) -> None:
-        """Finish the reductions already completed, oldest first (frees their full-size gradients)."""
-        while self.pending_reductions and self.pending_reductions[0].reduction.done():
+    def settle_reductions(self, keep: int) -> None:
+        """Finish all but the ``keep`` newest reductions in flight, oldest first (same order on every rank).
+
+        A reduction is left in flight for one unit's backward compute; the next post-backward finishes
+        it (by then it is done, so the wait is short) and frees its full-size gradient. (gloo's
+        ``Work.is_completed()`` does not report completion before ``wait()``, so polling cannot work.)"""
+        while len(self.pending_reductions) > keep:
             self.pending_reductions.pop(0).finish_reduction()
 
     # ---- recorders ----------------------------------------------------------------------

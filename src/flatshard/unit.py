@@ -166,7 +166,9 @@ class Unit:
         ctx = self.ctx
         if ctx is not None:
             ctx.begin_backward()
-            ctx.poll_reductions()
+            # The reduction left in flight by the previous unit has had this unit's backward to finish:
+            # finish it now, so at most one full-size gradient is ever waiting for its reduce-scatter.
+            ctx.settle_reductions(keep=0)
         self._sample_memory()
         self.use_shard_views()
         if ctx is not None and not ctx.sync_gradients:
@@ -183,7 +185,7 @@ class Unit:
         del grad
         self.reshard()
         if in_flight:
-            ctx.pending_reductions.append(self)
+            ctx.pending_reductions.append(self)  # finished at the next post-backward or the end of backward
         else:
             self.finish_reduction()
 
