@@ -65,7 +65,6 @@ ABLATION = {  # name -> flatshard keywords (FULL_SHARD unless said); the first i
     "backward_prefetch=None": dict(backward_prefetch=None),
     "BACKWARD_PRE + forward_prefetch": dict(backward_prefetch="BACKWARD_PRE", forward_prefetch=True),
     "BACKWARD_PRE, limit_all_gathers=False": dict(backward_prefetch="BACKWARD_PRE", limit_all_gathers=False),
-    "fwd+bwd prefetch, no limiter": dict(backward_prefetch="BACKWARD_PRE", forward_prefetch=True, limit_all_gathers=False),
     "NO_SHARD": dict(backward_prefetch="BACKWARD_PRE", strategy="NO_SHARD"),
 }
 
@@ -117,6 +116,8 @@ class StoragePeak(TorchDispatchMode):
         for t in start_tensors:
             self._add(t)
         self.peak = self.now()
+        self.peak_at = "start"  # the operator after which the peak was seen, and its index in the step
+        self._ops = 0
         self.comm: dict[str, dict] = {}
 
     def _add(self, t: torch.Tensor) -> None:
@@ -146,7 +147,10 @@ class StoragePeak(TorchDispatchMode):
         for t in tree_flatten((args, kwargs, out))[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t)
-        self.peak = max(self.peak, self.now())
+        self._ops += 1
+        now = self.now()
+        if now > self.peak:
+            self.peak, self.peak_at = now, f"{func.__name__} (op {self._ops})"
         return out
 
     def _count(self, kind: str, args) -> None:
@@ -197,6 +201,7 @@ class System:
     times: list = dataclasses.field(default_factory=list)
     losses: list = dataclasses.field(default_factory=list)
     peak: int = 0
+    peak_at: str = ""
     comm: dict = dataclasses.field(default_factory=dict)
     recorder_comm: float | None = None  # flatshard's own recorder, bytes per step
 
@@ -271,7 +276,7 @@ def tracked_step(system: System, x, y, world: int) -> None:
     finally:
         if recorder is not None:
             recorder.__exit__(None, None, None)
-    system.peak = tracker.peak
+    system.peak, system.peak_at = tracker.peak, f"{tracker.peak_at} of {tracker._ops}"
     system.comm = tracker.comm
     if rec is not None:
         system.recorder_comm = rec.wire_bytes()
@@ -315,6 +320,7 @@ def gather_results(systems, n_params: int, world: int) -> dict:
             "step_s": times,
             "losses_per_rank": [e[n_t:n_t + n_l].tolist() for e in every],
             "peak_bytes_per_rank": [int(e[-1].item()) for e in every],
+            "peak_at_rank0": s.peak_at,
             "comm_per_step": comm,
             "bytes_per_step": sum(v["wire_bytes"] for v in comm.values()),
             "recorder_bytes_per_step": s.recorder_comm,
@@ -364,6 +370,7 @@ def worker(args) -> int:
         base = next(iter(ABLATION))
         add_ratios(res, base)
         res.update(kind="ablation", size=args.ablation_size, world=world, dtype="fp32", agree=losses_agree(res, False))
+        res["FULL_SHARD/NO_SHARD"] = res["systems"][base]["step_s_median"] / res["systems"]["NO_SHARD"]["step_s_median"]
         results.append(res)
     if rank == 0:
         Path(args._out).write_text(json.dumps(results))
@@ -393,7 +400,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sizes", nargs="+", default=["3M", "30M"], choices=["tiny", "3M", "30M"])
     p.add_argument("--world", nargs="+", type=int, default=[2, 4], help="world sizes W (local processes)")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    p.add_argument("--steps", type=int, default=10, help="measured steps per system (after the warmup)")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per system (after the warmup)")
     p.add_argument("--warmup", type=int, default=2, help="steps per system run first and discarded")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step (context = block size)")
     p.add_argument("--seed", type=int, default=1337)
@@ -473,6 +480,7 @@ def print_report(report: dict) -> None:
             a.add_row(name, f"{fig['step_s_median'] * 1e3:,.0f}", f"{fig['ratio_to_' + base]:.2f}",
                       mib(max(fig["peak_bytes_per_rank"])), loss)
         console.print(a)
+        console.print(f"FULL_SHARD / NO_SHARD step time: {r['FULL_SHARD/NO_SHARD']:.2f}")
 
 
 if __name__ == "__main__":
