@@ -1,7 +1,7 @@
 """flatshard against PyTorch FSDP2 and DDP, side by side: ``python -m flatshard.bench`` (``make bench``).
 
     python -m flatshard.bench                       # 3M and 30M GPT, W = 2 and 4, fp32 and bf16, + ablation
-    python -m flatshard.bench --quick               # 3M only, W = 2, fewer steps (about a minute)
+    python -m flatshard.bench --quick               # 3M only, W = 2, fewer steps (about 30 s)
     python -m flatshard.bench --sizes 30M --world 2 --dtypes bf16 --steps 12 --no-ablation
 
 For each world size W the command starts W local processes through torchrun's own machinery
@@ -407,7 +407,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-ablation", dest="ablation", action="store_false", help="skip flatshard's prefetch ablation")
     p.add_argument("--ablation-size", default="30M", choices=["tiny", "3M", "30M"])
     p.add_argument("--ablation-world", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="3M only, W=2, fp32 and bf16, 4 steps, ablation on 3M")
+    p.add_argument("--quick", action="store_true", help="3M only, W=2, fp32 and bf16, 4 steps, ablation on 3M (about 30 s)")
     p.add_argument("--json", type=Path, help=f"where to write the results (default {DEFAULT_JSON.relative_to(ROOT)})")
     p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_out", help=argparse.SUPPRESS)
