@@ -196,7 +196,8 @@ class FullyShardedDataParallel(nn.Module):
                 "root for now. Pass the same process_group to every FullyShardedDataParallel."
             )
         ctx = RunContext([w._unit for w in wrappers], self._unit)
-        ctx.configure(self._config.backward_prefetch, self._config.forward_prefetch, self._config.limit_all_gathers)
+        ctx.configure(self._config.backward_prefetch, self._config.forward_prefetch, self._config.limit_all_gathers,
+                      self._unit.flat_shard.device)
         if self._config.mixed_precision is not None:
             precision.cast_buffers(self.module, self._config.mixed_precision.buffer_dtype)
         for w in wrappers:
