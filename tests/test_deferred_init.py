@@ -10,9 +10,7 @@ rank and say how to fix them. One spawn of 4 processes runs every case, at W = 4
 2 and 1 ranks (``process_group=``)."""
 from __future__ import annotations
 
-import math
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn

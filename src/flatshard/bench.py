@@ -71,10 +71,14 @@ ABLATION = {  # name -> flatshard keywords (FULL_SHARD unless said); the first i
 
 def load_gpt_module():
     """examples/gpt.py, the project's example model (the benchmark builds exactly that GPT)."""
-    path = ROOT / "examples" / "gpt.py"
+    return _load_repo_file("examples/gpt.py", "flatshard_bench_gpt")
+
+
+def _load_repo_file(relative: str, name: str):
+    path = ROOT / relative
     if not path.exists():
         raise SystemExit(f"{path} not found: the benchmark needs flatshard's repository (pip install -e .)")
-    spec = importlib.util.spec_from_file_location("flatshard_bench_gpt", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -226,15 +230,9 @@ def build_flatshard(gpt, cfg, bf16: bool, strategy="FULL_SHARD", backward_prefet
 
 
 def build_fsdp2(gpt, cfg, bf16: bool):
-    # PyTorch's own FSDP2 is imported here only, lazily: it is the reference the benchmark measures
-    # flatshard against; nothing else in flatshard uses torch.distributed.fsdp.
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    model = gpt.GPT(cfg)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    return fully_shard(model, mp_policy=mp)
+    # PyTorch's FSDP2 is the reference the benchmark measures flatshard against; the package never
+    # imports it: the builder lives in the repository's bench/fsdp2_reference.py.
+    return _load_repo_file("bench/fsdp2_reference.py", "flatshard_bench_fsdp2").build(gpt, cfg, bf16)
 
 
 def build_ddp(gpt, cfg):
