@@ -116,6 +116,14 @@ class FullyShardedDataParallel(nn.Module):
         groups = resolve_groups(strategy, process_group, device_mesh, sharding_factor)
         config = _WrapConfig(groups, strategy, sync_module_states, mixed_precision, backward_prefetch,
                              forward_prefetch, limit_all_gathers)
+        self._build_units(module, chosen, by_unit, placement.path, skip, param_init_fn, device_id, config)
+        self._ignored_params = ignored_params
+        if sync_module_states:
+            _broadcast_buffers(module, groups, ignored)
+
+    # ---- construction -----------------------------------------------------------------------
+    def _build_units(self, module, chosen, by_unit, paths, skip, param_init_fn, device_id, config) -> None:
+        """One unit per chosen module (each replaced in its parents by its wrapper), and ``self``'s own."""
         parents = _parents(module)
         if deferred.has_meta_states(module, skip):  # [Note: deferred initialisation] (deferred.py)
             units = deferred.units_in_init_order(module, [*chosen, module], by_unit, skip, param_init_fn,
@@ -126,15 +134,11 @@ class FullyShardedDataParallel(nn.Module):
             if unit_module is module:
                 self._setup(module, params, config, "")
             else:
-                wrapper = FullyShardedDataParallel._new_unit_wrapper(unit_module, params, config, placement.path[unit_module])
+                wrapper = FullyShardedDataParallel._new_unit_wrapper(unit_module, params, config, paths[unit_module])
                 for parent, attr in parents.get(unit_module, []):
                     parent._modules[attr] = wrapper
             del params  # the unit keeps its shard; the full-size parameters go before the next unit is initialised
-        self._ignored_params = ignored_params
-        if sync_module_states:
-            _broadcast_buffers(module, groups, ignored)
 
-    # ---- construction -----------------------------------------------------------------------
     def _auto_factor(self, strategy, module, chosen, by_unit, process_group, device_mesh, budget) -> int:
         if device_mesh is not None or isinstance(process_group, tuple):
             raise ValueError('sharding_factor="auto" picks the groups itself; do not pass device_mesh or a group pair')
