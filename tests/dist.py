@@ -67,3 +67,25 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             msg += f"\n(ranks {missing} were stopped after the failure above)"
         raise AssertionError(msg)
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+def run_launcher(cmd: list[str], cwd, timeout: float, what: str) -> str:
+    """Run a command that starts ranks itself (torchrun's machinery) and return its output.
+
+    It gets a session of its own, so a hang is ended with every rank it started, and nothing else;
+    a timeout or a non-zero exit fails the test with the end of the output."""
+    import signal
+    import subprocess
+
+    import pytest
+
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"{what} did not finish within {timeout:.0f}s:\n{log[-4000:]}")
+    assert proc.returncode == 0, f"{what} exited {proc.returncode}:\n{log[-4000:]}"
+    return log

@@ -6,13 +6,12 @@ losses agree."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.dist import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120  # ~20 s on two cores; a hang must fail, not wait
@@ -24,15 +23,7 @@ def test_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "flatshard.bench", "--sizes", "tiny", "--world", "2", "--dtypes", "fp32", "bf16",
            "--steps", "2", "--warmup", "0", "--ablation-size", "tiny", "--json", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own session: a hang is ended with every rank
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"the benchmark did not finish within {TIMEOUT_S}s:\n{log[-4000:]}")
-    assert proc.returncode == 0, f"the benchmark exited {proc.returncode}:\n{log[-4000:]}"
+    run_launcher(cmd, ROOT, TIMEOUT_S, "the benchmark")
     report = json.loads(out.read_text())
     assert {"command", "torch", "cpus", "load_average_before", "load_average_after", "results"} <= set(report)
 

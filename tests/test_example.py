@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.dist import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
@@ -32,16 +31,7 @@ def run_example(tmp_path: Path, strategy: str) -> dict:
     cmd = [sys.executable, str(SCRIPT), "--nproc", str(WORLD), "--strategy", strategy, "--model", "tiny",
            "--dim", "33", "--heads", "3", "--steps", "20", "--batch-size", "8", "--log-interval", "5",
            "--eval-batches", "2", "--sample-tokens", "8", "--quiet", "--json", str(out)]
-    # A session of its own, so a hang can be ended with every rank torchrun started, and nothing else.
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"train_gpt.py did not finish within {TIMEOUT_S}s:\n{log[-4000:]}")
-    assert proc.returncode == 0, f"train_gpt.py exited {proc.returncode}:\n{log[-4000:]}"
+    log = run_launcher(cmd, ROOT, TIMEOUT_S, "train_gpt.py")
     assert out.exists(), f"no JSON written:\n{log[-4000:]}"
     return json.loads(out.read_text())
 
