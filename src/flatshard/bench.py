@@ -29,7 +29,9 @@ bf16 losses agree only loosely: autocast keeps norms and softmax in fp32). All u
   copied in) is not seen, alike for all.
 * Bytes per step: the same tracked step counts every c10d collective operator it sees (both FSDPs),
   with ring figures (all-gather and reduce-scatter (n-1)·shard bytes, all-reduce 2(n-1)/n·bytes, as
-  flatshard's own recorder does; flatshard's recorder is reported beside it as a cross-check). DDP
+  flatshard's own recorder does; flatshard's recorder is reported beside it as a cross-check, by kind).
+  flatshard's all-gathers and reduce-scatters on gloo are point-to-point sends: those are counted as
+  "send" with the bytes of each tensor sent, which add up to the same (n-1)·shard bytes. DDP
   all-reduces from C++ where no dispatch mode sees it, so its bytes are the formula 2·(W-1)/W·4·P.
 * Losses: every rank's loss of every step (tracked step included), compared across systems after the
   run; fp32 must agree within 1e-4 relative, bf16 FSDP2 within 2e-2, DDP-autocast within 5e-2.
@@ -98,7 +100,8 @@ def sizes():
 C10D_KINDS = {"_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
               "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
               "reduce_scatter_tensor_coalesced_": "reduce_scatter", "allreduce_": "all_reduce",
-              "allreduce_coalesced_": "all_reduce", "broadcast_": "broadcast"}
+              "allreduce_coalesced_": "all_reduce", "broadcast_": "broadcast",
+              "send": "send"}  # flatshard's point-to-point all-gathers and reduce-scatters on gloo (collectives.py)
 
 
 def _nbytes(tensors) -> int:
@@ -208,6 +211,7 @@ class System:
     peak_at: str = ""
     comm: dict = dataclasses.field(default_factory=dict)
     recorder_comm: float | None = None  # flatshard's own recorder, bytes per step
+    recorder_by_kind: dict = dataclasses.field(default_factory=dict)
 
     def step(self, x, y) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
@@ -278,6 +282,7 @@ def tracked_step(system: System, x, y, world: int) -> None:
     system.comm = tracker.comm
     if rec is not None:
         system.recorder_comm = rec.wire_bytes()
+        system.recorder_by_kind = {e.kind: rec.wire_bytes(kind=e.kind) for e in rec.events}
 
 
 def compare(gpt, cfg, bf16: bool, args, data, variants=None) -> dict:
@@ -322,6 +327,7 @@ def gather_results(systems, n_params: int, world: int) -> dict:
             "comm_per_step": comm,
             "bytes_per_step": sum(v["wire_bytes"] for v in comm.values()),
             "recorder_bytes_per_step": s.recorder_comm,
+            "recorder_bytes_per_step_by_kind": s.recorder_by_kind,
         }
     return out
 
