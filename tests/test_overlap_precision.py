@@ -247,7 +247,7 @@ def bounded_worker(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         model = FSDP(TinyGPT(layers=6, dim=24), auto_wrap_policy=ModuleWrapPolicy({Block}), backward_prefetch=bp)
         model._lazy_init().overlap_reductions = in_flight
-        sizes = [w._unit.layout.padded * 4 for w in FSDP.fsdp_modules(model)]
+        sizes = [(w._unit.layout.padded * 4, w._unit.layout.total * 4) for w in FSDP.fsdp_modules(model)]
         x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(rank))
         with model.record_memory() as mem:
             torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
@@ -259,13 +259,18 @@ def bounded_worker(rank: int, world: int) -> dict:
 
 
 def test_prefetch_keeps_gathered_memory_bounded():
-    """Whatever the depth: the root, the unit computing, its full-size gradient, and (with prefetch) the
-    next unit. A reduction left in flight is finished at the next post-backward, before that unit's
-    gradient is reduced, so reductions never accumulate. Gradients are the same bits in every case.
-    (The recorder samples at unit transitions; between them, during a unit's backward, an in-flight
-    reduction's input and the gradient being built can coexist: one unit more, not counted here.)"""
+    """Whatever the depth: the root, the unit computing and its gradients (per parameter at the end of
+    its backward; its parameters are freed before they are joined into the flat gradient: [Note: free
+    before the flat gradient]), with prefetch the next unit, and with reductions in flight the one
+    full-size gradient still being reduced. A reduction left in flight is finished at the next
+    post-backward, before that unit's gradient is reduced, so reductions never accumulate. Gradients
+    are the same bits in every case."""
     for out in run_distributed(bounded_worker, 2, timeout=120):
         for (key, in_flight), (peak, sizes) in out.items():
-            root, unit = sizes[0], max(sizes[1:])
-            expected = root + (2 if key == "None" else 3) * unit
+            root, (unit, unpadded) = sizes[0][0], max(sizes[1:])  # the per-parameter gradients have no padding
+            expected = root + {  # the largest moment of each schedule
+                "None": unit + unpadded,  # end of a unit's backward: its parameters and gradients
+                "BackwardPrefetch.BACKWARD_PRE": 2 * unit + unpadded,  # ... and the next unit, prefetched
+                "BackwardPrefetch.BACKWARD_POST": 2 * unit,  # post-backward: flat gradient and the next unit
+            }[key] + (unit if in_flight else 0)  # ... and the previous unit's gradient, still being reduced
             assert peak == expected, (key, in_flight, peak, expected)

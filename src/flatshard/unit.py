@@ -68,6 +68,8 @@ class Unit:
         self.reduction: Optional[reduce.PendingReduction] = None
         self.state = UnitState.UNSHARDED if self._aliased else UnitState.SHARDED
         self._compute_views_set = False
+        self._open_splits = 0  # splits of the unsharded flat whose backward has not run (see use_compute_views)
+        self._view_grad_bytes = 0  # per-parameter gradients autograd holds for the split's backward
         set_views_on_modules(layout, self.shard_views, as_params=True)
         if self.requires_grad:
             self.unsharded.register_post_accumulate_grad_hook(self._post_backward)
@@ -120,8 +122,33 @@ class Unit:
         self._sample_memory()
 
     def use_compute_views(self) -> None:
-        set_views_on_modules(self.layout, make_compute_views(self.layout, self.unsharded), as_params=False)
+        views = make_compute_views(self.layout, self.unsharded)
+        set_views_on_modules(self.layout, views, as_params=False)
         self._compute_views_set = True
+        split = next((v.grad_fn.next_functions[0][0] for v in views if v.grad_fn is not None), None)
+        if split is not None and not self._in_backward():  # its backward will build the flat gradient
+            self._open_splits += 1
+            split.register_prehook(self._views_done)
+
+    # [Note: free before the flat gradient]
+    # Backward of the compute views' split concatenates their gradients into one flat gradient, a
+    # buffer the size of the unsharded flat. By the time it runs, every operator that reads these views
+    # has run its backward, so when it is the last open split of this unit (a unit run twice in one pass
+    # has two) the unsharded flat is freed first: backward then holds the gradients and the flat
+    # gradient, never the parameters as well, and the peak of a unit's backward drops by one unsharded
+    # flat. Only splits made outside backward count: a recomputation's split (activation checkpointing)
+    # never runs its backward (non-reentrant) or runs it with the parameters no longer needed after
+    # (reentrant, where the unit then reshards in post-backward). A split made before the last backward
+    # ended (counts reset there) leaves the count off zero: the unit then reshards in post-backward.
+    def _views_done(self, grad_outputs):
+        self._open_splits -= 1
+        # The unit's backward peak: its parameters and every per-parameter gradient, about to be joined.
+        self._view_grad_bytes = sum(g.untyped_storage().nbytes() for g in grad_outputs if g is not None)
+        self._sample_memory()
+        if self._open_splits == 0 and self._in_backward() and (self.ctx.sync_gradients or self.full_shard):
+            self.use_shard_views()
+            self.reshard()
+        return None
 
     def use_shard_views(self) -> None:
         if self._compute_views_set:
@@ -164,6 +191,7 @@ class Unit:
     def _post_backward(self, unsharded: torch.Tensor) -> None:
         """The unsharded flat's gradient is complete: start reducing it to this rank's shard, reshard."""
         ctx = self.ctx
+        self._view_grad_bytes = 0  # joined into the flat gradient by now
         if ctx is not None:
             ctx.begin_backward()
             # The reduction left in flight by the previous unit has had this unit's backward to finish:
@@ -199,6 +227,7 @@ class Unit:
 
     def finish_backward(self, synced: bool) -> None:
         """End of backward: put shard views back and reshard what is still gathered."""
+        self._open_splits = 0
         self.use_shard_views()
         if synced or self.full_shard:
             self.reshard()
@@ -236,6 +265,7 @@ class Unit:
         gathered = 0 if self._aliased else self.unsharded.untyped_storage().nbytes()
         if self.unsharded.grad is not None:
             gathered += self.unsharded.grad.untyped_storage().nbytes()
+        gathered += self._view_grad_bytes
         if self.reduction is not None:  # in flight: the full-size gradient and the shard it lands in
             full, out = self.reduction.nbytes()
             gathered += full

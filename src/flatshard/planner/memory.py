@@ -18,6 +18,9 @@ FULL_SHARD, HYBRID_SHARD (reshard after forward), prefetch depth d:
     forward at unit i:  root + g_i + g_{i+1} + ... + g_{i+d}
     backward at unit i: root + g_i + ug_i + g_{i-1} + ... + g_{i-d}; at the root: root + ug_root
     where "root" is g_root: the root unit stays gathered from its forward to the end of backward.
+    g_i + ug_i is the end of unit i's backward: its parameters and its per-parameter gradients. The
+    engine frees the parameters before joining the gradients into the flat gradient (unit.py,
+    [Note: free before the flat gradient]), so the join adds nothing above this.
 SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2, NO_SHARD (no reshard after forward): every unit is gathered by
     the end of forward and freed after its own backward (its post-backward reshard), so
     forward: sum_u g_u; backward at unit i (forward order): g_0 + ... + g_i + ug_i.
