@@ -50,6 +50,7 @@ class _WrapConfig:
     backward_prefetch: Optional[BackwardPrefetch] = None
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
+    offload_params: bool = False
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -101,6 +102,9 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"sharding_strategy must be a flatshard.ShardingStrategy, got {strategy!r}")
         ignored = _ignored_modules(module, ignored_modules, ignored_states)
         ignored_params = {p for m in ignored for p in m.parameters()}
+        offload = cpu_offload is not None and cpu_offload.offload_params
+        if offload:
+            device_id = _offload_compute_device(module, device_id)
         _place_on_device(module, device_id, ignored_params)
         wrapped_earlier = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         skip = set(ignored) | set(wrapped_earlier)
@@ -115,7 +119,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError('memory_budget is read only with sharding_factor="auto"')
         groups = resolve_groups(strategy, process_group, device_mesh, sharding_factor)
         config = _WrapConfig(groups, strategy, sync_module_states, mixed_precision, backward_prefetch,
-                             forward_prefetch, limit_all_gathers)
+                             forward_prefetch, limit_all_gathers, offload)
         self._build_units(module, chosen, by_unit, placement.path, skip, param_init_fn, device_id, config)
         self._ignored_params = ignored_params
         if sync_module_states:
@@ -186,7 +190,7 @@ class FullyShardedDataParallel(nn.Module):
         self._flattened_originals = {id(p): weakref.ref(p) for p in originals}
         full_shard = config.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         self._unit = Unit(name, layout, flat, config.groups, full_shard=full_shard,
-                          precision=precision.resolve(config.mixed_precision, dtype))
+                          precision=precision.resolve(config.mixed_precision, dtype), offload=config.offload_params)
 
     def _lazy_init(self) -> RunContext:
         """On first use, the outermost wrapper becomes the root and hands one run context to every unit."""
@@ -201,7 +205,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         ctx = RunContext([w._unit for w in wrappers], self._unit)
         ctx.configure(self._config.backward_prefetch, self._config.forward_prefetch, self._config.limit_all_gathers,
-                      self._unit.flat_shard.device)
+                      self._unit.compute_device)
         if self._config.mixed_precision is not None:
             precision.cast_buffers(self.module, self._config.mixed_precision.buffer_dtype)
         for w in wrappers:
@@ -361,14 +365,30 @@ def _reject_not_built(backward_prefetch, forward_prefetch, mixed_precision, cpu_
         raise TypeError(f"backward_prefetch must be a flatshard.BackwardPrefetch or None, got {backward_prefetch!r}")
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"mixed_precision must be a flatshard.MixedPrecision, got {mixed_precision!r}")
-    if cpu_offload is not None and cpu_offload.offload_params:
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "CPUOffload(offload_params=True): offload needs an accelerator compute device, and this run has "
-                "none: the parameters already live in CPU memory. Pass cpu_offload=None (or CPUOffload(False))."
-            )
-        raise NotBuiltError("CPUOffload(offload_params=True) with a CUDA compute device is not built yet in flatshard; "
-                            "pass cpu_offload=None.")
+    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
+        raise TypeError(f"cpu_offload must be a flatshard.CPUOffload or None, got {cpu_offload!r}")
+
+
+# Tests set this to run the offload path with CPU as the compute device: the flat shards are then
+# separate CPU tensors, copied before every all-gather, as they are on an accelerator (not pinned).
+_OFFLOAD_TO_CPU_COMPUTE_FOR_TESTS = False
+
+
+def _offload_compute_device(module: nn.Module, device_id):
+    """CPUOffload(offload_params=True): the device units compute on (``device_id``; else the device of
+    the module's parameters; else the current CUDA device), which must be an accelerator."""
+    if device_id is None:
+        device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
+        if device.type == "cpu" and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+    if device.type == "cpu" and not _OFFLOAD_TO_CPU_COMPUTE_FOR_TESTS:
+        raise ValueError(
+            "CPUOffload(offload_params=True): offload needs an accelerator compute device, and this run has "
+            "none: the parameters already live in CPU memory. Pass cpu_offload=None (or CPUOffload(False))."
+        )
+    return device
 
 
 def _ignored_modules(module: nn.Module, ignored_modules, ignored_states) -> set[nn.Module]:

@@ -20,7 +20,7 @@ def clip_grad_norm_(ctx: RunContext, unmanaged: list[torch.nn.Parameter], max_no
     norm_type = float(norm_type)
     sharded = [v.grad for unit in ctx.units for v in unit.shard_views if v.grad is not None]
     local = [p.grad for p in unmanaged if p.grad is not None]
-    device = sharded[0].device if sharded else (local[0].device if local else torch.device("cpu"))
+    device = ctx.root.compute_device  # where collectives run (gradient shards are on CPU under CPUOffload)
     total = _partial_norm(sharded, norm_type, device)
     shard_group = ctx.root.groups.shard_group
     if shard_group is not None:
@@ -33,7 +33,7 @@ def clip_grad_norm_(ctx: RunContext, unmanaged: list[torch.nn.Parameter], max_no
         total = total ** (1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in sharded + local:
-        g.mul_(coefficient.to(g.dtype))
+        g.mul_(coefficient.to(g.device, g.dtype))
     return total
 
 
@@ -45,9 +45,9 @@ def _partial_norm(grads: list[torch.Tensor], norm_type: float, device: torch.dev
             continue
         g = g.detach().float()
         if math.isinf(norm_type):
-            out = torch.maximum(out, g.abs().max())
+            out = torch.maximum(out, g.abs().max().to(device))
         else:
-            out = out + torch.linalg.vector_norm(g, norm_type) ** norm_type
+            out = out + (torch.linalg.vector_norm(g, norm_type) ** norm_type).to(device)
     return out
 
 

@@ -163,9 +163,11 @@ def gather_flat(unit, flat: torch.Tensor) -> torch.Tensor:
     groups = unit.groups
     if groups.shard_size == 1:
         return flat
+    home = flat.device  # CPU under CPUOffload; the collective runs on the compute device
+    flat = flat.to(unit.compute_device)
     full = torch.empty(unit.layout.padded, dtype=flat.dtype, device=flat.device)
     all_gather_single(full, flat.contiguous(), group=groups.shard_group)
-    return full
+    return full.to(home)
 
 
 def layout_fingerprint(unit) -> torch.Tensor:

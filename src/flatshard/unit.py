@@ -40,9 +40,13 @@ class Unit:
         *,
         full_shard: bool,
         precision: UnitPrecision,
+        offload: bool = False,
     ):
         """``flat_full`` is the zero-padded concatenation of the unit's parameters, identical on every
-        rank of the shard group; the unit keeps this rank's slice and frees the rest."""
+        rank of the shard group, on the compute device; the unit keeps this rank's slice and frees the
+        rest. With ``offload`` (CPUOffload) the flat shard, and so the shard views, their gradients and
+        the optimizer's state, live in CPU memory (pinned when computing on CUDA): each gather copies
+        the shard to the compute device first, and each reduced gradient shard is copied back."""
         self.name = name or "<root>"
         self.layout = layout
         self.groups = groups
@@ -52,12 +56,21 @@ class Unit:
         self.precision = precision
         self.requires_grad = any(i.requires_grad for i in layout.infos)
         S, rank = layout.shard_numel, groups.shard_rank
-        self._aliased = groups.shard_size == 1 and not precision.mixed
-        self.flat_shard = flat_full if groups.shard_size == 1 else flat_full[rank * S : (rank + 1) * S].clone()
+        self.compute_device = flat_full.device
+        self.offload = offload
+        self._aliased = groups.shard_size == 1 and not precision.mixed and not offload
+        if offload:
+            self.flat_shard = flat_full.detach()[rank * S : (rank + 1) * S].to("cpu", copy=True)
+            if self.compute_device.type == "cuda":
+                self.flat_shard = self.flat_shard.pin_memory()
+        elif groups.shard_size == 1:
+            self.flat_shard = flat_full
+        else:
+            self.flat_shard = flat_full[rank * S : (rank + 1) * S].clone()
         if self._aliased:
             self.unsharded = flat_full.data  # alias with its own version counter
         else:
-            same = groups.shard_size > 1 and not precision.mixed
+            same = (groups.shard_size > 1 or offload) and not precision.mixed
             self.unsharded = flat_full if same else torch.empty(layout.padded, dtype=precision.compute, device=flat_full.device)
             self.unsharded.untyped_storage().resize_(0)
         self.unsharded.requires_grad_(self.requires_grad)
@@ -89,7 +102,9 @@ class Unit:
         nbytes = self.layout.padded * self.unsharded.element_size()
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
-        source = self.flat_shard if not self.precision.mixed else self.flat_shard.to(self.precision.compute)
+        source = self.flat_shard
+        if self.offload or self.precision.mixed:  # to the compute device and dtype (pinned: asynchronous)
+            source = self.flat_shard.to(self.compute_device, self.precision.compute, non_blocking=True, copy=True)
         if self.groups.shard_size == 1:
             self._gather_target.copy_(source)
         else:
@@ -237,6 +252,8 @@ class Unit:
         it becomes the grad shard, each trainable shard view's ``.grad`` a slice of it; where a view still
         holds a gradient (``zero_grad(set_to_none=False)``, or no zero_grad at all) the new gradient is
         added to it in place, as ``torch.autograd`` accumulates, and ``reduced`` is dropped."""
+        if self.offload:
+            reduced = reduced.to(self.flat_shard.device)
         slices = self.layout.local_slices(self.groups.shard_rank)
         trainable = [(v, lo, hi) for v, (lo, hi) in zip(self.shard_views, slices) if v.requires_grad]
         if all(v.grad is None for v, _, _ in trainable):
