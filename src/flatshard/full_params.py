@@ -24,7 +24,7 @@ def summon(wrappers: list, *, writeback: bool, rank0_only: bool, offload_to_cpu:
             "the defaults (every rank gets the full parameters)."
         )
     units = [w._unit for w in wrappers]
-    if offload_to_cpu and any(u.flat_shard.device.type != "cpu" for u in units):
+    if offload_to_cpu and any(u.compute_device.type != "cpu" for u in units):
         raise NotBuiltError("summon_full_params(offload_to_cpu=True) is not built yet for accelerator devices.")
     for unit in units:
         if unit.ctx is not None and unit.ctx.phase in ("forward", "backward"):
