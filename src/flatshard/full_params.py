@@ -1,48 +1,91 @@
-"""``summon_full_params``: every unit gathered, modules holding full-shape parameters, for reading or editing.
+"""``summon_full_params``: every unit's full parameters on its modules, for reading or editing.
 
-Inside the block each module's parameters are ``nn.Parameter`` views of the unit's unsharded flat,
-so in-place edits land there; on exit with ``writeback=True`` each rank copies its slice back into
-its flat shard. The units are then resharded and the shard views put back.
+Each unit's flat shards are gathered in the *master* dtype (fp32 under bf16 mixed precision: what the
+optimizer steps, never the compute copy) into a buffer of their own; the unit's unsharded flat is not
+touched, so the unit stays resharded throughout. Inside the block each module's parameters are
+``nn.Parameter`` views of that buffer, so in-place edits land there; on exit with ``writeback=True``
+each rank copies its slice back into its flat shard. With F = 1 (and no offload) the buffer is the
+flat shard itself: edits land in place, with or without writeback, as in PyTorch FSDP.
+
+``rank0_only``: every rank takes part in the gathers, only global rank 0 keeps the full parameters; the
+others keep their shard views. ``offload_to_cpu``: the full parameters are copied to CPU memory (one
+unit at a time) and the gathered buffer on the compute device is freed. ``with_grads``: the gradient
+shards are gathered the same way and set as the full parameters' ``.grad`` (a parameter whose shard
+view has no gradient gets none: ranks agree, since reductions give every trainable view one); gradients
+are for reading, never written back.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from flatshard.api import NotBuiltError
+from flatshard import collectives
 from flatshard.flat_param import make_compute_views, set_views_on_modules
 
 
 @contextlib.contextmanager
 def summon(wrappers: list, *, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> Iterator[None]:
-    if rank0_only or with_grads:
-        raise NotBuiltError(
-            "summon_full_params(rank0_only=True / with_grads=True) is not built yet in flatshard; call it with "
-            "the defaults (every rank gets the full parameters)."
-        )
+    if rank0_only and writeback:
+        raise ValueError("summon_full_params(rank0_only=True, writeback=True): only rank 0 would hold the full "
+                         "parameters, so the other ranks' shards could not be written back. Pass writeback=False.")
     units = [w._unit for w in wrappers]
-    if offload_to_cpu and any(u.compute_device.type != "cpu" for u in units):
-        raise NotBuiltError("summon_full_params(offload_to_cpu=True) is not built yet for accelerator devices.")
     for unit in units:
         if unit.ctx is not None and unit.ctx.phase in ("forward", "backward"):
             raise RuntimeError("summon_full_params cannot be used during forward or backward; call it between steps")
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     phase = units[0].ctx.phase_scope("other") if units and units[0].ctx is not None else contextlib.nullcontext()
+    held: list[Optional[torch.Tensor]] = []
     with phase:
         for unit in units:
-            unit.unshard()
-            full = [nn.Parameter(v, requires_grad=i.requires_grad)
-                    for v, i in zip(make_compute_views(unit.layout, unit.unsharded.detach()), unit.layout.infos)]
-            set_views_on_modules(unit.layout, full, as_params=True)
+            full = _gather(unit, unit.flat_shard)
+            grads = _gather(unit, _grad_shard(unit)) if with_grads else None
+            if offload_to_cpu:
+                full = full.cpu() if full.device.type != "cpu" else full
+                grads = grads.cpu() if grads is not None and grads.device.type != "cpu" else grads
+            if not keep:
+                held.append(None)
+                continue
+            params = [nn.Parameter(v, requires_grad=i.requires_grad)
+                      for v, i in zip(make_compute_views(unit.layout, full), unit.layout.infos)]
+            if grads is not None:
+                for p, g, view in zip(params, make_compute_views(unit.layout, grads), unit.shard_views):
+                    p.grad = g if view.grad is not None else None
+            set_views_on_modules(unit.layout, params, as_params=True)
+            held.append(full)
     try:
         yield
     finally:
-        for unit in units:
-            if writeback and unit.groups.shard_size > 1:
+        for unit, full in zip(units, held):
+            if full is None:
+                continue
+            if writeback and full.untyped_storage().data_ptr() != unit.flat_shard.untyped_storage().data_ptr():
                 S, rank = unit.layout.shard_numel, unit.groups.shard_rank
                 with torch.no_grad():
-                    unit.flat_shard.copy_(unit.unsharded.detach()[rank * S : (rank + 1) * S])
+                    unit.flat_shard.copy_(full[rank * S : (rank + 1) * S])
             set_views_on_modules(unit.layout, unit.shard_views, as_params=True)
-            unit.reshard()
+
+
+def _gather(unit, shard: torch.Tensor) -> torch.Tensor:
+    """The shard group's ``shard`` tensors concatenated (the unit's padded flat), on the compute device;
+    ``shard`` itself when there is nothing to gather."""
+    if unit.groups.shard_size == 1 and shard.device == unit.compute_device:
+        return shard
+    source = shard.to(unit.compute_device)
+    if unit.groups.shard_size == 1:
+        return source
+    full = torch.empty(unit.layout.padded, dtype=shard.dtype, device=unit.compute_device)
+    unit._record(collectives.all_gather(full, source, unit.groups.shard_group), "shard")
+    return full
+
+
+def _grad_shard(unit) -> torch.Tensor:
+    """This rank's gradient as one flat shard (zeros where a shard view has no gradient)."""
+    out = torch.zeros_like(unit.flat_shard)
+    for view, (lo, hi) in zip(unit.shard_views, unit.layout.local_slices(unit.groups.shard_rank)):
+        if view.grad is not None:
+            out[lo:hi].copy_(view.grad)
+    return out
