@@ -27,8 +27,7 @@ def errors_worker(rank: int, world: int) -> dict:
     from flatshard import FullyShardedDataParallel as FSDP
 
     out = {
-        "low_precision_grads": _raises(lambda: FSDP(OddMLP(), mixed_precision=MixedPrecision(
-            param_dtype=torch.bfloat16, keep_low_precision_grads=True))),
+        "ignored_params": _raises(lambda: FSDP(OddMLP(), ignored_states=[nn.Parameter(torch.zeros(2))])),
         "bad_prefetch": _raises(lambda: FSDP(OddMLP(), backward_prefetch="BACKWARD_PRE")),
         "cpu_offload": _raises(lambda: FSDP(OddMLP(), cpu_offload=CPUOffload(offload_params=True))),
         "param_init_fn": _raises(lambda: FSDP(OddMLP(), param_init_fn="normal")),
@@ -54,7 +53,7 @@ def errors_worker(rank: int, world: int) -> dict:
 def test_unbuilt_keywords_and_bad_input_raise_on_every_rank():
     results = run_distributed(errors_worker, 2, timeout=120)
     expected = {
-        "low_precision_grads": "NotBuiltError: MixedPrecision(keep_low_precision_grads=True) is not built yet",
+        "ignored_params": "NotBuiltError: ignored_states with parameters is not built yet",
         "bad_prefetch": "TypeError: backward_prefetch must be a flatshard.BackwardPrefetch",
         "cpu_offload": "ValueError: CPUOffload(offload_params=True): offload needs an accelerator compute device",
         "param_init_fn": "TypeError: param_init_fn must be a callable",

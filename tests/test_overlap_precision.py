@@ -274,3 +274,48 @@ def test_prefetch_keeps_gathered_memory_bounded():
                 "BackwardPrefetch.BACKWARD_POST": 2 * unit,  # post-backward: flat gradient and the next unit
             }[key] + (unit if in_flight else 0)  # ... and the previous unit's gradient, still being reduced
             assert peak == expected, (key, in_flight, peak, expected)
+
+
+def low_precision_grads_worker(rank: int, world: int) -> dict:
+    from flatshard import FullyShardedDataParallel as FSDP, MixedPrecision
+    from flatshard.wrap import ModuleWrapPolicy
+
+    bf16 = torch.bfloat16
+    x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(rank))
+    seen = {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model = FSDP(TinyGPT(), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                     mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, keep_low_precision_grads=keep))
+        grads = []
+        with model.record_memory() as mem:
+            for _ in range(2):
+                torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+                if not keep:  # fp32: each backward's gradients alone; bf16: the second accumulates into the first
+                    model.zero_grad()
+            nbytes = mem.sample()["grads"] if keep else None
+        if not keep:
+            torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+            nbytes = mem.sample()["grads"]
+        norm = model.clip_grad_norm_(1.0)  # norms in fp32 from bf16 gradients
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        assert torch.isfinite(norm) and all(p.dtype == torch.float32 for p in model.parameters())
+        seen[keep] = (grads, nbytes)
+    ((g1, g2), bytes_fp32), ((k1, k12), bytes_bf16) = seen[False], seen[True]
+    assert all(g.dtype == torch.float32 for g in g1 + g2) and all(g.dtype == bf16 for g in k1 + k12)
+    # the same reduced bf16 values: without keep_low_precision_grads they are only cast up (exactly)
+    assert all(torch.equal(a.to(bf16), b) for a, b in zip(g1, k1))
+    # accumulation happens in the gradients' own dtype, bf16
+    assert all(torch.equal(a + b.to(bf16), c) for a, b, c in zip(k1, g2, k12))
+    assert bytes_bf16 * 2 == bytes_fp32, (bytes_bf16, bytes_fp32)
+    return {"grad_bytes": (bytes_fp32, bytes_bf16)}
+
+
+def test_keep_low_precision_grads_hands_the_optimizer_reduce_dtype_gradients():
+    """MixedPrecision(keep_low_precision_grads=True): ``.grad`` stays in reduce_dtype (half the bytes of
+    fp32 for bf16), holds the same values that are otherwise cast up, and accumulates across backward
+    passes in that dtype; clip_grad_norm_ and an optimizer step work on them."""
+    results = run_distributed(low_precision_grads_worker, 2, timeout=120)
+    assert results[0] == results[1]
+

@@ -7,7 +7,9 @@
     all-gather, so the gather moves param_dtype bytes (half of fp32 for bf16).
   * unsharded flat's gradient: param_dtype (autograd's); cast to ``reduce_dtype`` (default:
     param_dtype, as in PyTorch FSDP) for the reduce-scatter and all-reduce; the reduced shard is cast
-    up to the master dtype before it becomes ``.grad``.
+    up to the master dtype before it becomes ``.grad`` — unless ``keep_low_precision_grads``: then
+    ``.grad`` stays in reduce_dtype, for an optimizer that steps from low-precision gradients (autograd
+    forbids a gradient in another dtype than its parameter's, so unit.py sets it through ``.data``).
   * buffers: ``buffer_dtype`` (cast once, when the root is first used).
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-from flatshard.api import MixedPrecision, NotBuiltError
+from flatshard.api import MixedPrecision
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,12 @@ class UnitPrecision:
     reduce: torch.dtype
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    keep_low_precision_grads: bool = False
+
+    @property
+    def grad(self) -> torch.dtype:
+        """The dtype of the gradients the optimizer sees."""
+        return self.reduce if self.keep_low_precision_grads else self.master
 
     @property
     def mixed(self) -> bool:
@@ -37,14 +45,10 @@ class UnitPrecision:
 def resolve(policy: Optional[MixedPrecision], master: torch.dtype) -> UnitPrecision:
     if policy is None:
         return UnitPrecision(master, master, master)
-    if policy.keep_low_precision_grads:
-        raise NotBuiltError(
-            "MixedPrecision(keep_low_precision_grads=True) is not built yet in flatshard: gradients are handed to "
-            "the optimizer in the master dtype. Pass keep_low_precision_grads=False."
-        )
     compute = policy.param_dtype or master
     reduce = policy.reduce_dtype or compute
-    return UnitPrecision(master, compute, reduce, policy.cast_forward_inputs, policy.cast_root_forward_inputs)
+    return UnitPrecision(master, compute, reduce, policy.cast_forward_inputs, policy.cast_root_forward_inputs,
+                         policy.keep_low_precision_grads)
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -237,7 +237,7 @@ class Unit:
         if self.reduction is None:
             return
         pending, self.reduction = self.reduction, None
-        self._expose_grads(reduce.finish(pending, self.groups, self.precision.master, self._record, self.name))
+        self._expose_grads(reduce.finish(pending, self.groups, self.precision.grad, self._record, self.name))
         self._sample_memory()
 
     def finish_backward(self, synced: bool) -> None:
@@ -258,11 +258,11 @@ class Unit:
         trainable = [(v, lo, hi) for v, (lo, hi) in zip(self.shard_views, slices) if v.requires_grad]
         if all(v.grad is None for v, _, _ in trainable):
             for view, lo, hi in trainable:
-                view.grad = reduced[lo:hi]
+                _set_grad(view, reduced[lo:hi])
             return
         for view, lo, hi in trainable:
             if view.grad is None:
-                view.grad = reduced[lo:hi].clone()
+                _set_grad(view, reduced[lo:hi].clone())
             else:
                 view.grad.add_(reduced[lo:hi])
 
@@ -297,3 +297,13 @@ class Unit:
     def __repr__(self) -> str:
         return f"Unit({self.name}, T={self.layout.total}, S={self.layout.shard_numel}, {self.state.name})"
 
+
+def _set_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
+    """``view.grad = grad``, also when ``grad`` is in another dtype (keep_low_precision_grads): autograd
+    refuses that assignment, so a same-dtype placeholder that allocates nothing (a broadcast scalar) is
+    assigned first and its ``.data`` swapped for ``grad``."""
+    if grad.dtype == view.dtype:
+        view.grad = grad
+        return
+    view.grad = torch.zeros((), dtype=view.dtype, device=view.device).expand(view.shape)
+    view.grad.data = grad
