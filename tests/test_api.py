@@ -27,7 +27,7 @@ def errors_worker(rank: int, world: int) -> dict:
     from flatshard import FullyShardedDataParallel as FSDP
 
     out = {
-        "ignored_params": _raises(lambda: FSDP(OddMLP(), ignored_states=[nn.Parameter(torch.zeros(2))])),
+        "foreign_ignored": _raises(lambda: FSDP(OddMLP(), ignored_states=[nn.Parameter(torch.zeros(2))])),
         "bad_prefetch": _raises(lambda: FSDP(OddMLP(), backward_prefetch="BACKWARD_PRE")),
         "cpu_offload": _raises(lambda: FSDP(OddMLP(), cpu_offload=CPUOffload(offload_params=True))),
         "param_init_fn": _raises(lambda: FSDP(OddMLP(), param_init_fn="normal")),
@@ -53,7 +53,7 @@ def errors_worker(rank: int, world: int) -> dict:
 def test_unbuilt_keywords_and_bad_input_raise_on_every_rank():
     results = run_distributed(errors_worker, 2, timeout=120)
     expected = {
-        "ignored_params": "NotBuiltError: ignored_states with parameters is not built yet",
+        "foreign_ignored": "ValueError: ignored_states holds a parameter that is not in the module being wrapped",
         "bad_prefetch": "TypeError: backward_prefetch must be a flatshard.BackwardPrefetch",
         "cpu_offload": "ValueError: CPUOffload(offload_params=True): offload needs an accelerator compute device",
         "param_init_fn": "TypeError: param_init_fn must be a callable",
@@ -166,6 +166,21 @@ def buffers_ignored_worker(rank: int, world: int) -> dict:
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 + rank))
     ignored(x).sum().backward()
     out["ignored_grad"] = inner.out.weight.grad.clone()
+    # ignored_states with parameters: the same for one parameter of a module flatshard manages
+    torch.manual_seed(0)
+    ref = WithBuffers()
+    torch.manual_seed(0)
+    inner = WithBuffers()
+    kept = inner.out.weight
+    model = FSDP(inner, ignored_states=[kept])
+    named = dict(model.named_parameters())
+    out["param_whole"] = named["out.weight"] is kept and kept.shape == (1, 10) and not hasattr(kept, "orig_shape")
+    out["others_views"] = all(hasattr(p, "orig_shape") for n, p in named.items() if n != "out.weight")
+    model(x).sum().backward()
+    ref(x).sum().backward()  # this rank's batch: the ignored parameter's gradient is not averaged
+    out["param_local_grad"] = torch.allclose(kept.grad, ref.out.weight.grad)
+    out["param_in_state_dict"] = torch.equal(model.state_dict()["out.weight"], ref.out.weight)
+    out["mixed_states"] = _raises(lambda: FSDP(WithBuffers(), ignored_states=[inner.out, kept]))
     return out
 
 
@@ -174,6 +189,8 @@ def test_buffers_and_ignored_modules():
     for out in results:
         assert out["buffer_names"] and out["batches_tracked"] == 3 and out["calls"] == 3
         assert out["ignored_param_whole"] and out["ignored_not_view"] and out["managed_are_views"]
+        assert out["param_whole"] and out["others_views"] and out["param_local_grad"] and out["param_in_state_dict"], out
+        assert out["mixed_states"].startswith("ValueError: ignored_states must hold only"), out["mixed_states"]
     # ignored parameters keep each rank's local gradient (not averaged across ranks)
     assert not torch.equal(results[0]["ignored_grad"], results[1]["ignored_grad"])
 

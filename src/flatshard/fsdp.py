@@ -100,8 +100,8 @@ class FullyShardedDataParallel(nn.Module):
         strategy = sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD
         if not isinstance(strategy, ShardingStrategy):
             raise TypeError(f"sharding_strategy must be a flatshard.ShardingStrategy, got {strategy!r}")
-        ignored = _ignored_modules(module, ignored_modules, ignored_states)
-        ignored_params = {p for m in ignored for p in m.parameters()}
+        ignored, ignored_params = _ignored(module, ignored_modules, ignored_states)
+        ignored_params |= {p for m in ignored for p in m.parameters()}
         offload = cpu_offload is not None and cpu_offload.offload_params
         if offload:
             device_id = _offload_compute_device(module, device_id)
@@ -391,15 +391,16 @@ def _offload_compute_device(module: nn.Module, device_id):
     return device
 
 
-def _ignored_modules(module: nn.Module, ignored_modules, ignored_states) -> set[nn.Module]:
-    given = list(ignored_modules or [])
-    for state in ignored_states or []:
-        if not isinstance(state, nn.Module):
-            raise NotBuiltError(
-                "ignored_states with parameters is not built yet in flatshard; pass the modules that hold them "
-                "as ignored_modules instead."
-            )
-        given.append(state)
+def _ignored(module: nn.Module, ignored_modules, ignored_states) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    """The modules (with their submodules) and the parameters flatshard leaves alone: not flattened, not
+    sharded, and their gradients not reduced (as in PyTorch FSDP)."""
+    states = list(ignored_states or [])
+    if ignored_modules is not None and states:
+        raise ValueError("pass ignored_modules or ignored_states, not both")
+    if states and not (all(isinstance(s, nn.Parameter) for s in states) or all(isinstance(s, nn.Module) for s in states)):
+        raise ValueError("ignored_states must hold only nn.Parameter objects or only nn.Module objects, not a mix")
+    given = list(ignored_modules or []) + [s for s in states if isinstance(s, nn.Module)]
+    params = {s for s in states if isinstance(s, nn.Parameter)}
     ignored: set[nn.Module] = set()
     for m in given:
         if isinstance(m, FullyShardedDataParallel):
@@ -407,7 +408,10 @@ def _ignored_modules(module: nn.Module, ignored_modules, ignored_states) -> set[
         ignored.update(m.modules())
     if module in ignored:
         raise ValueError("the module being wrapped cannot itself be ignored")
-    return ignored
+    owned = {id(p) for p in module.parameters()}
+    if any(id(p) not in owned for p in params):
+        raise ValueError("ignored_states holds a parameter that is not in the module being wrapped")
+    return ignored, params
 
 
 def _place_on_device(module: nn.Module, device_id, ignored_params: set) -> None:
