@@ -18,7 +18,7 @@ run: install
 	$(PY) examples/train_gpt.py $(ARGS)
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=10 tests
 
 .PHONY: bench
 bench: install  # flatshard vs FSDP2 vs DDP (docs/bench.md); ARGS="--quick" for a short run
