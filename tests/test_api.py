@@ -117,6 +117,16 @@ def surface_worker(rank: int, world: int) -> dict:
             dict(model.named_parameters())["ln_f.bias"].add_(5.0)
     with torch.no_grad():
         out["no_writeback"] = torch.allclose(model(x), ref(x))
+
+    # apply: fn sees full shapes (summoned) and its writes land in the shards
+    def init(m):
+        if isinstance(m, nn.Linear):
+            with torch.no_grad():
+                m.weight.copy_(torch.arange(m.weight.numel(), dtype=torch.float32).reshape(m.weight.shape) / 100)
+    assert model.apply(init) is model
+    ref.apply(init)
+    with torch.no_grad():
+        out["apply"] = torch.allclose(model(x), ref(x))
     return out
 
 
@@ -133,6 +143,7 @@ def test_fsdp_surface():
             assert out["summon_shapes"] and out["summon_values"]
             assert out["writeback_forward"], "an edit inside summon_full_params must persist"
             assert out["no_writeback"], "writeback=False must discard the edit"
+            assert out["apply"], "apply(fn) must see and write the full parameters"
 
 
 def buffers_ignored_worker(rank: int, world: int) -> dict:

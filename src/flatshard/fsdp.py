@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -310,6 +310,23 @@ class FullyShardedDataParallel(nn.Module):
             w._lazy_init() if w._ctx is None else None
         return full_params.summon(wrappers, writeback=writeback, rank0_only=rank0_only,
                                   offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
+        """``fn`` on every submodule and then this one, as ``nn.Module.apply``, with the full parameters
+        summoned (and written back), so ``fn`` sees original shapes, as in PyTorch FSDP. Wrappers nested
+        inside do not summon again."""
+        if getattr(self, "_applying", False):
+            return super().apply(fn)
+        wrappers = FullyShardedDataParallel.fsdp_modules(self)
+        with FullyShardedDataParallel.summon_full_params(self, writeback=True):
+            for w in wrappers:
+                w._applying = True
+            try:
+                super().apply(fn)
+            finally:
+                for w in wrappers:
+                    w._applying = False
+        return self
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
