@@ -27,6 +27,8 @@ def errors_worker(rank: int, world: int) -> dict:
     from flatshard import FullyShardedDataParallel as FSDP
 
     out = {
+        "old_optim_api": "NotBuiltError: FullyShardedDataParallel.full_optim_state_dict (deprecated in PyTorch FSDP)",
+        "comm_hook": "NotBuiltError: register_comm_hook is not built in flatshard",
         "foreign_ignored": _raises(lambda: FSDP(OddMLP(), ignored_states=[nn.Parameter(torch.zeros(2))])),
         "bad_prefetch": _raises(lambda: FSDP(OddMLP(), backward_prefetch="BACKWARD_PRE")),
         "cpu_offload": _raises(lambda: FSDP(OddMLP(), cpu_offload=CPUOffload(offload_params=True))),
@@ -43,16 +45,24 @@ def errors_worker(rank: int, world: int) -> dict:
     model = TinyGPT()
     model.head = FSDP(model.head)
     out["tie_into_hand_wrapped"] = _raises(lambda: FSDP(model))
+    out["old_optim_api"] = _raises(lambda: FSDP.full_optim_state_dict(FSDP(OddMLP()), None))
+    out["comm_hook"] = _raises(lambda: FSDP(OddMLP()).register_comm_hook(None, None))
     # accepted: the defaults spelled out, a 1-D mesh, use_orig_params either way, a no-op MixedPrecision
     ok = FSDP(OddMLP(), device_mesh=init_device_mesh("cpu", (world,)), use_orig_params=True,
               limit_all_gathers=True, cpu_offload=CPUOffload(offload_params=False), mixed_precision=MixedPrecision())
     out["accepted"] = [n for n, _ in ok.named_parameters()]
+    # the attributes PyTorch FSDP exposes
+    out["attributes"] = (ok.sharding_strategy.name, ok.mixed_precision.param_dtype, ok.cpu_offload.offload_params,
+                         ok.rank, ok.world_size, ok.compute_device.type, ok.check_is_root(),
+                         type(FSDP.get_state_dict_type(ok)).__name__)
     return out
 
 
 def test_unbuilt_keywords_and_bad_input_raise_on_every_rank():
     results = run_distributed(errors_worker, 2, timeout=120)
     expected = {
+        "old_optim_api": "NotBuiltError: FullyShardedDataParallel.full_optim_state_dict (deprecated in PyTorch FSDP)",
+        "comm_hook": "NotBuiltError: register_comm_hook is not built in flatshard",
         "foreign_ignored": "ValueError: ignored_states holds a parameter that is not in the module being wrapped",
         "bad_prefetch": "TypeError: backward_prefetch must be a flatshard.BackwardPrefetch",
         "cpu_offload": "ValueError: CPUOffload(offload_params=True): offload needs an accelerator compute device",
@@ -68,6 +78,7 @@ def test_unbuilt_keywords_and_bad_input_raise_on_every_rank():
         for key, prefix in expected.items():
             assert out[key].startswith(prefix), f"rank {rank}, {key}: {out[key]}"
         assert out["accepted"] == [n for n, _ in OddMLP().named_parameters()]
+        assert out["attributes"] == ("FULL_SHARD", None, False, rank, 2, "cpu", True, "StateDictSettings"), out["attributes"]
     assert "common ancestor" in results[0]["tie_into_hand_wrapped"], "the error says how to wrap instead"
 
 

@@ -286,6 +286,70 @@ class FullyShardedDataParallel(nn.Module):
     def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False, load_directly=False, group=None):
         return state_dict_impl.optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer, load_directly, group)
 
+    @staticmethod
+    def get_state_dict_type(module: nn.Module):
+        """The ``StateDictSettings`` (type, config, optimizer config) in force for ``module``."""
+        return state_dict_impl.settings_of(module)
+
+    def _deprecated_optim(name: str):
+        def method(*args, **kwargs):
+            raise NotBuiltError(
+                f"FullyShardedDataParallel.{name} (deprecated in PyTorch FSDP) is not built in flatshard: save with "
+                "FullyShardedDataParallel.optim_state_dict(model, optim) and load with optim_state_dict_to_load(model, "
+                "optim, osd), under the state_dict_type you want (FULL_STATE_DICT for one full dict)."
+            )
+        method.__name__ = name
+        return staticmethod(method)
+
+    full_optim_state_dict = _deprecated_optim("full_optim_state_dict")
+    sharded_optim_state_dict = _deprecated_optim("sharded_optim_state_dict")
+    shard_full_optim_state_dict = _deprecated_optim("shard_full_optim_state_dict")
+    scatter_full_optim_state_dict = _deprecated_optim("scatter_full_optim_state_dict")
+    flatten_sharded_optim_state_dict = _deprecated_optim("flatten_sharded_optim_state_dict")
+    rekey_optim_state_dict = _deprecated_optim("rekey_optim_state_dict")
+    del _deprecated_optim
+
+    # ---- attributes PyTorch FSDP exposes --------------------------------------------------------
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self._strategy
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return self._config.mixed_precision or MixedPrecision()
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return CPUOffload(offload_params=self._config.offload_params)
+
+    @property
+    def process_group(self):
+        """Every rank that trains this model (the shard group and, hybrid, the replicas)."""
+        return self._unit.groups.process_group
+
+    @property
+    def rank(self) -> int:
+        return torch.distributed.get_rank(self.process_group)
+
+    @property
+    def world_size(self) -> int:
+        return torch.distributed.get_world_size(self.process_group)
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self._unit.compute_device
+
+    def check_is_root(self) -> bool:
+        """Whether this wrapper is the root (the outermost one, which runs the schedule)."""
+        self._lazy_init() if self._is_root is None else None
+        return bool(self._is_root)
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        raise NotBuiltError(
+            "register_comm_hook is not built in flatshard. For reductions in lower precision pass "
+            "MixedPrecision(reduce_dtype=torch.bfloat16); for no reduction at all during accumulation use no_sync()."
+        )
+
     # ---- training utilities -------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their global norm across all ranks, as ``torch.nn.utils.clip_grad_norm_``
