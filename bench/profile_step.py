@@ -38,14 +38,18 @@ def timed_step(system, x, y) -> tuple[float, float, float]:
 
 
 def collective_costs(flat_system, rank: int) -> None:
-    """Synchronous gloo collectives of one Block unit's size, alone (median of 5, rank 0's clock)."""
+    """flatshard's synchronous collectives (collectives.py: point-to-point on gloo) of one Block unit's size,
+    alone (median of 5, rank 0's clock)."""
+    from flatshard import collectives
+
     unit = next(u for u in (w._unit for w in type(flat_system.model).fsdp_modules(flat_system.model)) if not u.is_root)
     world = dist.get_world_size()
     full = torch.randn(unit.layout.padded, dtype=unit.precision.compute)
     shard = torch.empty(unit.layout.padded // world, dtype=unit.precision.compute)
-    ops = {"all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-           "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
-           "all_reduce": lambda: dist.all_reduce(full)}
+    group = dist.group.WORLD
+    ops = {"all_gather": lambda: collectives.all_gather(full, shard, group),
+           "reduce_scatter": lambda: collectives.reduce_scatter(shard, full, group),
+           "all_reduce": lambda: collectives.all_reduce(full, group)}
     for name, op in ops.items():
         times = []
         for _ in range(5):
