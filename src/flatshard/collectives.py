@@ -63,7 +63,7 @@ def _point_to_point(tensor: torch.Tensor, group: ProcessGroup) -> bool:
     return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group)) and dist.get_world_size(group) > 1
 
 
-_tags: dict[int, int] = {}  # per group: exchanges issued so far (the same sequence on every rank)
+_tags: dict[str, int] = {}  # per group name: exchanges issued so far (the same sequence on every rank)
 
 
 class _Exchange:
@@ -78,7 +78,7 @@ class _Exchange:
     def __init__(self, group: ProcessGroup, n: int):
         self.group, self.n = group, n
         self.rank = dist.get_rank(group)
-        key = id(group)
+        key = group.group_name  # the same on every rank (an object's id is not, and can be reused)
         self.tag = _tags.get(key, 0)
         _tags[key] = (self.tag + 1) % (1 << 20)
         self._posted: list[dist.Work] = []
