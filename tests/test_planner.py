@@ -490,3 +490,100 @@ def test_table_output(capsys):
     assert plan_main(["--model", "llama2-70b", "--world", "32", "--precision", "bf16-mixed"]) == 0
     out = capsys.readouterr().out
     assert "_HYBRID_SHARD_ZERO2" in out and "recommendation: FULL_SHARD, F=32" in out
+
+
+# ---------------------------------------------------------------- CPU offload
+def test_offload_hand_computed_full_shard():
+    """Units 10, 20, 30 plus a 6-element root, F = W = 2, fp32, Adam, d = 0. Shards 3 + 5 + 10 + 15 = 33."""
+    inputs = PlanInputs(world_size=2, unit_elements=(10, 20, 30), root_elements=6, pcie_bandwidth=100.0,
+                        host_bandwidth=1000.0)
+    p = plan_strategy(inputs, FULL, 2)
+    o = p.offload
+    # host: the whole steady state, per rank and per node (min(G, W) = 2 ranks); the flat shards are pinned
+    assert (o.host_params, o.host_grads, o.host_optimizer, o.host_per_rank) == (132, 132, 264, 528)
+    assert o.host_per_rank == p.memory.steady and (o.host_per_node, o.host_pinned) == (1056, 132)
+    # device: gathered root 24 + units 40, 80, 120 (and as much unsharded gradient); staging and the
+    # reduced shard are the largest shard, 15 * 4 = 60 each
+    assert (o.gather_buffer, o.staging, o.reduced) == (144, 60, 60)
+    assert o.forward_peak == 24 + 120 + 60
+    assert o.backward_peak == (24 + 120 + 120) + 60 + 60 == o.device_peak == 384
+    # copies: every forward gather (33 shard elements) and the backward regathers (no root: 30), 4 bytes;
+    # one reduced shard per unit back
+    assert (o.host_to_device, o.device_to_host) == ((33 + 30) * 4, 33 * 4)
+    assert o.copy_s == pytest.approx((252 + 132) / 100.0)
+    assert o.optimizer_bytes == 28 * 33  # read+write master and Adam state, read the gradient
+    assert o.optimizer_s == pytest.approx(924 * 2 / 1000.0)  # both ranks of the node step at once
+    assert o.step_time_s == pytest.approx(p.time.expected_s + o.copy_s + o.optimizer_s)
+
+
+def test_offload_hand_computed_other_strategies_and_bf16():
+    inputs = PlanInputs(world_size=2, unit_elements=(10, 20, 30), root_elements=6)
+    sgo = plan_strategy(inputs, SGO, 2).offload  # no regathers: staging only in forward
+    assert (sgo.forward_peak, sgo.backward_peak) == (264 + 60, 264 + 120 + 60)
+    assert (sgo.host_to_device, sgo.device_to_host) == (132, 132)
+    no = plan_strategy(inputs, NO, 1).offload  # F = 1: never in place, a copy per unit per forward
+    assert (no.gather_buffer, no.staging, no.reduced) == (264, 120, 0)  # the all-reduced gradient is ug
+    assert no.device_peak == 264 + 120 and (no.host_per_rank, no.host_per_node) == (66 * 16, 2 * 66 * 16)
+    assert (no.host_to_device, no.device_to_host) == (264, 264)
+    bf = plan_strategy(inputs.replace(precision="bf16-mixed"), FULL, 2).offload
+    # compute and reduce 2 bytes, grad shard 4: the reduced shard (2) and its fp32 cast (4) before the copy
+    assert (bf.staging, bf.reduced) == (30, 15 * 6)
+    assert (bf.forward_peak, bf.backward_peak) == (12 + 60 + 30, 12 + 60 + 60 + 90 + 30)
+    assert (bf.host_to_device, bf.device_to_host) == (63 * 2, 33 * 4)
+    d1 = plan_strategy(inputs.replace(prefetch_depth=1), FULL, 2).offload
+    assert d1.staging == 60 + 40  # two gathers in flight: the two largest shards
+
+
+def test_offload_fit_verdict_uses_host_memory():
+    base = PlanInputs(world_size=2, unit_elements=(10, 20, 30), root_elements=6,
+                      device_memory_bytes=400, headroom=0.0)
+    r = plan(base)
+    assert r.recommendation.strategy is None  # 792 bytes without offload, 400 of device memory
+    fs = r.plan_for(FULL).offload
+    assert fs.device_fits and fs.host_fits is None and fs.fits is None  # host memory unknown: not judged
+    assert "CPU offload fits the device" in r.recommendation.why and "--host-mem" in r.recommendation.why
+    assert "does not plan" not in r.recommendation.why
+    r = plan(base.replace(host_memory_bytes=1100))  # F = 1 needs 2112 per node, F = 2 FULL_SHARD 1056
+    assert not r.plan_for(NO).offload.fits and r.plan_for(NO).offload.device_fits
+    assert r.plan_for(FULL).offload.fits is True and r.plan_for(SGO).offload.fits is False  # 444 > 400
+    assert "CPU offload fits: F=2" in r.recommendation.why and "FULL_SHARD at F=2" in r.recommendation.why
+    r = plan(base.replace(host_memory_bytes=1055))
+    assert r.plan_for(FULL).offload.host_fits is False
+    assert "CPU offload does not fit either" in r.recommendation.why
+    r = plan(base.replace(device_memory_bytes=300, host_memory_bytes=10**6))
+    assert "does not fit either: its smallest device peak is 384 B (NO_SHARD, F=1)" in r.recommendation.why
+    with pytest.raises(PlanError, match="host memory must be positive"):
+        base.replace(host_memory_bytes=0)
+
+
+def test_offload_70b_on_8_quoted_in_the_docs():
+    r = report(70 * GB, 80, 8, host_memory_bytes=2 * 10**12)
+    o = r.plan_for(FULL).offload
+    assert (o.device_peak, o.host_per_rank, o.host_per_node) == (7_875_000_000, 140 * GB, 1120 * GB)
+    assert (o.host_to_device, o.device_to_host) == (70 * GB, 35 * GB) and o.fits
+    assert (o.copy_s, o.optimizer_s) == (pytest.approx(4.2), pytest.approx(19.6))
+
+
+def test_offload_cli(capsys):
+    argv = ["--params", "60", "--units", "3", "--world", "2", "--gpu-mem", "400", "--headroom", "0",
+            "--host-mem", "1056", "--pcie-bw", "16GB/s", "--host-bw", "50GB/s", "--offload"]
+    doc = cli_json(argv, capsys)
+    assert set(doc) == {"inputs", "plans", "recommendation", "offload_recommendation"}
+    assert (doc["inputs"]["host_memory_bytes"], doc["inputs"]["pcie_bandwidth"]) == (1056, 16e9)
+    fs = cli_plan(doc, "FULL_SHARD")["offload"]  # 3 units of 20, S = 10 each
+    assert fs["device_bytes"]["peak"] == 160 + 40 + 40 and fs["host_bytes"]["per_node"] == 2 * 480
+    assert fs["copy_bytes_per_step"] == {"host_to_device": 2 * 30 * 4, "device_to_host": 30 * 4}
+    assert (fs["fits"], cli_plan(doc, "FULL_SHARD")["fits"]) == (True, False)
+    assert cli_plan(doc, "NO_SHARD")["offload"]["host_fits"] is False  # 1920 per node
+    assert doc["recommendation"]["strategy"] is None and "CPU offload fits: F=2" in doc["recommendation"]["why"]
+    assert (doc["offload_recommendation"]["strategy"], doc["offload_recommendation"]["sharding_factor"]) == (
+        "SHARD_GRAD_OP", 2)  # both fit at F = 2; SHARD_GRAD_OP has fewer collectives and copies
+    assert "offload" not in cli_plan(cli_json(argv[:-1], capsys), "FULL_SHARD")  # without --offload
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "with CPU offload" in out and "recommendation: none" in out and "CPU offload fits: F=2" in out
+    assert plan_main(["--params", "7B", "--units", "32", "--world", "8", "--offload"]) == 0
+    out = capsys.readouterr().out
+    assert "with CPU offload: none" in out and "host memory unknown" in out
+    assert plan_main(["--params", "7B", "--world", "8", "--host-mem=-1TB"]) == 2
+    assert "negative" in capsys.readouterr().err

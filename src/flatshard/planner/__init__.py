@@ -1,7 +1,7 @@
 """flatshard.planner: a pure cost model of sharded data parallel training.
 
 What fits, what it costs, which sharding factor to choose: per-rank bytes, collectives and bytes per
-link class, and an alpha-beta step time for FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD and
+link class, an alpha-beta step time, and the same with CPU offload (device, host, copies) for FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD and
 _HYBRID_SHARD_ZERO2 at every sharding factor F dividing the world size. Arithmetic only: nothing
 here imports torch.distributed (or torch), so it runs anywhere, before any process starts.
 
@@ -28,6 +28,7 @@ from flatshard.planner.inputs import (
     Strategy,
 )
 from flatshard.planner.memory import MemoryEstimate, activation_bytes
+from flatshard.planner.offload import OffloadEstimate, offload_estimate
 from flatshard.planner.models import PRESETS, ModelShape, ModuleLayout, layout_from_module, preset
 from flatshard.planner.plan import (
     PlanReport,
@@ -37,6 +38,7 @@ from flatshard.planner.plan import (
     choose_sharding_factor,
     plan,
     plan_strategy,
+    recommend_offload,
     strategies_at,
     to_json_dict,
 )
@@ -44,10 +46,10 @@ from flatshard.planner.quantities import parse_bandwidth, parse_bytes, parse_cou
 
 __all__ = [
     "BF16_MIXED", "FP32", "OPTIMIZERS", "PRECISIONS", "PRESETS",
-    "CollectiveCounts", "CommEstimate", "Links", "MemoryEstimate", "ModelShape", "ModuleLayout",
+    "CollectiveCounts", "CommEstimate", "Links", "MemoryEstimate", "ModelShape", "ModuleLayout", "OffloadEstimate",
     "PlanError", "PlanInputs", "PlanReport", "PrecisionRecipe", "Recommendation", "Strategy",
     "StrategyPlan", "TimeEstimate",
     "activation_bytes", "choose_sharding_factor", "group_link", "layout_from_module",
-    "parse_bandwidth", "parse_bytes", "parse_count", "plan", "plan_strategy", "preset",
-    "strategies_at", "to_json_dict",
+    "offload_estimate", "parse_bandwidth", "parse_bytes", "parse_count", "plan", "plan_strategy", "preset",
+    "recommend_offload", "strategies_at", "to_json_dict",
 ]

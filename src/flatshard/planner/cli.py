@@ -2,6 +2,7 @@
 
     flatshard plan --params 7B --units 32 --world 8 --gpu-mem 40GB
     flatshard plan --model llama2-70b --world 32 --gpus-per-node 8 --precision bf16-mixed --json
+    flatshard plan --params 70B --units 80 --world 8 --offload --host-mem 2TB
 
 A readable table by default; ``--json`` prints exactly one JSON object (see ``to_json_dict``). Bad
 input is one message naming the problem and the fix on stderr, exit code 2, no traceback.
@@ -16,7 +17,7 @@ from typing import Any
 from flatshard.planner.errors import PlanError
 from flatshard.planner.inputs import OPTIMIZERS, PRECISIONS, Links, PlanInputs
 from flatshard.planner.models import PRESETS, ModelShape, preset, with_overrides
-from flatshard.planner.plan import PlanReport, plan, to_json_dict
+from flatshard.planner.plan import PlanReport, plan, recommend_offload, to_json_dict
 from flatshard.planner.quantities import (
     fmt_bytes, fmt_count, fmt_seconds, parse_bandwidth, parse_bytes, parse_count,
 )
@@ -49,6 +50,16 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument("--inter-bw", default="25GB/s", help="inter-node bandwidth per rank (200Gb/s = 25GB/s)")
     cluster.add_argument("--intra-latency-us", type=float, default=5.0, help="per ring step (default 5)")
     cluster.add_argument("--inter-latency-us", type=float, default=10.0, help="per ring step (default 10)")
+    offload = p.add_argument_group("CPU offload (CPUOffload(offload_params=True))")
+    offload.add_argument("--offload", action="store_true",
+                         help="also print every plan with CPU offload (device, host, copies, CPU optimizer)")
+    offload.add_argument("--host-mem", help="host memory per node, shared by its ranks, e.g. 1TB "
+                         "(default unknown: the host need is reported, not judged)")
+    offload.add_argument("--pcie-bw", default="25GB/s",
+                         help="host<->device copy bandwidth per rank per direction (default 25GB/s, PCIe Gen4 x16)")
+    offload.add_argument("--host-bw", default="100GB/s",
+                         help="host memory bandwidth per node the CPU optimizer step achieves (default 100GB/s, "
+                         "an assumption)")
     training = p.add_argument_group("training")
     training.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS))
     training.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS))
@@ -99,6 +110,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         device_flops=None if args.tflops is None else args.tflops * 1e12, links=links,
         overlap_all_reduce=not args.exposed_all_reduce, sharding_factors=args.sharding_factor,
         activation_bytes=None if args.activation_bytes is None else parse_bytes(args.activation_bytes, "--activation-bytes"),
+        offload=args.offload, host_memory_bytes=None if args.host_mem is None else parse_bytes(args.host_mem, "--host-mem"),
+        pcie_bandwidth=parse_bandwidth(args.pcie_bw, "--pcie-bw"), host_bandwidth=parse_bandwidth(args.host_bw, "--host-bw"),
     )
     if args.params is not None:
         units = 1 if args.units is None else args.units
@@ -157,9 +170,36 @@ def _print_table(report: PlanReport) -> None:
                     fmt_seconds(t.serial_s), fmt_seconds(t.overlapped_s))
     console.print(mem)
     console.print(com)
+    if i.offload:
+        console.print(_offload_table(report))
     r = report.recommendation
     head = f"{r.strategy.value}, F={r.sharding_factor}" if r.strategy else "none"
     console.print(f"[bold]recommendation:[/] {head}. {r.why}")
+    if i.offload and r.strategy is not None:  # when nothing fits, ``why`` already has the offload verdict
+        o = recommend_offload(i, report.plans)
+        head = f"{o.strategy.value}, F={o.sharding_factor}" if o.strategy else "none"
+        console.print(f"[bold]with CPU offload:[/] {head}. {o.why}")
+
+
+def _verdict(fits: bool | None) -> str:
+    return "[green]yes[/]" if fits else ("?" if fits is None else "[red]no[/]")
+
+
+def _offload_table(report: PlanReport):  # noqa: ANN202
+    i = report.inputs
+    host = "unknown" if i.host_memory_bytes is None else f"<= {fmt_bytes(i.host_budget_bytes or 0)}"
+    table = _table(f"with CPU offload, GB: device peak per rank; host per rank and per node of {i.ranks_per_node} "
+                   f"(fits: {host}); copies per rank per step at {fmt_bytes(i.pcie_bandwidth)}/s; CPU optimizer "
+                   f"at {fmt_bytes(i.host_bandwidth)}/s per node",
+                   ("strategy", "F", "device", "ok", "host", "node", "ok", "fits",
+                    "H2D", "D2H", "copy", "optim.", "step"))
+    for p in report.plans:
+        o = p.offload
+        table.add_row(p.strategy.value, str(p.sharding_factor), _gb(o.device_peak), _verdict(o.device_fits),
+                      _gb(o.host_per_rank), _gb(o.host_per_node), _verdict(o.host_fits), _verdict(o.fits),
+                      _gb(o.host_to_device), _gb(o.device_to_host), fmt_seconds(o.copy_s),
+                      fmt_seconds(o.optimizer_s), fmt_seconds(o.step_time_s))
+    return table
 
 
 def main(argv: list[str]) -> int:

@@ -108,6 +108,18 @@ class PlanInputs:
         (issued per unit in backward, after its reduce-scatter) overlap backward compute in the
         ``overlapped`` time; False exposes them all.
     sharding_factors: restrict the plans to these F (each must divide W); None means every divisor.
+    offload: show the CPU offload plans (``CPUOffload(offload_params=True)``) in the JSON and table;
+        they are computed for every plan regardless, and the recommendation names them when nothing
+        fits without (see offload.py, [Note: planner CPU offload model]).
+    host_memory_bytes: host (CPU) memory per node, shared by the node's ranks; an offload plan fits
+        when its host bytes per node <= (1 - headroom) * host memory. None (the default): unknown,
+        the host need is reported and not judged (an offload plan's ``fits`` is then None).
+    pcie_bandwidth: host<->device copy bytes/s per rank per direction (default 25e9: PCIe Gen4 x16,
+        32 GB/s raw, about 25 achieved).
+    host_bandwidth: bytes/s per node at which the CPUs get through the optimizer step's minimal
+        traffic (read and write master and state, read the gradient); default 100e9, an assumption
+        (about a third of a two-socket DDR4-3200 server's STREAM bandwidth; eager PyTorch CPU Adam
+        passes over the state several times).
     """
 
     world_size: int
@@ -131,6 +143,10 @@ class PlanInputs:
     links: Links = field(default_factory=Links)
     overlap_all_reduce: bool = True
     sharding_factors: tuple[int, ...] | None = None
+    offload: bool = False
+    host_memory_bytes: int | None = None
+    pcie_bandwidth: float = 25e9
+    host_bandwidth: float = 100e9
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_elements", tuple(int(t) for t in self.unit_elements))
@@ -153,6 +169,16 @@ class PlanInputs:
     @property
     def budget_bytes(self) -> float:
         return (1.0 - self.headroom) * self.device_memory_bytes
+
+    @property
+    def host_budget_bytes(self) -> float | None:
+        """Host bytes per node an offload plan may use, or None when host memory is unknown."""
+        return None if self.host_memory_bytes is None else (1.0 - self.headroom) * self.host_memory_bytes
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks sharing one node's host memory: G, or W when the world is less than a node."""
+        return min(self.gpus_per_node, self.world_size)
 
     def factors(self) -> tuple[int, ...]:
         """The sharding factors to plan: every divisor of W, or the ones asked for."""
@@ -233,6 +259,12 @@ def _validate(p: PlanInputs) -> None:
         value = getattr(p, name)
         if value is not None and (not math.isfinite(value) or value < 0 or (name == "device_flops" and value == 0)):
             raise PlanError(f"{name} must be a positive number, got {value}", f"pass a valid --{name.replace('_', '-')}")
+    if p.host_memory_bytes is not None and p.host_memory_bytes <= 0:
+        raise PlanError(f"host memory must be positive, got {p.host_memory_bytes}", "pass e.g. --host-mem 1TB (per node)")
+    for name, flag in (("pcie_bandwidth", "--pcie-bw"), ("host_bandwidth", "--host-bw")):
+        value = getattr(p, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise PlanError(f"{name} must be positive, got {value}", f"pass e.g. {flag} 25GB/s")
     for f in p.sharding_factors or ():
         if f < 1 or w % f:
             raise PlanError(f"sharding factor F={f} does not divide world size W={w}",

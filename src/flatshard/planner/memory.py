@@ -35,6 +35,13 @@ parameters, so the real peak of that case is 16P/N + 8P/M (fp32).
 
 Not counted: the reduce-scatter output buffer (S_u elements, 1/F of ug_u), allocator rounding
 and fragmentation, CUDA context and workspaces (that is what ``headroom`` is for).
+
+CPU offload (``CPUOffload(offload_params=True)``) is planned beside every plan by offload.py, whose
+[Note: planner CPU offload model] has the formulas. In short: params, grad shards and optimizer state
+(``steady``) move to a *host* figure per rank (and per node: times the node's ranks); the device
+keeps the transients above with no in-place F = 1 (g_u = F * S_u * compute always), plus the staging
+copies of the shards being gathered (S_u * compute each) and the reduced shard before its copy back
+(S_u * reduce, and its master-dtype cast when the dtypes differ), and the activations.
 """
 from __future__ import annotations
 
@@ -87,15 +94,23 @@ def memory_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> MemoryEst
     in_place = f == 1 and rec.compute_bytes == rec.master_bytes
     gathered = [0 if in_place else f * u.shard * rec.compute_bytes for u in units]
     ugrad = [f * u.shard * rec.reduce_bytes for u in units]
-    if strategy.reshard_after_forward:
-        fwd, bwd, buffer = _resharding_transients(units, gathered, ugrad, inputs.prefetch_depth)
-    else:  # each unit is freed after its own backward, so unit i's backward holds units 0..i
-        buffer = fwd = sum(gathered)
-        bwd = max((sum(gathered[:i + 1]) + ugrad[i] for i in range(len(units))), default=0)
+    fwd, bwd, buffer = transients(units, gathered, ugrad, strategy, inputs.prefetch_depth)
     acts = activation_bytes(inputs)
     forward_peak, backward_peak = steady + acts + fwd, steady + acts + bwd
     return MemoryEstimate(params, grads, optimizer, buffer, max(ugrad, default=0), acts, steady,
                           forward_peak, backward_peak, max(forward_peak, backward_peak))
+
+
+def transients(units: list[Unit], gathered: list[int], ugrad: list[int], strategy: Strategy,
+               depth: int) -> tuple[int, int, int]:
+    """(max forward transient, max backward transient, max gathered bytes) of gathered parameters
+    ``gathered`` and unsharded gradients ``ugrad`` (bytes per unit, forward order) under ``strategy``."""
+    if strategy.reshard_after_forward:
+        return _resharding_transients(units, gathered, ugrad, depth)
+    # each unit is freed after its own backward, so unit i's backward holds units 0..i
+    fwd = sum(gathered)
+    bwd = max((sum(gathered[:i + 1]) + ugrad[i] for i in range(len(units))), default=0)
+    return fwd, bwd, fwd
 
 
 def _resharding_transients(units: list[Unit], gathered: list[int], ugrad: list[int], depth: int) -> tuple[int, int, int]:

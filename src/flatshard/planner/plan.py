@@ -1,7 +1,8 @@
 """Plans for every strategy and sharding factor, the recommendation, and the JSON form.
 
 Reading path: ``plan(inputs)`` -> one ``plan_strategy`` per (strategy, F) -> ``memory_estimate``
-(memory.py), ``comm_estimate`` (comm.py), ``time_estimate`` (here) -> ``recommend``.
+(memory.py), ``comm_estimate`` (comm.py), ``time_estimate`` (here), ``offload_estimate``
+(offload.py: the same plan with CPU offload) -> ``recommend`` and ``recommend_offload``.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from flatshard.planner.comm import CommEstimate, comm_estimate
 from flatshard.planner.errors import PlanError
 from flatshard.planner.inputs import PlanInputs, Strategy
 from flatshard.planner.memory import MemoryEstimate, memory_estimate
+from flatshard.planner.offload import OffloadEstimate, offload_estimate
 from flatshard.planner.quantities import fmt_bytes, fmt_seconds
 
 
@@ -42,6 +44,7 @@ class StrategyPlan:
     fits: bool
     comm: CommEstimate
     time: TimeEstimate
+    offload: OffloadEstimate  # the same strategy and F with CPUOffload(offload_params=True)
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,9 @@ def plan_strategy(inputs: PlanInputs, strategy: Strategy | str, sharding_factor:
                         "NO_SHARD is F=1, FULL_SHARD and SHARD_GRAD_OP are F=W, the hybrids 1<F<W")
     memory = memory_estimate(inputs, s, f)
     comm = comm_estimate(inputs, s, f)
+    time = time_estimate(inputs, comm)
     return StrategyPlan(s, f, inputs.world_size // f, memory, memory.peak <= inputs.budget_bytes,
-                        comm, time_estimate(inputs, comm))
+                        comm, time, offload_estimate(inputs, s, f, memory, time.expected_s))
 
 
 def plan(inputs: PlanInputs) -> PlanReport:
@@ -150,7 +154,47 @@ def _remedies(inputs: PlanInputs, best: StrategyPlan) -> str:
         out.append("a smaller micro-batch")
     if best.memory.gather_buffer + best.memory.unsharded_grad > best.memory.steady // 4:
         out.append("more, smaller units")
-    return "try " + ", ".join(out) + " (or CPU offload, which flatshard does not plan)"
+    return "try " + ", ".join(out)
+
+
+def _host_budget_text(inputs: PlanInputs) -> str:
+    return (f"{fmt_bytes(inputs.host_budget_bytes or 0)} of host memory per node "
+            f"({fmt_bytes(inputs.host_memory_bytes or 0)} less {inputs.headroom:.0%})")
+
+
+def _offload_text(p: StrategyPlan) -> str:
+    o = p.offload
+    return (f"{p.strategy.value} at F={p.sharding_factor} peaks at {fmt_bytes(o.device_peak)} on the device and "
+            f"needs {fmt_bytes(o.host_per_node)} of host memory per node ({fmt_bytes(o.host_per_rank)} per rank), "
+            f"about {fmt_seconds(o.step_time_s)} per step")
+
+
+def recommend_offload(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[StrategyPlan]) -> Recommendation:
+    """The R4 rule for the plans with CPU offload: the smallest F whose device peak and host bytes per
+    node both fit, then the fastest. With host memory unknown nothing is judged: ``strategy`` is None
+    and ``why`` names the plan that fits the device with the least host memory per node."""
+    if not plans:
+        return Recommendation(None, None, "no plans")
+    device_ok = [p for p in plans if p.offload.device_fits]
+    if not device_ok:
+        best = min(plans, key=lambda p: p.offload.device_peak)
+        return Recommendation(None, None, (
+            f"CPU offload does not fit either: its smallest device peak is {fmt_bytes(best.offload.device_peak)} "
+            f"({best.strategy.value}, F={best.sharding_factor}), more than {_budget_text(inputs)}"))
+    least = min(device_ok, key=lambda p: (p.offload.host_per_node, p.offload.step_time_s))
+    if inputs.host_memory_bytes is None:
+        return Recommendation(None, None, (
+            f"CPU offload fits the device: {_offload_text(least)}; host memory unknown: pass --host-mem "
+            f"(per node) to judge"))
+    fitting = [p for p in device_ok if p.offload.fits]
+    if not fitting:
+        return Recommendation(None, None, (
+            f"CPU offload does not fit either: {_offload_text(least)}, more than {_host_budget_text(inputs)}"))
+    f = min(p.sharding_factor for p in fitting)
+    best = min((p for p in fitting if p.sharding_factor == f), key=lambda p: (p.offload.step_time_s, p.offload.device_peak))
+    return Recommendation(best.strategy, f, (
+        f"CPU offload fits: F={f} is the smallest sharding factor that fits both {fmt_bytes(inputs.budget_bytes)} "
+        f"per device and {_host_budget_text(inputs)}: {_offload_text(best)}"))
 
 
 def recommend(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[StrategyPlan]) -> Recommendation:
@@ -158,9 +202,10 @@ def recommend(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[Strateg
     fitting = [p for p in plans if p.fits]
     if not fitting:
         best = min(plans, key=lambda p: p.memory.peak)
+        verdict = recommend_offload(inputs, plans).why
         return Recommendation(None, None, (
             f"nothing fits in {_budget_text(inputs)}: the smallest peak is {fmt_bytes(best.memory.peak)} "
-            f"({best.strategy.value}, F={best.sharding_factor}); {_remedies(inputs, best)}"))
+            f"({best.strategy.value}, F={best.sharding_factor}); {_remedies(inputs, best)}; {verdict}"))
     f = min(p.sharding_factor for p in fitting)
     at_f = sorted((p for p in fitting if p.sharding_factor == f), key=lambda p: (p.time.expected_s, p.memory.peak))
     best = at_f[0]
@@ -229,12 +274,40 @@ def _plan_json(p: StrategyPlan) -> dict[str, Any]:
     }
 
 
-def to_json_dict(report: PlanReport) -> dict[str, Any]:
-    """The report as ``flatshard plan --json`` prints it: exactly the keys inputs, plans, recommendation."""
-    rec = report.recommendation
+def _offload_json(p: StrategyPlan) -> dict[str, Any]:
+    o = p.offload
     return {
-        "inputs": _inputs_json(report.inputs),
-        "plans": [_plan_json(p) for p in report.plans],
-        "recommendation": {"strategy": rec.strategy.value if rec.strategy else None,
-                           "sharding_factor": rec.sharding_factor, "why": rec.why},
+        "device_bytes": {"gather_buffer": o.gather_buffer, "unsharded_grad": o.unsharded_grad,
+                         "staging": o.staging, "reduced": o.reduced, "activations": o.activations,
+                         "forward_peak": o.forward_peak, "peak": o.device_peak},
+        "host_bytes": {"params": o.host_params, "grads": o.host_grads, "optimizer": o.host_optimizer,
+                       "per_rank": o.host_per_rank, "per_node": o.host_per_node, "pinned": o.host_pinned},
+        "device_fits": o.device_fits,
+        "host_fits": o.host_fits,
+        "fits": o.fits,
+        "copy_bytes_per_step": {"host_to_device": o.host_to_device, "device_to_host": o.device_to_host},
+        "copy_time_s": o.copy_s,
+        "optimizer_bytes": o.optimizer_bytes,
+        "optimizer_time_s": o.optimizer_s,
+        "step_time_s": o.step_time_s,
     }
+
+
+def _recommendation_json(rec: Recommendation) -> dict[str, Any]:
+    return {"strategy": rec.strategy.value if rec.strategy else None, "sharding_factor": rec.sharding_factor,
+            "why": rec.why}
+
+
+def to_json_dict(report: PlanReport) -> dict[str, Any]:
+    """The report as ``flatshard plan --json`` prints it: exactly the keys inputs, plans, recommendation;
+    with ``inputs.offload`` each plan also has "offload" and the report "offload_recommendation"."""
+    offload = report.inputs.offload
+    plans = [_plan_json(p) | ({"offload": _offload_json(p)} if offload else {}) for p in report.plans]
+    out = {
+        "inputs": _inputs_json(report.inputs),
+        "plans": plans,
+        "recommendation": _recommendation_json(report.recommendation),
+    }
+    if offload:
+        out["offload_recommendation"] = _recommendation_json(recommend_offload(report.inputs, report.plans))
+    return out
