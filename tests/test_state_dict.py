@@ -1,6 +1,6 @@
 """State dicts, one spawn at W = 3 (padding everywhere): FULL round trip through a plain nn.Module,
 exactly (tied weights across units, a frozen nested unit, buffers); the FULL state equal to an
-unwrapped reference trained alongside, optimizer state included; SHARDED across strategies; LOCAL
+unwrapped reference trained alongside, optimizer state included; SHARDED (ShardedTensors) across strategies; LOCAL
 only into its own layout; key, shape and layout errors raised alike on every rank."""
 from __future__ import annotations
 
@@ -147,6 +147,9 @@ def sharded_across_strategies(rank, world):
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sd, osd = model.state_dict(), FSDP.optim_state_dict(model, opt)
     want, want_o = full_sd(model), full_osd(model, opt)
+    # SHARDED values are ShardedTensors of the full shape (tests/test_dcp.py takes them through DCP)
+    assert all(type(sd[k]).__name__ == "ShardedTensor" and tuple(sd[k].metadata().size) == want[k].shape
+               for k in sd if k in dict(model.named_parameters())), "SHARDED parameters are ShardedTensors"
     for strategy in ("NO_SHARD", "SHARD_GRAD_OP"):
         torch.manual_seed(11)
         _, other, _, _ = build("gpt_tie_in_root", strategy)

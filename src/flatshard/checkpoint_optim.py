@@ -6,7 +6,9 @@ three types follow the model's ``state_dict_type``:
 
 * FULL     ``{"state": {fqn: {key: full-shape tensor | scalar}}, "param_groups": [{..., "params": [fqn]}]}``,
            pieces gathered one unit and one state key at a time (an all-gather of the unit's flat layout);
-* SHARDED  the same with each piece a ``ShardedPiece`` (its flat range and full shape);
+* SHARDED  the same with each piece a ``ShardedTensor`` of the parameter's full shape, made of boxes
+           as the model's SHARDED values are (state_dict.py, [Note: flat ranges as boxes]), so
+           ``torch.distributed.checkpoint`` can save and load it;
 * LOCAL    the same with each piece as this rank holds it, plus ``"layouts"``: each unit's fingerprint.
 
 ``optim_state_dict_to_load`` turns any of them back into what ``optimizer.load_state_dict`` takes for
@@ -21,7 +23,17 @@ import torch.distributed as dist
 
 from flatshard.api import StateDictType
 from flatshard.checkpoint_sync import CheckpointError, agree, collective_device, gather_json
-from flatshard.state_dict import ShardedPiece, exchange, gather_flat, layout_fingerprint, model_view, rank_in, settings_of
+from flatshard.state_dict import (
+    ShardedPiece,
+    exchange,
+    gather_flat,
+    layout_fingerprint,
+    model_view,
+    pieces_from_sharded_tensors,
+    rank_in,
+    settings_of,
+    sharded_tensor,
+)
 
 SCALAR_TYPES = (bool, int, float, str, type(None))
 
@@ -127,21 +139,35 @@ def optim_state_dict(model, optim, osd=None, group=None) -> dict:
     move = (lambda t: t.detach().cpu()) if config.offload_to_cpu else (lambda t: t.detach())
     if kind is StateDictType.FULL_STATE_DICT:
         return _full(view, groups, merged_meta(meta, group), values, slots, config, group, move)
-    state = {}
-    for name, keys in values.items():
-        slot = slots[name]
-        out = {}
-        for k, v in keys.items():
-            d = meta[name][k]
-            if d["kind"] == "piece" and kind is StateDictType.SHARDED_STATE_DICT:
-                out[k] = ShardedPiece(move(v), slot.info.shape, slot.start, slot.end)
-            else:
-                out[k] = move(v) if torch.is_tensor(v) else v
-        state[name] = out
+    if kind is StateDictType.SHARDED_STATE_DICT:
+        return {"state": _sharded(merged_meta(meta, group), values, slots, move), "param_groups": groups}
+    state = {name: {k: move(v) if torch.is_tensor(v) else v for k, v in keys.items()} for name, keys in values.items()}
     result = {"state": state, "param_groups": groups}
     if kind is StateDictType.LOCAL_STATE_DICT:
         result["layouts"] = {u.name: layout_fingerprint(u).tolist() for u in view.units}
     return result
+
+
+def _sharded(meta: dict, values: dict, slots: dict, move) -> dict:
+    """SHARDED state: pieces as ShardedTensors. Every rank lists the same parameters and keys, as DCP
+    plans by key: a rank without state for a parameter (it holds none of its elements) gives
+    ShardedTensors with only an empty box and the scalars the other ranks hold."""
+    state = {}
+    for name, keys in meta.items():
+        slot, mine = slots[name], values.get(name, {})
+        out = {}
+        for k, d in keys.items():
+            if d["kind"] == "piece":
+                v = mine.get(k)
+                if v is None:
+                    v = torch.zeros(slot.end - slot.start, dtype=getattr(torch, d["dtype"]), device=slot.unit.flat_shard.device)
+                out[k] = sharded_tensor(slot, move(v))
+            elif k in mine:
+                out[k] = move(mine[k]) if torch.is_tensor(mine[k]) else mine[k]
+            elif d["kind"] != "whole":
+                out[k] = scalar_tensor(d) if d["kind"] == "scalar" else d["value"]
+        state[name] = out
+    return state
 
 
 def _full(view, groups, meta, values, slots, config, group, move) -> dict:
@@ -188,7 +214,8 @@ def optim_state_dict_to_load(model, optim, osd: dict, group=None) -> dict:
     params, names, slots = param_names(model, optim, view)
     if settings.state_dict_type is StateDictType.FULL_STATE_DICT and settings.optim_state_dict_config.rank0_only:
         osd = _from_rank0(osd, group, {n: slots[n] for n in names})
-    problem = _check(optim, osd, names, settings.state_dict_type, view)
+    osd, problem = _pieces(osd)
+    problem = problem or _check(optim, osd, names, settings.state_dict_type, view)
     agree(problem, group)
     state = osd.get("state", {})
     sharded = [(n, k) for n in names if n in state for k, v in state[n].items() if isinstance(v, ShardedPiece)]
@@ -206,6 +233,17 @@ def optim_state_dict_to_load(model, optim, osd: dict, group=None) -> dict:
         slot = slots[name]
         packed[i] = {k: _local_value(v, slot, exchanged.get(f"{name}\x00{k}"), settings.state_dict_type) for k, v in state[name].items()}
     return {"state": packed, "param_groups": _groups_to_load(optim, osd)}
+
+
+def _pieces(osd) -> tuple[Any, Optional[str]]:
+    """``osd`` with every ShardedTensor in its state turned into a ShardedPiece (a new dict), and the first problem."""
+    if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict):
+        return osd, None
+    state, problem = {}, None
+    for name, keys in osd["state"].items():
+        state[name], bad = pieces_from_sharded_tensors(keys, f"state/{name}/") if isinstance(keys, dict) else (keys, None)
+        problem = problem or bad
+    return {**osd, "state": state}, problem
 
 
 def _from_rank0(osd: Optional[dict], group, slots: dict) -> dict:
