@@ -82,7 +82,8 @@ class FullStateDictConfig(StateDictConfig):
 
 @dataclass(frozen=True)
 class ShardedStateDictConfig(StateDictConfig):
-    """SHARDED_STATE_DICT: each rank's piece of each original parameter, with its flat offsets."""
+    """SHARDED_STATE_DICT: each original parameter as a ``ShardedTensor`` of its full shape whose local
+    shards are this rank's flat range cut into boxes (state_dict.py), for torch.distributed.checkpoint."""
 
     _use_dtensor: bool = False
 
