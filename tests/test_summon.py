@@ -66,7 +66,7 @@ def summon_worker(rank: int, world: int) -> dict:
 
 
 def test_summon_full_params_options():
-    for world in (2, 3):
+    for world in (3,):  # odd: padding in every unit
         for rank, out in enumerate(run_distributed(summon_worker, world, timeout=120)):
             assert out["rank0_only_full"] == (rank == 0), (rank, out)
             assert "rank0_only=True, writeback=True" in out["rank0_writeback"], out
