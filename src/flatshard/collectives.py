@@ -35,10 +35,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False) -> Collective:
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False,
+               tag: int = 0) -> Collective:
+    """``tag`` names a point-to-point exchange (gloo): exchanges in flight at the same time need their own."""
     n = dist.get_world_size(group)
     if _point_to_point(output, group):
-        work = _Exchange(group, n)
+        work = _Exchange(group, n, tag)
         chunks = output.chunk(n)
         work.exchange(shard, lambda k: chunks[k])  # every rank sends its shard to every other rank
         chunks[work.rank].copy_(shard)
@@ -48,10 +50,12 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, a
     return Collective("all_gather", n, _nbytes(output), float((n - 1) * _nbytes(shard)), work)
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, async_op: bool = False) -> Collective:
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, async_op: bool = False,
+                   tag: int = 0) -> Collective:
+    """``tag`` as for ``all_gather``."""
     n = dist.get_world_size(group)
     if _point_to_point(full, group):
-        work = _reduce_scatter_exchange(output, full, group, n)
+        work = _reduce_scatter_exchange(output, full, group, n, tag)
         work = _finish(work, async_op)
     else:
         work = _reduce_scatter_single(output, full, op=ReduceOp.SUM, group=group, async_op=async_op)
@@ -63,24 +67,19 @@ def _point_to_point(tensor: torch.Tensor, group: ProcessGroup) -> bool:
     return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group)) and dist.get_world_size(group) > 1
 
 
-_tags: dict[str, int] = {}  # per group name: exchanges issued so far (the same sequence on every rank)
-
-
 class _Exchange:
     """Rounds of sends and receives with every other rank of ``group``, waited on together.
 
     ``exchange`` posts one round: to each rank j (by group rank) the tensor ``send_of(j)`` and from
-    each rank j into ``recv_into(j)``; both may be a tensor or a callable. Every exchange gets its own
-    tag (a per-group counter that advances alike on every rank), so exchanges in flight at the same
-    time (a prefetched all-gather while a reduction runs) never take each other's messages. ``then``
-    queues a step to run once everything posted so far has arrived; ``wait`` runs the queue."""
+    each rank j into ``recv_into(j)``; both may be a tensor or a callable. Every rank posts the same
+    exchanges in the same order, and messages between two ranks arrive in order, so exchanges would
+    pair up even on one tag; the caller's ``tag`` (the run context numbers its exchanges) makes each
+    exchange in flight (a prefetched all-gather while a reduction runs) unmistakable all the same.
+    ``then`` queues a step to run once everything posted so far has arrived; ``wait`` runs the queue."""
 
-    def __init__(self, group: ProcessGroup, n: int):
-        self.group, self.n = group, n
+    def __init__(self, group: ProcessGroup, n: int, tag: int):
+        self.group, self.n, self.tag = group, n, tag
         self.rank = dist.get_rank(group)
-        key = group.group_name  # the same on every rank (an object's id is not, and can be reused)
-        self.tag = _tags.get(key, 0)
-        _tags[key] = (self.tag + 1) % (1 << 20)
         self._posted: list[dist.Work] = []
         self._steps: list = []
 
@@ -108,11 +107,11 @@ class _Exchange:
         return not self._posted and not self._steps
 
 
-def _reduce_scatter_exchange(output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, n: int) -> _Exchange:
+def _reduce_scatter_exchange(output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, n: int, tag: int) -> _Exchange:
     """Round k (k = 1 … n-1) sends the chunk of rank r+k to it and receives rank r-k's contribution to
     this rank's chunk, which is added in. The first contribution lands in ``output`` itself; later ones
     need one chunk-sized buffer, so the extra memory is one shard at most (none at n = 2)."""
-    work = _Exchange(group, n)
+    work = _Exchange(group, n, tag)
     chunks = full.chunk(n)
     own = chunks[work.rank]
     buffer = torch.empty_like(output) if n > 2 else None

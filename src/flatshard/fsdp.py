@@ -83,6 +83,7 @@ class FullyShardedDataParallel(nn.Module):
         *,
         sharding_factor: Union[int, str, None] = None,
         memory_budget: Optional[int] = None,
+        _offload_on_cpu_for_tests: bool = False,
     ):
         """All keywords as in PyTorch FSDP, plus flatshard's own:
 
@@ -104,7 +105,7 @@ class FullyShardedDataParallel(nn.Module):
         ignored_params |= {p for m in ignored for p in m.parameters()}
         offload = cpu_offload is not None and cpu_offload.offload_params
         if offload:
-            device_id = _offload_compute_device(module, device_id)
+            device_id = _offload_compute_device(module, device_id, _offload_on_cpu_for_tests)
         _place_on_device(module, device_id, ignored_params)
         wrapped_earlier = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         skip = set(ignored) | set(wrapped_earlier)
@@ -450,21 +451,19 @@ def _reject_not_built(backward_prefetch, forward_prefetch, mixed_precision, cpu_
         raise TypeError(f"cpu_offload must be a flatshard.CPUOffload or None, got {cpu_offload!r}")
 
 
-# Tests set this to run the offload path with CPU as the compute device: the flat shards are then
-# separate CPU tensors, copied before every all-gather, as they are on an accelerator (not pinned).
-_OFFLOAD_TO_CPU_COMPUTE_FOR_TESTS = False
-
-
-def _offload_compute_device(module: nn.Module, device_id):
+def _offload_compute_device(module: nn.Module, device_id, allow_cpu: bool):
     """CPUOffload(offload_params=True): the device units compute on (``device_id``; else the device of
-    the module's parameters; else the current CUDA device), which must be an accelerator."""
+    the module's parameters; else the current CUDA device), which must be an accelerator. Tests on
+    machines without one pass ``_offload_on_cpu_for_tests=True`` (``allow_cpu``): the offload path then
+    runs with CPU as the compute device, the flat shards separate CPU tensors copied before every
+    gather, as on an accelerator (but not pinned)."""
     if device_id is None:
         device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
         if device.type == "cpu" and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
-    if device.type == "cpu" and not _OFFLOAD_TO_CPU_COMPUTE_FOR_TESTS:
+    if device.type == "cpu" and not allow_cpu:
         raise ValueError(
             "CPUOffload(offload_params=True): offload needs an accelerator compute device, and this run has "
             "none: the parameters already live in CPU memory. Pass cpu_offload=None (or CPUOffload(False))."

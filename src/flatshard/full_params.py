@@ -78,7 +78,7 @@ def _gather(unit, shard: torch.Tensor) -> torch.Tensor:
     if unit.groups.shard_size == 1:
         return source
     full = torch.empty(unit.layout.padded, dtype=shard.dtype, device=unit.compute_device)
-    unit._record(collectives.all_gather(full, source, unit.groups.shard_group), "shard")
+    unit._record(collectives.all_gather(full, source, unit.groups.shard_group, tag=unit.next_tag()), "shard")
     return full
 
 

@@ -38,12 +38,12 @@ Record = Callable[[collectives.Collective, str], None]
 
 
 def start(grad: torch.Tensor, groups: ShardGroups, shard_numel: int, reduce_dtype: torch.dtype,
-          record: Record, label: str, async_op: bool) -> PendingReduction:
+          record: Record, label: str, async_op: bool, tag: int = 0) -> PendingReduction:
     full = grad if grad.dtype == reduce_dtype else grad.to(reduce_dtype)
     if groups.shard_size > 1:
         out = torch.empty(shard_numel, dtype=reduce_dtype, device=grad.device)
         with torch.profiler.record_function(f"flatshard::reduce_scatter ({label})"):
-            result = collectives.reduce_scatter(out, full, groups.shard_group, async_op=async_op)
+            result = collectives.reduce_scatter(out, full, groups.shard_group, async_op=async_op, tag=tag)
         record(result, "shard")
         return PendingReduction(result.work, full, out, groups.replicate_size > 1)
     if groups.replicate_size > 1:

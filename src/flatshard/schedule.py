@@ -41,6 +41,7 @@ class RunContext:
         self.overlap_reductions = False  # leave each reduction in flight while the next unit computes
         self.pending_reductions: list["Unit"] = []
         self._order_changed_warned = False
+        self._exchanges = 0  # tags for point-to-point exchanges (collectives.py), the same sequence on every rank
 
     def configure(self, backward_prefetch: Optional[BackwardPrefetch], forward_prefetch: bool, limit_all_gathers: bool,
                   device: torch.device) -> None:
@@ -146,6 +147,10 @@ class RunContext:
         ``Work.is_completed()`` does not report completion before ``wait()``, so polling cannot work.)"""
         while len(self.pending_reductions) > keep:
             self.pending_reductions.pop(0).finish_reduction()
+
+    def next_tag(self) -> int:
+        self._exchanges = (self._exchanges + 1) % (1 << 20)
+        return self._exchanges
 
     # ---- recorders ----------------------------------------------------------------------
     def record(self, result: Collective, group: str, unit: str) -> None:

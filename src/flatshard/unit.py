@@ -109,7 +109,8 @@ class Unit:
             self._gather_target.copy_(source)
         else:
             with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"):
-                result = collectives.all_gather(self._gather_target, source, self.groups.shard_group, async_op=not wait)
+                result = collectives.all_gather(self._gather_target, source, self.groups.shard_group,
+                                                async_op=not wait, tag=self.next_tag())
             self._record(result, "shard")
             if result.work is not None:
                 self._gather = (result.work, source)
@@ -224,7 +225,7 @@ class Unit:
         grad, unsharded.grad = unsharded.grad, None
         in_flight = ctx is not None and ctx.overlap_reductions
         self.reduction = reduce.start(grad, self.groups, self.layout.shard_numel, self.precision.reduce,
-                                      self._record, self.name, async_op=in_flight)
+                                      self._record, self.name, async_op=in_flight, tag=self.next_tag())
         del grad
         self.reshard()
         if in_flight:
@@ -270,6 +271,9 @@ class Unit:
     def _record(self, result: collectives.Collective, group: str) -> None:
         if self.ctx is not None:
             self.ctx.record(result, group, self.name)
+
+    def next_tag(self) -> int:
+        return self.ctx.next_tag() if self.ctx is not None else 0
 
     def _sample_memory(self) -> None:
         if self.ctx is not None:
