@@ -199,12 +199,38 @@ def _error(fn) -> str:
     raise AssertionError("expected an error")
 
 
+def through_plain_parent(rank, world) -> str:
+    """Only part of the model wrapped (with units nested inside): the plain parent's state_dict and
+    load_state_dict (strict and not) reach flatshard ([Note: loading through a plain parent])."""
+    from torch import nn
+
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard.wrap import ModuleWrapPolicy
+    from tests.models import Block, TinyGPT
+
+    torch.manual_seed(0)
+    ref = nn.ModuleDict({"trunk": TinyGPT(), "head": nn.Linear(37, 2)})
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"trunk": TinyGPT(), "head": nn.Linear(37, 2)})
+    model["trunk"] = FSDP(model["trunk"], auto_wrap_policy=ModuleWrapPolicy({Block}))
+    assert_state_equal(model.state_dict(), ref.state_dict(), "state_dict through a plain parent")
+    new = {k: v + 0.5 for k, v in ref.state_dict().items()}
+    assert not model.load_state_dict(new).missing_keys
+    ref.load_state_dict(new)
+    assert_state_equal(model.state_dict(), ref.state_dict(), "load_state_dict through a plain parent")
+    partial = {k: v for k, v in new.items() if k != "trunk.ln_f.bias"}
+    assert model.load_state_dict(partial, strict=False).missing_keys == ["trunk.ln_f.bias"]
+    return _error(lambda: model.load_state_dict(partial))
+
+
 def worker(rank: int, world: int) -> list[str]:
     for kind in MODELS:
         full_roundtrip(rank, world, kind)
     buffers_roundtrip(rank, world)
     model, opt = sharded_across_strategies(rank, world)
     messages = local_and_errors(rank, world, model, opt)
+    messages.append(through_plain_parent(rank, world))
+    assert 'Missing key(s) in state_dict: "trunk.ln_f.bias"' in messages[-1], messages[-1]
     dist.barrier()
     return messages
 

@@ -171,6 +171,7 @@ class FullyShardedDataParallel(nn.Module):
         self._modules[WRAPPED] = module
         self._ctx: Optional[RunContext] = None
         self._is_root: Optional[bool] = None
+        self.register_load_state_dict_post_hook(_after_load_through_parent)
         self._strategy = config.strategy
         self._config = config
         infos = [info for info, _ in params]
@@ -270,6 +271,28 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return state_dict_impl.load_module_state_dict(self, super().load_state_dict, state_dict, strict=strict, assign=assign)
+
+    # [Note: loading through a plain parent]
+    # A model whose top is not wrapped (``model.backbone = FSDP(model.backbone)``) is loaded by
+    # nn.Module.load_state_dict, which walks the modules and calls each one's ``_load_from_state_dict``
+    # with the keys under its prefix. The outermost wrapper on that walk loads its whole subtree here
+    # with flatshard's loader (a collective: every rank takes part, errors are raised on all ranks),
+    # and reports missing and unexpected keys to the walk, which applies the caller's ``strict``. The
+    # walk then goes on into the wrapped modules, which hold shard views and would call their own
+    # names missing: the wrapper's post-hook drops those names, and wrappers nested inside skip.
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if self.__dict__.get("_loaded_by_outer", False):
+            return
+        ours = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        result = state_dict_impl.load_module_state_dict(self, None, ours, strict=False)
+        missing_keys.extend(prefix + k for k in result.missing_keys)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+        for k in [k for k in state_dict if k.startswith(prefix)]:
+            del state_dict[k]  # consumed: nothing below this wrapper reads them
+        self.__dict__["_load_prefix"] = prefix
+        for w in FullyShardedDataParallel.fsdp_modules(self)[1:]:
+            w.__dict__["_loaded_by_outer"] = True
 
     @staticmethod
     def state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
@@ -506,6 +529,17 @@ def _place_on_device(module: nn.Module, device_id, ignored_params: set) -> None:
         for attr, b in sub._buffers.items():
             if b is not None and not b.is_meta and b.device != device:
                 sub._buffers[attr] = b.to(device)
+
+
+def _after_load_through_parent(module: "FullyShardedDataParallel", incompatible) -> None:
+    """[Note: loading through a plain parent]: the names the wrapped modules reported missing are loaded."""
+    prefix = module.__dict__.pop("_load_prefix", None)
+    if prefix is None:
+        return
+    inner = prefix + WRAPPED + "."
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(inner)]
+    for w in FullyShardedDataParallel.fsdp_modules(module)[1:]:
+        w.__dict__.pop("_loaded_by_outer", None)
 
 
 def _parents(root: nn.Module) -> dict[nn.Module, list[tuple[nn.Module, str]]]:
