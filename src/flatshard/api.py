@@ -83,7 +83,7 @@ class FullStateDictConfig(StateDictConfig):
 @dataclass(frozen=True)
 class ShardedStateDictConfig(StateDictConfig):
     """SHARDED_STATE_DICT: each original parameter as a ``ShardedTensor`` of its full shape whose local
-    shards are this rank's flat range cut into boxes (state_dict.py), for torch.distributed.checkpoint."""
+    shards are this rank's flat range cut into boxes (sharded_tensors.py), for torch.distributed.checkpoint."""
 
     _use_dtensor: bool = False
 
