@@ -141,3 +141,59 @@ def test_dcp_save_w2_load_w3_and_plain(tmp_path: pathlib.Path):
         dcp.load({"model": sd}, checkpoint_id=f"{tmp_path}/{kind}")
         plain.load_state_dict(sd, strict=True)
         assert_state_equal(plain.state_dict(), want, f"{kind}: plain model from the DCP checkpoint")
+
+
+def zero_dim_worker(rank, world, root):
+    """A 0-D parameter (a logit scale): its one element sits on one rank. FULL and SHARDED (through DCP)
+    optimizer state load so that the next step runs, into an optimizer with state and without."""
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 7)
+            self.scale = nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    def make(seed, steps):
+        torch.manual_seed(seed)
+        model = FSDP(Scaled())
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        for _ in range(steps):
+            model(torch.randn(2, 5)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    model, opt = make(0, 2)
+    want, want_o = full_sd(model), full_osd(model, opt)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sd = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+        assert isinstance(sd["model"]["scale"], torch.Tensor) and sd["model"]["scale"].shape == ()
+        dcp.save(sd, checkpoint_id=f"{root}/zero_dim")
+    full = FSDP.optim_state_dict(model, opt)  # FULL, the default
+    for kind, steps in (("full", 0), ("full", 1), ("sharded", 1)):  # steps: state in the optimizer before loading
+        other, other_opt = make(7, steps)
+        if kind == "full":
+            other.load_state_dict(want)
+            other_opt.load_state_dict(FSDP.optim_state_dict_to_load(other, other_opt, full))
+        else:
+            with FSDP.state_dict_type(other, StateDictType.SHARDED_STATE_DICT):
+                sd = {"model": other.state_dict(), "optim": FSDP.optim_state_dict(other, other_opt)}
+                dcp.load(sd, checkpoint_id=f"{root}/zero_dim")
+                other.load_state_dict(sd["model"])
+                other_opt.load_state_dict(FSDP.optim_state_dict_to_load(other, other_opt, sd["optim"]))
+        assert_state_equal(full_sd(other), want, f"{kind} model, {steps} steps before loading")
+        assert_state_equal(full_osd(other, other_opt), want_o, f"{kind} optimizer, {steps} steps before loading")
+        other(torch.randn(2, 5)).sum().backward()
+        other_opt.step()  # per-element state is the shard view's shape, step a scalar
+    return True
+
+
+def test_dcp_zero_dim_parameter(tmp_path: pathlib.Path):
+    assert run_distributed(zero_dim_worker, 3, str(tmp_path), timeout=120) == [True] * 3

@@ -231,7 +231,9 @@ def optim_state_dict_to_load(model, optim, osd: dict, group=None) -> dict:
         if name not in state:
             continue
         slot = slots[name]
-        packed[i] = {k: _local_value(v, slot, exchanged.get(f"{name}\x00{k}"), settings.state_dict_type) for k, v in state[name].items()}
+        held = optim.state.get(p, {})
+        packed[i] = {k: _local_value(v, slot, exchanged.get(f"{name}\x00{k}"), settings.state_dict_type, k, held.get(k))
+                     for k, v in state[name].items()}
     return {"state": packed, "param_groups": _groups_to_load(optim, osd)}
 
 
@@ -290,13 +292,28 @@ def _covers(piece: ShardedPiece, slot) -> bool:
     return slot is not None and piece.start <= slot.start and slot.end <= piece.end
 
 
-def _local_value(v, slot, exchanged, kind):
+def _local_value(v, slot, exchanged, kind, key, held):
     if isinstance(v, ShardedPiece):
         t = exchanged if exchanged is not None else v.tensor.reshape(-1)[slot.start - v.start : slot.end - v.start]
         return t.clone()
-    if kind is StateDictType.FULL_STATE_DICT and slot is not None and torch.is_tensor(v) and v.dim() > 0:
+    if slot is not None and torch.is_tensor(v) and _per_element(v, slot, kind, key, held):
         return v.reshape(-1)[slot.start : slot.end].clone()
     return v.clone() if torch.is_tensor(v) else v
+
+
+def _per_element(v: torch.Tensor, slot, kind, key: str, held) -> bool:
+    """Whether a whole tensor ``v`` is per-element state of the slot's parameter (loaded as this rank's
+    piece of it) rather than a scalar such as ``step``. For a 0-D parameter the two look alike (both
+    0-D, in FULL state dicts and in SHARDED ones, where 0-D values are whole: sharded_tensors.py): the
+    optimizer's own state decides when it has some (per-element state of a shard view is 1-D), and
+    before its first step every key but ``step`` is per-element."""
+    if v.dim() > 0:
+        return kind is StateDictType.FULL_STATE_DICT
+    if kind is StateDictType.LOCAL_STATE_DICT or tuple(slot.info.shape) != ():
+        return False
+    if torch.is_tensor(held):
+        return held.dim() == 1
+    return key != "step"
 
 
 def _check(optim, osd: dict, names: list[str], kind, view) -> Optional[str]:

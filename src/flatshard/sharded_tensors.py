@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,8 @@ from torch.distributed._shard.sharded_tensor import (
     ShardMetadata,
     TensorProperties,
 )
+
+from flatshard.checkpoint_sync import collective_device
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,18 @@ def _empty_box(shape: list[int]) -> list[tuple[list[int], list[int]]]:
     return [(shape if math.prod(shape) else [0] * len(shape), [0] * len(shape))]
 
 
-def sharded_tensor(slot: Any, flat: torch.Tensor) -> ShardedTensor:
+def sharded_tensor(slot: Any, flat: torch.Tensor) -> Union[ShardedTensor, torch.Tensor]:
     """``flat`` (this rank's elements [slot.start, slot.end) of the parameter, or of optimizer state
-    shaped like it) as a ShardedTensor of the full shape; its local shards are views of ``flat``."""
+    shaped like it) as a ShardedTensor of the full shape; its local shards are views of ``flat``.
+
+    A 0-D parameter is the exception: its one element lives on one shard rank, a 0-D tensor has no
+    empty box for the others (_empty_box), and DCP cannot load a ShardedTensor into a rank without local
+    shards; so it is a whole 0-D tensor on every rank, broadcast from the rank that holds it (DCP
+    writes a tensor that every rank holds once)."""
     shape, size, info = list(slot.info.shape), slot.unit.layout.shard_numel, slot.info
     group, ranks = _shard_ranks(slot.unit)
+    if not shape:
+        return _whole_scalar(slot, flat, group, ranks)
     device = str(flat.device)
     metas, local = [], []
     for shard_rank, global_rank in enumerate(ranks):
@@ -118,6 +127,16 @@ def sharded_tensor(slot: Any, flat: torch.Tensor) -> ShardedTensor:
     properties = TensorProperties(dtype=flat.dtype, requires_grad=False, pin_memory=flat.is_pinned())
     metadata = ShardedTensorMetadata(metas, torch.Size(shape), properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=group)
+
+
+def _whole_scalar(slot: Any, flat: torch.Tensor, group, ranks: list[int]) -> torch.Tensor:
+    owner = slot.info.offset // slot.unit.layout.shard_numel  # the shard rank holding the element
+    if len(ranks) == 1:
+        return flat.reshape(())
+    device = collective_device(group)
+    value = flat.reshape(()).to(device) if flat.numel() else torch.zeros((), dtype=flat.dtype, device=device)
+    dist.broadcast(value, src=ranks[owner], group=group)
+    return value.to(flat.device)
 
 
 def piece_of(value: ShardedTensor, name: str) -> tuple[Optional[ShardedPiece], Optional[str]]:
