@@ -5,13 +5,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: run test install clean
+.PHONY: run test lint install clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,lint]'
 	touch $@
 
 run: install
@@ -20,9 +20,13 @@ run: install
 test: install
 	$(PY) -m pytest -q --durations=10 tests
 
+lint: install  # ruff: the formatter's check and the linter (configured in pyproject.toml)
+	$(PY) -m ruff format --check src tests examples bench
+	$(PY) -m ruff check src tests examples bench
+
 .PHONY: bench
 bench: install  # flatshard vs FSDP2 vs DDP (docs/bench.md); ARGS="--quick" for a short run
-	$(PY) -m flatshard.bench $(ARGS)
+	$(PY) bench/compare.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) src/*.egg-info

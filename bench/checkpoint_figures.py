@@ -101,6 +101,7 @@ def worker(rank: int, world: int, cfg_kwargs: dict, tmp: str) -> dict:
     import torch.nn.functional as F
     from gpt import GPT, Block, GPTConfig
 
+    import flatshard
     from flatshard import FullyShardedDataParallel as FSDP, checkpoint
     from flatshard.wrap import ModuleWrapPolicy
 
@@ -118,7 +119,7 @@ def worker(rank: int, world: int, cfg_kwargs: dict, tmp: str) -> dict:
     opt.zero_grad(set_to_none=True)
     share = sum(p.numel() * 4 for p in model.parameters()) + sum(
         t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
-    out = {"share": share, "params": sum(w._unit.layout.total for w in FSDP.fsdp_modules(model))}
+    out = {"share": share, "params": sum(u.numel for u in flatshard.units(model))}
     _, out["save"], out["save_mem"] = measure(lambda: checkpoint.save(f"{tmp}/sync", model, opt, step=1))
     handle, out["async_call"], out["async_call_mem"] = measure(lambda: checkpoint.save(f"{tmp}/async", model, opt, step=1, async_save=True))
     _, out["async_wait"], _ = measure(handle.wait)
@@ -159,7 +160,7 @@ def main() -> None:
 
 def report(args, cfg, tmp: str, results: list[dict]) -> None:
     from flatshard.checkpoint import read_manifest
-    from flatshard.checkpoint_tools import consolidate
+    from flatshard.checkpoint.tools import consolidate
 
     MB = 1e6
     r0 = results[0]

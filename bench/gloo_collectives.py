@@ -45,6 +45,7 @@ def main() -> None:
         collectives.all_gather(gathered, shard, group)
         collectives.reduce_scatter(reduced, full, group)
         assert torch.equal(gathered, expect_g) and torch.equal(reduced, expect_r), "flatshard's results differ from gloo's"
+    dist.barrier()  # every rank is done with the group before any tears it down
     dist.destroy_process_group()
 
 

@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from flatshard import bench
+import compare as bench  # bench/compare.py, beside this file
+import flatshard
+from flatshard.runtime import collectives
 
 
 def timed_step(system, x, y) -> tuple[float, float, float]:
@@ -40,12 +42,10 @@ def timed_step(system, x, y) -> tuple[float, float, float]:
 def collective_costs(flat_system, rank: int) -> None:
     """flatshard's synchronous collectives (collectives.py: point-to-point on gloo) of one Block unit's size,
     alone (median of 5, rank 0's clock)."""
-    from flatshard import collectives
-
-    unit = next(u for u in (w._unit for w in type(flat_system.model).fsdp_modules(flat_system.model)) if not u.is_root)
+    unit = next(u for u in flatshard.units(flat_system.model) if not u.is_root)
     world = dist.get_world_size()
-    full = torch.randn(unit.layout.padded, dtype=unit.precision.compute)
-    shard = torch.empty(unit.layout.padded // world, dtype=unit.precision.compute)
+    full = torch.randn(unit.padded_numel, dtype=unit.compute_dtype)
+    shard = torch.empty(unit.padded_numel // world, dtype=unit.compute_dtype)
     group = dist.group.WORLD
     ops = {"all_gather": lambda: collectives.all_gather(full, shard, group),
            "reduce_scatter": lambda: collectives.reduce_scatter(shard, full, group),
@@ -102,6 +102,7 @@ def main() -> None:
                 kind = e.key.split(" ")[0]
                 labels[kind] = labels.get(kind, 0.0) + e.cpu_time_total / 1e3
         print("flatshard labels, ms (issue time; asynchronous collectives finish in gloo's threads):", labels)
+    dist.barrier()  # every rank is done with the group before any tears it down
     dist.destroy_process_group()
 
 

@@ -290,6 +290,7 @@ def rank_main(args) -> int:
     dist.all_gather_object(everyone, mine)
     if rank == 0:
         args.out.write_text(json.dumps({"ranks": everyone}))
+    dist.barrier()  # every rank is done with the group before any tears it down
     dist.destroy_process_group()
     return 0
 

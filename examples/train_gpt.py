@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gpt import GPT, PRESETS, Block, generate
+import flatshard
 from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy, param_groups
+from gpt import GPT, PRESETS, Block, generate
 from flatshard.wrap import ModuleWrapPolicy
 
 B_FP32 = 4  # bytes per element: parameters, gradients and AdamW's two moments are all fp32 here
@@ -156,14 +157,14 @@ def comm_formula(strategy: str, f: int, r: int, padded: int, root_padded: int) -
 
 def local_numel(units) -> int:
     """Parameter elements this rank owns (its shard views; padding is in no view)."""
-    return sum(hi - lo for u in units for lo, hi in u.layout.local_slices(u.groups.shard_rank))
+    return sum(u.local_numel for u in units)
 
 
 def steady_formula(units, n_state: int) -> int:
     """Bytes of params + grads + AdamW state this rank holds after a step, unit by unit: a flat shard
     and a grad shard of S_u fp32 elements each, two moments per element this rank owns (padding has
     none), and AdamW's fp32 step counter per parameter."""
-    return sum(2 * B_FP32 * u.layout.shard_numel for u in units) + 2 * B_FP32 * local_numel(units) + B_FP32 * n_state
+    return sum(2 * B_FP32 * u.shard_numel for u in units) + 2 * B_FP32 * local_numel(units) + B_FP32 * n_state
 
 
 def fmt_bytes(n: float) -> str:
@@ -213,8 +214,8 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     model = FSDP(GPT(cfg), sharding_strategy=ShardingStrategy[args.strategy], auto_wrap_policy=ModuleWrapPolicy({Block}),
                  sharding_factor=args.sharding_factor)
-    units = [w._unit for w in FSDP.fsdp_modules(model)]
-    n_params = sum(u.layout.total for u in units)
+    units = flatshard.units(model)  # one read-only UnitInfo per unit, root first
+    n_params = sum(u.numel for u in units)
 
     # optimizer: weight decay on matrices only (param_groups reads each shard view's full shape)
     opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
@@ -274,6 +275,7 @@ def main(argv=None) -> int:
         if args.json:
             args.json.write_text(json.dumps(figures, indent=1))
         print_summary(figures)
+    dist.barrier()  # every rank is done with the group before any tears it down
     dist.destroy_process_group()
     return 0
 
@@ -286,19 +288,19 @@ def gather_figures(model, rec, run: dict) -> dict:
                          steady_formula(units, n_state), run["peak"], local_numel(units)], dtype=torch.int64)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
-    n_params = sum(u.layout.total for u in units)
-    padded = sum(u.layout.padded for u in units)
-    root = model._unit
-    f, r = root.groups.shard_size, root.groups.replicate_size  # the sharding factor and the replicas
-    formula = comm_formula(args.strategy, f, r, padded, root.layout.padded)
+    n_params = sum(u.numel for u in units)
+    padded = sum(u.padded_numel for u in units)
+    root = units[0]
+    f, r = root.shard_size, root.replicate_size  # the sharding factor and the replicas
+    formula = comm_formula(args.strategy, f, r, padded, root.padded_numel)
     summary = rec.summary()  # every step moves the same bytes, so totals / steps is the per-step figure
     tokens_per_step = world * args.batch_size * run["cfg"].block_size
     losses = run["losses"]
     return {
         "strategy": args.strategy, "world": world, "sharding_factor": f, "replicas": r, "model": run["cfg"].__dict__, "units": len(units),
         "steps": args.steps, "batch_size": args.batch_size, "tokens_per_step": tokens_per_step,
-        "P": n_params, "P_padded": padded, "root_padded": root.layout.padded,
-        "unit_shard_numel": [u.layout.shard_numel for u in units], "n_state_params": n_state,
+        "P": n_params, "P_padded": padded, "root_padded": root.padded_numel,
+        "unit_shard_numel": [u.shard_numel for u in units], "n_state_params": n_state,
         "losses": losses, "first_loss": losses[0][1], "last_loss": losses[-1][1], "val_loss": run["val_loss"],
         "tokens_per_s": tokens_per_step * args.steps / run["elapsed"], "seconds": run["elapsed"],
         "memory": {

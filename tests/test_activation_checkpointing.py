@@ -76,10 +76,10 @@ def batch(step: int, n: int, vocab: int = 37, length: int = 8):
 
 
 def run_case(rank: int, world: int, mode: str, strategy: str, opt_kind: str) -> dict:
-    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import testing, units as unit_infos
 
     ref, model = build(mode, strategy)
-    units = [w._unit for w in FSDP.fsdp_modules(model)]
+    units = unit_infos(model)
     names = [n for n, _ in ref.named_parameters()]
     assert [n for n, _ in model.named_parameters()] == names, "checkpoint wrappers must not show in the names"
     ref_opt, opt = make_optimizer(opt_kind, ref), make_optimizer(opt_kind, model)
@@ -96,9 +96,9 @@ def run_case(rank: int, world: int, mode: str, strategy: str, opt_kind: str) -> 
             F.cross_entropy(out.flatten(0, 1), y[local].flatten()).backward()
         counts.append((comms.count("all_gather", "backward"), comms.count("reduce_scatter", "backward")))
         # nothing left gathered, no full-size gradient left over, shard views back on the modules
-        for u in units:
-            assert u.unsharded.untyped_storage().nbytes() == 0, f"{what}: unit {u.name} still gathered after backward"
-            assert u.unsharded.grad is None, f"{what}: unit {u.name} kept its full-size gradient"
+        for u, held in zip(units, testing.gathered_bytes(model)):
+            assert held == 0, f"{what}: unit {u.name} still gathered after backward"
+        assert testing.units_keeping_full_grads(model) == [], f"{what}: a unit kept its full-size gradient"
         assert all(p.dim() == 1 for p in model.parameters()), f"{what}: compute views left on the modules"
         assert_grads_match(model, ref, what)  # a gradient counted twice would be twice the reference's
         ref_opt.step()
@@ -111,11 +111,11 @@ def run_case(rank: int, world: int, mode: str, strategy: str, opt_kind: str) -> 
 
 def activation_peaks(mode, strategy: str, prefetch="default") -> dict:
     """One step of a larger TinyGPT under ``tracking_activations()``; mode None: no checkpointing."""
-    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import units as unit_infos
 
     _, model = build(mode, strategy, prefetch, dim=48, heads=4, layers=4, block=64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    units = [w._unit for w in FSDP.fsdp_modules(model)]
+    units = unit_infos(model)
     x, y = batch(0, 8, length=64)
     with model.record_memory(opt) as mem:
         for step in range(2):  # the second step, with optimizer state, is the one measured
@@ -124,7 +124,7 @@ def activation_peaks(mode, strategy: str, prefetch="default") -> dict:
                 F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
             opt.step()
             opt.zero_grad()
-    full = [u.layout.padded * 4 for u in units]
+    full = [u.padded_numel * 4 for u in units]
     return {"activations": mem.peak["activations"], "gathered": mem.peak["gathered"], "full": full}
 
 

@@ -1,4 +1,4 @@
-"""The benchmark harness (python -m flatshard.bench) end to end, small: a tiny GPT at W = 2, two measured
+"""The benchmark harness (python bench/compare.py) end to end, small: a tiny GPT at W = 2, two measured
 steps per system, fp32 and bf16, and a tiny ablation. Checks the JSON, not the speed: every figure is
 there for every system, the peaks and bytes are positive, flatshard's collectives counted by the
 benchmark's tracker equal its own recorder's, bf16 halves the all-gather bytes, and the three systems'
@@ -21,7 +21,7 @@ SYSTEM_FIELDS = {"step_s_median", "step_s", "losses_per_rank", "peak_bytes_per_r
 
 def test_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "flatshard.bench", "--sizes", "tiny", "--world", "2", "--dtypes", "fp32", "bf16",
+    cmd = [sys.executable, str(ROOT / "bench" / "compare.py"), "--sizes", "tiny", "--world", "2", "--dtypes", "fp32", "bf16",
            "--steps", "2", "--warmup", "0", "--ablation-size", "tiny", "--json", str(out)]
     run_launcher(cmd, ROOT, TIMEOUT_S, "the benchmark")
     report = json.loads(out.read_text())

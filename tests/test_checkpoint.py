@@ -12,7 +12,7 @@ import os
 import pickle
 import random
 import shutil
-import signal
+import select
 import subprocess
 import sys
 
@@ -175,7 +175,9 @@ def hook(stage):
         print("PAUSED", flush=True)
         time.sleep(600)
 target = "{tmp}/{stage}" if {stage!r} == "before_commit" else "{tmp}/{stage}-next"
-checkpoint.save(target, model, opt, step=2, _test_hook=hook)
+from unittest import mock
+with mock.patch("flatshard.checkpoint.save._reached", hook):
+    checkpoint.save(target, model, opt, step=2)
 print("NOT KILLED", flush=True)
 """
 
@@ -187,15 +189,19 @@ def kill_savers(tmp: str) -> None:
     for stage in ("writing", "before_commit"):
         code = _SAVER.format(root=ROOT, tmp=tmp, stage=stage, kind=KIND)
         procs[stage] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    for stage, proc in procs.items():
-        line = proc.stdout.readline()
-        assert line.strip() == "PAUSED", f"{stage}: the saver did not reach its pause point: {line!r}"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    try:
+        for stage, proc in procs.items():
+            ready, _, _ = select.select([proc.stdout], [], [], 120)  # a saver that hangs must fail, not wait
+            line = proc.stdout.readline() if ready else "(nothing within 120 s)"
+            assert line.strip() == "PAUSED", f"{stage}: the saver did not reach its pause point: {line!r}"
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
 
 
 def _error(fn) -> str:
-    from flatshard.checkpoint_sync import CheckpointError
+    from flatshard import CheckpointError
 
     try:
         fn()
@@ -216,7 +222,7 @@ class _Payload:
 
 def corrupt_worker(rank: int, world: int, tmp: str) -> list[str]:
     from flatshard import checkpoint
-    from flatshard.checkpoint_format import ShardReader
+    from flatshard.checkpoint.format import ShardReader
 
     _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
     opt = make_optimizer("adamw", model)

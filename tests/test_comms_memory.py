@@ -33,25 +33,26 @@ def _step(model, opt, world: int, seed: int) -> None:
 
 
 def comms_worker(rank: int, world: int) -> dict:
-    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import units as unit_infos
 
     seen = {}
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
         model = _model(strategy)
-        units = [w._unit for w in FSDP.fsdp_modules(model)]
-        M, root = len(units), model._unit
+        units = unit_infos(model)
+        M, root = len(units), units[0]
+        assert root.is_root and root.name == "<root>"
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         _step(model, opt, world, 0)  # the first step may differ (lazy init); count the second and third
         with model.record_comms() as rec:
             for s in (1, 2):
                 _step(model, opt, world, s)
         n, steps = world, 2
-        padded = sum(u.layout.padded for u in units)
+        padded = sum(u.padded_numel for u in units)
         if strategy == "FULL_SHARD" and n > 1:
             assert rec.count("all_gather", "forward") == steps * M
             assert rec.count("all_gather", "backward") == steps * (M - 1)
             assert rec.count("reduce_scatter", "backward") == steps * M
-            expected = 3 * padded * B * (n - 1) / n - root.layout.padded * B * (n - 1) / n
+            expected = 3 * padded * B * (n - 1) / n - root.padded_numel * B * (n - 1) / n
         elif strategy == "SHARD_GRAD_OP" and n > 1:
             assert rec.count("all_gather", "forward") == steps * M
             assert rec.count("all_gather", "backward") == 0
@@ -66,7 +67,7 @@ def comms_worker(rank: int, world: int) -> dict:
         assert abs(total - expected) < 1e-6 * max(expected, 1), (strategy, total, expected)
         if strategy != "NO_SHARD" and n > 1:  # each collective moves exactly one unit's shard
             def per_unit(us):
-                return sorted(float((n - 1) * u.layout.shard_numel * B) for u in us for _ in range(steps))
+                return sorted(float((n - 1) * u.shard_numel * B) for u in us for _ in range(steps))
 
             def events(kind, phase):
                 return sorted(e.wire_bytes for e in rec.events if e.kind == kind and e.phase == phase)
@@ -86,40 +87,41 @@ def test_collective_counts_and_bytes_match_formulas():
 
 
 def memory_worker(rank: int, world: int) -> dict:
-    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import testing, units as unit_infos
 
     out = {}
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
         model = _model(strategy, backward_prefetch=None)  # no prefetch: one unit gathered at a time
-        units = [w._unit for w in FSDP.fsdp_modules(model)]
+        units = unit_infos(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         # after forward: FULL_SHARD frees every unit but the root; SHARD_GRAD_OP keeps every unit
         g = torch.Generator().manual_seed(0)
         x, y = torch.randint(0, 37, (2, 8), generator=g), torch.randint(0, 37, (2, 8), generator=g)
         with model.record_memory(opt) as mem:
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            held = [u.unsharded.untyped_storage().nbytes() for u in units]
-            full = [u.layout.padded * B for u in units]
+            held = testing.gathered_bytes(model)
+            full = [u.padded_numel * B for u in units]
             if world > 1 and strategy == "FULL_SHARD":
                 assert held == [full[0]] + [0] * (len(units) - 1), held
             elif world > 1 and strategy == "SHARD_GRAD_OP":
                 assert held == full, held
             loss.backward()
             if world > 1 and strategy != "NO_SHARD":  # NO_SHARD's unsharded flat is the flat shard itself
-                held = [u.unsharded.untyped_storage().nbytes() for u in units]
+                held = testing.gathered_bytes(model)
                 assert held == [0] * len(units), f"{strategy}: resharded after backward: {held}"
             opt.step()
             mem.sample()
         now = model.memory_bytes(opt)
-        S = sum(u.layout.shard_numel for u in units)
-        n_params = sum(len(u.layout.infos) for u in units)
-        local_elems = sum(v.numel() for u in units for v in u.shard_views)
+        S = sum(u.shard_numel for u in units)
+        n_params = sum(len(u.param_names) for u in units)
+        local_elems = sum(u.local_numel for u in units)
+        assert local_elems == sum(p.numel() for p in model.parameters())
         assert now["params"] == 4 * S and now["grads"] == 4 * S, now
         assert now["optimizer"] == 8 * local_elems + 4 * n_params, now  # exp_avg, exp_avg_sq, step
         assert now["gathered"] == 0 or world == 1, now
-        P = sum(u.layout.total for u in units)
+        P = sum(u.numel for u in units)
         steady = now["params"] + now["grads"] + now["optimizer"]
-        padding = sum(u.layout.padded - u.layout.total for u in units)
+        padding = sum(u.padding for u in units)
         f = 1 if strategy == "NO_SHARD" else world  # the sharding factor
         assert 16 * P / f <= steady <= 16 * (P + padding) / f + 4 * n_params, (strategy, steady, 16 * P / f)
         if world > 1:

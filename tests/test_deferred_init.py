@@ -110,7 +110,7 @@ def full_numel_alive(model: nn.Module) -> int:
 
 
 def check_meta_matches_reference(group, init_name: str, policy_name: str) -> dict:
-    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import FullyShardedDataParallel as FSDP, units as unit_infos
 
     init = INITS[init_name]
     # to_empty + reset_parameters inside the function draws what reset_parameters alone draws
@@ -134,9 +134,9 @@ def check_meta_matches_reference(group, init_name: str, policy_name: str) -> dic
     for name, b in ref.named_buffers():
         torch.testing.assert_close(bufs[name], b, **EXACT, msg=lambda m: f"{what}: buffer {name}: {m}")
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), f"{what}: something left on meta"
-    units = [w._unit for w in FSDP.fsdp_modules(model)]
-    biggest = max(u.layout.total for u in units if u is not model._unit)
-    return {"peak_full": peak[0], "bound": model._unit.layout.total + biggest, "total": sum(u.layout.total for u in units)}
+    units = unit_infos(model)
+    biggest = max(u.numel for u in units if not u.is_root)
+    return {"peak_full": peak[0], "bound": units[0].numel + biggest, "total": sum(u.numel for u in units)}
 
 
 def check_trains_like_reference(group) -> None:

@@ -38,7 +38,7 @@ def test_consolidated_checkpoint_loads_with_from_pretrained(tmp_path, monkeypatc
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import GPT2LMHeadModel
 
-    from flatshard.checkpoint_tools import consolidate
+    from flatshard.checkpoint.tools import consolidate
 
     ckpt = str(tmp_path / "ckpt")
     trained = run_distributed(train_and_save, 2, ckpt, timeout=180)[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import flatshard
+
 from tests.dist import run_distributed
 from tests.test_parity import PER_RANK, build, make_optimizer, run_case
 
@@ -39,7 +41,8 @@ def hybrid_parity_worker(rank: int, world: int) -> dict:
     for strategy, factor, way in cases:
         for opt_kind in ("sgd_momentum", "adamw"):
             model = run_case(rank, world, "gpt_tie_in_root", strategy, opt_kind, **groups_for(way, factor, world))
-            assert model._unit.groups.shard_size == factor and model._unit.groups.replicate_size == world // factor
+            root = flatshard.units(model)[0]
+            assert root.shard_size == factor and root.replicate_size == world // factor
             finals[(strategy, factor, way, opt_kind)] = [p.detach().clone() for p in model.parameters()]
     # the endpoints of the F axis are the plain strategies, to the bit
     for opt_kind in ("sgd_momentum", "adamw"):
@@ -63,17 +66,17 @@ def hybrid_comms_worker(rank: int, world: int) -> dict:
     for strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
         for factor in (1, 2, 4):
             _, model, batch, loss_fn = build("gpt_tie_in_root", strategy, sharding_factor=factor)
-            units = [w._unit for w in FSDP.fsdp_modules(model)]
+            units = flatshard.units(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            R, M, root = world // factor, len(units), model._unit
+            R, M, root = world // factor, len(units), units[0]
             for step in range(2):  # count the second step
                 x, y = batch(step, PER_RANK)
                 opt.zero_grad()
                 with model.record_comms() as rec:
                     loss_fn(model(x), y).backward()
                 opt.step()
-            padded = sum(u.layout.padded for u in units)
-            S = sum(u.layout.shard_numel for u in units)
+            padded = sum(u.padded_numel for u in units)
+            S = sum(u.shard_numel for u in units)
             intra = rec.wire_bytes(group="shard")
             inter = rec.wire_bytes(group="replicate")
             assert rec.count(kind="all_gather", group="replicate") == 0 and rec.count(kind="reduce_scatter", group="replicate") == 0
@@ -86,15 +89,15 @@ def hybrid_comms_worker(rank: int, world: int) -> dict:
                 assert rec.count(kind="all_gather", phase="backward") == bwd_gathers
             expected_intra = (3 if strategy == "HYBRID_SHARD" else 2) * padded * B * (factor - 1) / factor
             if strategy == "HYBRID_SHARD":
-                expected_intra -= root.layout.padded * B * (factor - 1) / factor  # the root stays gathered
+                expected_intra -= root.padded_numel * B * (factor - 1) / factor  # the root stays gathered
             expected_inter = 2 * S * B * (R - 1) / R  # all-reduce of each unit's shard across replicas
             assert abs(intra - expected_intra) < 1e-6 * max(1, expected_intra), (strategy, factor, intra, expected_intra)
             assert abs(inter - expected_inter) < 1e-6 * max(1, expected_inter), (strategy, factor, inter, expected_inter)
             now = model.memory_bytes(opt)
-            P = sum(u.layout.total for u in units)
+            P = sum(u.numel for u in units)
             steady = now["params"] + now["grads"] + now["optimizer"]
-            n_params = sum(len(u.layout.infos) for u in units)
-            pad = sum(u.layout.padded - u.layout.total for u in units)
+            n_params = sum(len(u.param_names) for u in units)
+            pad = sum(u.padding for u in units)
             assert 16 * P / factor <= steady <= 16 * (P + pad) / factor + 4 * n_params, (factor, steady, 16 * P / factor)
             out[(strategy, factor)] = (intra, inter, steady, P)
     return out

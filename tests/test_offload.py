@@ -1,7 +1,7 @@
 """CPUOffload(offload_params=True): flat shards, gradient shards and optimizer state in CPU memory.
 
 This machine has no accelerator, so the offload path runs here with CPU as the compute device
-(the private keyword ``_offload_on_cpu_for_tests``): the flat shards are then separate tensors, copied before every
+(``flatshard.testing.offload_on_cpu()``): the flat shards are then separate tensors, copied before every
 gather and copied back after every reduction, exactly as with a CUDA compute device, where they are
 also pinned. Results must be bitwise those of the same run without offload, at F = W and at F = 1
 (where without offload the flat shard is used in place). bench/gpu_check.sh checks the CUDA case."""
@@ -15,7 +15,7 @@ from tests.models import Block, TinyGPT
 
 
 def offload_worker(rank: int, world: int) -> dict:
-    from flatshard import CPUOffload, ShardingStrategy
+    from flatshard import CPUOffload, ShardingStrategy, testing
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard.wrap import ModuleWrapPolicy
 
@@ -24,12 +24,13 @@ def offload_worker(rank: int, world: int) -> dict:
         runs = {}
         for offload in (False, True):
             torch.manual_seed(0)
-            model = FSDP(TinyGPT(vocab=37, dim=20, heads=2, layers=2, block=8), auto_wrap_policy=ModuleWrapPolicy({Block}),
-                         sharding_strategy=ShardingStrategy[strategy], cpu_offload=CPUOffload(offload_params=offload),
-                         _offload_on_cpu_for_tests=True)
-            units = [w._unit for w in FSDP.fsdp_modules(model)]
+            with testing.offload_on_cpu():
+                model = FSDP(TinyGPT(vocab=37, dim=20, heads=2, layers=2, block=8),
+                             auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy],
+                             cpu_offload=CPUOffload(offload_params=offload))
+            units = testing.engine_units(model)
             if offload:  # the shard is its own tensor, never the memory the unit computes with
-                assert all(u.offload and not u._aliased for u in units)
+                assert all(u.offload and not u.plan.aliased for u in units)
                 assert all(u.flat_shard.untyped_storage().data_ptr() != u.unsharded.untyped_storage().data_ptr() for u in units)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             g = torch.Generator().manual_seed(rank)

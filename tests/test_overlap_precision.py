@@ -16,6 +16,7 @@ import torch
 from tests.dist import run_distributed
 from tests.models import Block, TinyGPT
 from tests.test_parity import PER_RANK, build, run_case
+from tests.util import captured_logs
 
 SETTINGS = [*itertools.product((None, "BACKWARD_PRE", "BACKWARD_POST"), (False, True), (True,)), ("BACKWARD_PRE", True, False)]
 
@@ -38,18 +39,8 @@ def test_prefetch_settings_leave_fp32_results_bitwise_unchanged():
     assert run_distributed(prefetch_worker, 2, timeout=300) == [{"settings": len(SETTINGS)}] * 2
 
 
-class _GatheredCounter:
-    """A memory-recorder stand-in: at every unit transition, how many units besides the root are gathered."""
-
-    def __init__(self, units):
-        self.units, self.most = units, 0
-
-    def sample(self):
-        self.most = max(self.most, sum(u.gathered and not u.is_root for u in self.units))
-
-
 def schedule_worker(rank: int, world: int) -> dict:
-    from flatshard import BackwardPrefetch
+    from flatshard import BackwardPrefetch, testing
     from flatshard import FullyShardedDataParallel as FSDP
 
     out = {}
@@ -60,17 +51,19 @@ def schedule_worker(rank: int, world: int) -> dict:
             wrappers = FSDP.fsdp_modules(model)
             ready = []  # whether each block unit was already gathered when its forward began
             for w in wrappers[1:]:
-                w.register_forward_pre_hook(lambda mod, args: ready.append(mod._unit.gathered))
-            counter = _GatheredCounter([w._unit for w in wrappers])
+                w.register_forward_pre_hook(lambda mod, args: ready.append(testing.is_gathered(mod)))
+            most = [0]
+
+            def count():
+                most[0] = max(most[0], testing.gathered_count(model))
+
             for step in range(2):
                 x, y = batch(step, PER_RANK)
                 ready.clear()
-                with model.record_comms() as rec:
-                    model._ctx.memory_recorders.append(counter)
+                with model.record_comms() as rec, testing.on_transition(model, count):
                     loss_fn(model(x), y).backward()
-                    model._ctx.memory_recorders.remove(counter)
             names = [(e.kind, e.unit) for e in rec.events if e.phase == "backward"]
-            out[(bwd, fwd)] = {"events": names, "ready": list(ready), "most_gathered": counter.most,
+            out[(bwd, fwd)] = {"events": names, "ready": list(ready), "most_gathered": most[0],
                                "counts": {k: v["count"] for k, v in rec.summary().items()}}
     return out
 
@@ -113,18 +106,15 @@ def order_change_worker(rank: int, world: int) -> dict:
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard.wrap import ModuleWrapPolicy
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("flatshard").addHandler(handler)
     torch.manual_seed(0)
     ref = SwappingGPT()
     model = FSDP(copy.deepcopy(ref), auto_wrap_policy=ModuleWrapPolicy({Block}), forward_prefetch=True)
     x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(rank))
-    for swap in (False, False, True, True):
-        ref.swap = model.module.swap = swap
-        with torch.no_grad():
-            torch.testing.assert_close(model(x), ref(x))
+    with captured_logs() as records:
+        for swap in (False, False, True, True):
+            ref.swap = model.module.swap = swap
+            with torch.no_grad():
+                torch.testing.assert_close(model(x), ref(x))
     return [r.getMessage() for r in records]
 
 
@@ -145,7 +135,7 @@ class TwoPart(torch.nn.Module):
 
 
 def precision_worker(rank: int, world: int) -> dict:
-    from flatshard import FullyShardedDataParallel as FSDP, MixedPrecision
+    from flatshard import FullyShardedDataParallel as FSDP, MixedPrecision, units
 
     bf16 = torch.bfloat16
     out = {}
@@ -202,7 +192,7 @@ def precision_worker(rank: int, world: int) -> dict:
         out_fp32 = model(torch.randn(3, 5))
         out_fp32.sum().backward()
     inner_gather = [e.wire_bytes for e in rec.events if e.kind == "all_gather" and e.unit == "inner" and e.phase == "forward"]
-    expected = [(world - 1) * m.inner._unit.layout.shard_numel * 2.0]  # bf16: 2 bytes per element
+    expected = [(world - 1) * units(m.inner)[0].shard_numel * 2.0]  # bf16: 2 bytes per element
     out["per_unit"] = (seen, out_fp32.dtype, all(p.grad is not None and p.grad.dtype == torch.float32
                                                  for p in model.parameters()), inner_gather == expected)
     return out
@@ -236,7 +226,7 @@ def test_cpu_offload_without_an_accelerator_is_a_clear_error():
 
 
 def bounded_worker(rank: int, world: int) -> dict:
-    from flatshard import BackwardPrefetch
+    from flatshard import BackwardPrefetch, testing, units
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard.wrap import ModuleWrapPolicy
 
@@ -246,8 +236,8 @@ def bounded_worker(rank: int, world: int) -> dict:
     for bp, in_flight in cases:
         torch.manual_seed(0)
         model = FSDP(TinyGPT(layers=6, dim=24), auto_wrap_policy=ModuleWrapPolicy({Block}), backward_prefetch=bp)
-        model._lazy_init().overlap_reductions = in_flight
-        sizes = [(w._unit.layout.padded * 4, w._unit.layout.total * 4) for w in FSDP.fsdp_modules(model)]
+        testing.set_overlap_reductions(model, in_flight)
+        sizes = [(u.padded_numel * 4, u.numel * 4) for u in units(model)]
         x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(rank))
         with model.record_memory() as mem:
             torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()

@@ -12,8 +12,11 @@ import logging
 import torch
 import torch.nn.functional as F_
 
+import flatshard
+
 from tests.dist import run_distributed
 from tests.models import Block, TinyGPT
+from tests.util import captured_logs
 
 CONFIGS = {  # world size -> (strategy, sharding factor) pairs to check
     1: [("NO_SHARD", 1)],  # at W = 1 every strategy is F = 1
@@ -88,17 +91,15 @@ def auto_worker(rank: int, world: int) -> dict:
     from flatshard.planner import plan_strategy
     from flatshard.wrap import ModuleWrapPolicy
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("flatshard").addHandler(handler)
-    logging.getLogger("flatshard").setLevel(logging.INFO)
     peaks = {f: plan_strategy(_inputs(world), s, f).memory.peak
              for s, f in (("NO_SHARD", 1), ("HYBRID_SHARD", 2), ("FULL_SHARD", 4))}
     out = {"peaks": peaks}
-    for name, budget in (("admits_2", (peaks[2] + peaks[1]) // 2), ("only_4", (peaks[4] + peaks[2]) // 2)):
-        model = FSDP(_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_factor="auto", memory_budget=budget)
-        out[name] = (model._unit.groups.shard_size, model._unit.groups.replicate_size, model.sharding_decision[1])
+    with captured_logs(logging.INFO) as records:
+        for name, budget in (("admits_2", (peaks[2] + peaks[1]) // 2), ("only_4", (peaks[4] + peaks[2]) // 2)):
+            model = FSDP(_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_factor="auto",
+                         memory_budget=budget)
+            root = flatshard.units(model)[0]
+            out[name] = (root.shard_size, root.replicate_size, model.sharding_decision[1])
     try:
         FSDP(_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_factor="auto", memory_budget=peaks[4] // 2)
         out["too_small"] = "no error"

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+import flatshard
+from flatshard import testing
+from flatshard.testing import shard_ranges
 from tests.dist import run_distributed
 from tests.test_parity import PER_RANK, build
-from tests.util import shard_ranges
 
 
 def summon_worker(rank: int, world: int) -> dict:
@@ -20,7 +22,7 @@ def summon_worker(rank: int, world: int) -> dict:
     local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     loss_fn(model(x[local]), y[local]).backward()
     loss_fn(ref(x), y).backward()
-    shards = [w._unit.flat_shard.clone() for w in units]
+    shards = [t.clone() for t in testing.flat_shards(model)]
     ranges = shard_ranges(model)
     shard_grads = {n: (ranges[id(p)], None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
 
@@ -35,9 +37,9 @@ def summon_worker(rank: int, world: int) -> dict:
                 assert p.grad.shape == p.shape and torch.equal(p.grad.reshape(-1)[a:b], g), name
                 torch.testing.assert_close(p.grad, refs[name].grad, rtol=0.05, atol=1e-3, msg=name)  # bf16 compute
     gathers = rec.wire_bytes("all_gather")
-    flat_bytes = sum(w._unit.layout.shard_numel * 4 * (world - 1) for w in units)
+    flat_bytes = sum(u.shard_numel * 4 * (world - 1) for u in flatshard.units(model))
     assert gathers == 2 * flat_bytes, (gathers, flat_bytes)  # parameters and gradients, in fp32
-    assert all(torch.equal(a, w._unit.flat_shard) for a, w in zip(shards, units)), "writeback without edits changed the masters"
+    assert all(map(torch.equal, shards, testing.flat_shards(model))), "writeback without edits changed the masters"
 
     # an edit below bf16's resolution survives writeback exactly
     tiny = 1.0 + 2.0 ** -20

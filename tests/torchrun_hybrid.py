@@ -17,6 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import flatshard  # noqa: E402
+
 from tests.test_parity import PER_RANK, build, run_case  # noqa: E402
 
 
@@ -24,8 +26,7 @@ def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = run_case(rank, world, "gpt_tie_in_root", "HYBRID_SHARD", "adamw")  # parity, 10 steps
-    groups = model._unit.groups
-    shard_members = dist.get_process_group_ranks(groups.shard_group)
+    root = flatshard.units(model)[0]
     _, fresh, batch, loss_fn = build("gpt_tie_in_root", "HYBRID_SHARD")
     x, y = batch(0, PER_RANK)
     with fresh.record_comms() as rec:
@@ -34,15 +35,16 @@ def main(out_dir: str) -> None:
         "rank": rank,
         "node": int(os.environ["GROUP_RANK"]),
         "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
-        "shard_size": groups.shard_size,
-        "replicate_size": groups.replicate_size,
-        "shard_members": shard_members,
+        "shard_size": root.shard_size,
+        "replicate_size": root.replicate_size,
+        "shard_members": list(root.shard_group_ranks),
         "counts": {f"{e.kind}/{e.group}": rec.count(e.kind, group=e.group) for e in rec.events},
         "units": len(fresh.fsdp_modules(fresh)),
         "parity_steps": 10,
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    dist.barrier()  # every rank is done with the group before any tears it down
     dist.destroy_process_group()
 
 

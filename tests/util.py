@@ -2,24 +2,18 @@
 matching each shard view with the slice of the reference parameter it must equal."""
 from __future__ import annotations
 
+import contextlib
+import logging
+from typing import Iterator
+
 import torch
 from torch import nn
 
 
-def shard_ranges(model: nn.Module) -> dict[int, tuple[int, int]]:
-    """id(shard view) -> [start, end) of the flattened original parameter that this rank holds."""
-    from flatshard import FullyShardedDataParallel as FSDP
-
-    out = {}
-    for w in FSDP.fsdp_modules(model):
-        u = w._unit
-        for view, rng in zip(u.shard_views, u.layout.param_ranges(u.groups.shard_rank)):
-            out[id(view)] = rng
-    return out
-
-
 def pairs(model: nn.Module, ref: nn.Module):
     """(name, local tensor, matching reference tensor) for every parameter, and the same for grads."""
+    from flatshard.testing import shard_ranges
+
     ranges = shard_ranges(model)
     refp = dict(ref.named_parameters())
     names = [n for n, _ in model.named_parameters()]
@@ -47,3 +41,20 @@ def assert_grads_match(model, ref, what: str, **tol) -> None:
             continue
         assert p.grad is not None, f"{what}: {name} has no gradient"
         torch.testing.assert_close(p.grad, ref_grad, msg=lambda m: f"{what}: gradient of {name}: {m}", **tol)
+
+
+@contextlib.contextmanager
+def captured_logs(level: int = logging.WARNING) -> Iterator[list[logging.LogRecord]]:
+    """The records the ``flatshard`` logger emits inside the block; handler and level restored after."""
+    logger = logging.getLogger("flatshard")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    before = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)

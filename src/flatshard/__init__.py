@@ -1,8 +1,15 @@
 """flatshard: Fully Sharded Data Parallel training for PyTorch, on torch.distributed.
 
 The public names mirror ``torch.distributed.fsdp``; change the imports of a PyTorch FSDP script to
-``flatshard`` and it runs (on CPU with gloo too). Reading path: fsdp.py → unit.py → flat_param.py →
-collectives.py; schedule.py holds what spans units.
+``flatshard`` and it runs (on CPU with gloo too). The package, by layer (each imports only those
+below it; tests/test_layering.py holds it so):
+
+  fsdp.py      front end: FullyShardedDataParallel, FSDP1's API, translated onto the engine
+  checkpoint/  files on disk: save, load, consolidate, inspect
+  state/       in-memory state dicts (FULL, LOCAL, SHARDED; optimizer), torch.distributed.checkpoint
+  runtime/     the engine: units, layout, collectives, hooks, construction (its docstring: one step of one unit)
+  api.py, wrap.py, weight_decay.py   enums and configs, wrap policies, parameter groups
+  planner/     the cost model (pure; imports no torch), cli.py the ``flatshard`` command
 
 Names load on first use, so ``flatshard plan`` (pure arithmetic) starts without importing torch.
 """
@@ -29,10 +36,13 @@ _EXPORTS = {
     "ShardedOptimStateDictConfig": "flatshard.api",
     "LocalOptimStateDictConfig": "flatshard.api",
     "StateDictSettings": "flatshard.api",
+    "CheckpointError": "flatshard.api",
     "FullyShardedDataParallel": "flatshard.fsdp",
-    "CommRecorder": "flatshard.instrument",
-    "MemoryRecorder": "flatshard.instrument",
-    "param_groups": "flatshard.optim",
+    "CommRecorder": "flatshard.runtime.instrument",
+    "MemoryRecorder": "flatshard.runtime.instrument",
+    "UnitInfo": "flatshard.runtime.tree",
+    "units": "flatshard.runtime.tree",
+    "param_groups": "flatshard.weight_decay",
 }
 
 __all__ = sorted([*_EXPORTS, "FSDP"])

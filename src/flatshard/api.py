@@ -1,9 +1,8 @@
-"""Public enums and frozen configuration dataclasses, named as in ``torch.distributed.fsdp``.
+"""Public enums, frozen configuration dataclasses and error types, named as in ``torch.distributed.fsdp``.
 
 A script written for PyTorch FSDP imports these names from ``flatshard`` instead and keeps every
-keyword. Options whose engine has not landed yet exist so that a script can name them, but passing
-them with a value that asks for the missing behaviour raises :class:`NotBuiltError` (never a silent
-no-op): see ``fsdp.py``.
+keyword. A keyword or method whose engine is not built raises :class:`NotBuiltError`, naming what to
+use instead (never a silent no-op).
 """
 from __future__ import annotations
 
@@ -16,6 +15,11 @@ import torch
 
 class NotBuiltError(NotImplementedError):
     """A documented FSDP feature that flatshard has not built yet; the message says what to pass instead."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint or state dict that cannot be saved or loaded; the message names the file or parameter
+    and the fix. Raised alike on every rank."""
 
 
 class ShardingStrategy(enum.Enum):
@@ -32,6 +36,16 @@ class ShardingStrategy(enum.Enum):
     NO_SHARD = enum.auto()
     HYBRID_SHARD = enum.auto()
     _HYBRID_SHARD_ZERO2 = enum.auto()
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether a unit frees its unsharded flat after forward (and gathers again in backward)."""
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the strategy takes shard groups smaller than the world (1 <= F <= W)."""
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 class BackwardPrefetch(enum.Enum):
@@ -83,7 +97,7 @@ class FullStateDictConfig(StateDictConfig):
 @dataclass(frozen=True)
 class ShardedStateDictConfig(StateDictConfig):
     """SHARDED_STATE_DICT: each original parameter as a ``ShardedTensor`` of its full shape whose local
-    shards are this rank's flat range cut into boxes (sharded_tensors.py), for torch.distributed.checkpoint."""
+    shards are this rank's flat range cut into boxes (state/sharded_tensors.py), for torch.distributed.checkpoint."""
 
     _use_dtensor: bool = False
 

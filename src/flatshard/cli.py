@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(rest)
     if command in ("consolidate", "inspect"):
-        from flatshard.checkpoint_tools import main as checkpoint_main
+        from flatshard.checkpoint.tools import main as checkpoint_main
 
         return checkpoint_main(command, rest)
     print(f"flatshard: unknown command {command!r}; try `flatshard --help`", file=sys.stderr)

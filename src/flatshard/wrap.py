@@ -12,6 +12,8 @@ from typing import Callable, Iterable, Optional, Union
 
 from torch import nn
 
+from flatshard.api import NotBuiltError
+
 
 def always_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
     return True
@@ -70,8 +72,9 @@ class CustomPolicy:
             return True
         decision = self._fn(module)
         if isinstance(decision, dict):
-            raise NotImplementedError(
-                "CustomPolicy returning per-module keyword overrides is not built yet in flatshard; return True or False."
+            raise NotBuiltError(
+                "CustomPolicy returning per-module keyword overrides is not built in flatshard; return True or "
+                "False, and wrap modules that need other keywords by hand (a FullyShardedDataParallel each)."
             )
         return bool(decision)
 

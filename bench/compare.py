@@ -1,8 +1,8 @@
-"""flatshard against PyTorch FSDP2 and DDP, side by side: ``python -m flatshard.bench`` (``make bench``).
+"""flatshard against PyTorch FSDP2 and DDP, side by side: ``python bench/compare.py`` (``make bench``).
 
-    python -m flatshard.bench                       # 3M and 30M GPT, W = 2 and 4, fp32 and bf16, + ablation
-    python -m flatshard.bench --quick               # 3M only, W = 2, fewer steps (about 30 s)
-    python -m flatshard.bench --sizes 30M --world 2 --dtypes bf16 --steps 12 --no-ablation
+    python bench/compare.py                       # 3M and 30M GPT, W = 2 and 4, fp32 and bf16, + ablation
+    python bench/compare.py --quick               # 3M only, W = 2, fewer steps (about 30 s)
+    python bench/compare.py --sizes 30M --world 2 --dtypes bf16 --steps 12 --no-ablation
 
 For each world size W the command starts W local processes through torchrun's own machinery
 (``torch.distributed.run``, ``--standalone``, gloo on CPU), as examples/train_gpt.py does. In the ranks,
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import statistics
@@ -57,7 +56,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (flatshard is installed editable)
+ROOT = Path(__file__).resolve().parents[1]  # the repository: examples/gpt.py is the model measured
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "bench")]
 DEFAULT_JSON = ROOT / "bench" / "results" / "bench.json"
 QUICK_JSON = ROOT / "bench" / "results" / "quick.json"
 FP32_RTOL, BF16_RTOL, AUTOCAST_RTOL = 1e-4, 2e-2, 5e-2
@@ -73,18 +73,9 @@ ABLATION = {  # name -> flatshard keywords (FULL_SHARD unless said); the first i
 
 def load_gpt_module():
     """examples/gpt.py, the project's example model (the benchmark builds exactly that GPT)."""
-    return _load_repo_file("examples/gpt.py", "flatshard_bench_gpt")
+    import gpt
 
-
-def _load_repo_file(relative: str, name: str):
-    path = ROOT / relative
-    if not path.exists():
-        raise SystemExit(f"{path} not found: the benchmark needs flatshard's repository (pip install -e .)")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return gpt
 
 
 def sizes():
@@ -235,8 +226,10 @@ def build_flatshard(gpt, cfg, bf16: bool, strategy="FULL_SHARD", backward_prefet
 
 def build_fsdp2(gpt, cfg, bf16: bool):
     # PyTorch's FSDP2 is the reference the benchmark measures flatshard against; the package never
-    # imports it: the builder lives in the repository's bench/fsdp2_reference.py.
-    return _load_repo_file("bench/fsdp2_reference.py", "flatshard_bench_fsdp2").build(gpt, cfg, bf16)
+    # imports it: the builder lives in bench/fsdp2_reference.py.
+    import fsdp2_reference
+
+    return fsdp2_reference.build(gpt, cfg, bf16)
 
 
 def build_ddp(gpt, cfg):
@@ -378,6 +371,7 @@ def worker(args) -> int:
         results.append(res)
     if rank == 0:
         Path(args._out).write_text(json.dumps(results))
+    dist.barrier()  # every rank is done with the group before any tears it down
     dist.destroy_process_group()
     return 0
 
@@ -390,7 +384,7 @@ def launch(world: int, argv: list[str], out: Path) -> list[dict]:
 
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
     parser = torchrun.get_args_parser()
-    launch_args = parser.parse_args(["--standalone", f"--nproc-per-node={world}", "--module", "flatshard.bench",
+    launch_args = parser.parse_args(["--standalone", f"--nproc-per-node={world}", str(Path(__file__).resolve()),
                                      *argv, "--_worker", "--_out", str(out)])
     try:
         torchrun.run(launch_args)

@@ -23,34 +23,42 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import collectives
-from flatshard.flat_param import make_compute_views, set_views_on_modules
+from flatshard.runtime.hooks import traced
+from flatshard.runtime.layout import make_compute_views, set_views_on_modules
+from flatshard.runtime.schedule import Phase
+from flatshard.runtime.unit import Unit
 
 
 @contextlib.contextmanager
-def summon(wrappers: list, *, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> Iterator[None]:
+def summon(
+    units: list[Unit], *, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+) -> Iterator[None]:
     if rank0_only and writeback:
-        raise ValueError("summon_full_params(rank0_only=True, writeback=True): only rank 0 would hold the full "
-                         "parameters, so the other ranks' shards could not be written back. Pass writeback=False.")
-    units = [w._unit for w in wrappers]
+        raise ValueError(
+            "summon_full_params(rank0_only=True, writeback=True): only rank 0 would hold the full "
+            "parameters, so the other ranks' shards could not be written back. Pass writeback=False."
+        )
     for unit in units:
-        if unit.ctx is not None and unit.ctx.phase in ("forward", "backward"):
+        unit.ctx.start()
+        if unit.ctx.phase in (Phase.FORWARD, Phase.BACKWARD):
             raise RuntimeError("summon_full_params cannot be used during forward or backward; call it between steps")
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    phase = units[0].ctx.phase_scope("other") if units and units[0].ctx is not None else contextlib.nullcontext()
+    phase = units[0].ctx.phase_scope(Phase.SUMMON) if units else contextlib.nullcontext()
     held: list[Optional[torch.Tensor]] = []
-    with phase:
+    with traced("summon_full_params"), phase:
         for unit in units:
-            full = _gather(unit, unit.flat_shard)
-            grads = _gather(unit, _grad_shard(unit)) if with_grads else None
+            full = unit.gather_full(unit.flat_shard)
+            grads = unit.gather_full(_grad_shard(unit)) if with_grads else None
             if offload_to_cpu:
                 full = full.cpu() if full.device.type != "cpu" else full
                 grads = grads.cpu() if grads is not None and grads.device.type != "cpu" else grads
             if not keep:
                 held.append(None)
                 continue
-            params = [nn.Parameter(v, requires_grad=i.requires_grad)
-                      for v, i in zip(make_compute_views(unit.layout, full), unit.layout.infos)]
+            params = [
+                nn.Parameter(v, requires_grad=i.requires_grad)
+                for v, i in zip(make_compute_views(unit.layout, full), unit.layout.infos)
+            ]
             if grads is not None:
                 for p, g, view in zip(params, make_compute_views(unit.layout, grads), unit.shard_views):
                     p.grad = g if view.grad is not None else None
@@ -69,20 +77,7 @@ def summon(wrappers: list, *, writeback: bool, rank0_only: bool, offload_to_cpu:
             set_views_on_modules(unit.layout, unit.shard_views, as_params=True)
 
 
-def _gather(unit, shard: torch.Tensor) -> torch.Tensor:
-    """The shard group's ``shard`` tensors concatenated (the unit's padded flat), on the compute device;
-    ``shard`` itself when there is nothing to gather."""
-    if unit.groups.shard_size == 1 and shard.device == unit.compute_device:
-        return shard
-    source = shard.to(unit.compute_device)
-    if unit.groups.shard_size == 1:
-        return source
-    full = torch.empty(unit.layout.padded, dtype=shard.dtype, device=unit.compute_device)
-    unit._record(collectives.all_gather(full, source, unit.groups.shard_group, tag=unit.next_tag()), "shard")
-    return full
-
-
-def _grad_shard(unit) -> torch.Tensor:
+def _grad_shard(unit: Unit) -> torch.Tensor:
     """This rank's gradient as one flat shard (zeros where a shard view has no gradient)."""
     out = torch.zeros_like(unit.flat_shard)
     for view, (lo, hi) in zip(unit.shard_views, unit.layout.local_slices(unit.groups.shard_rank)):

@@ -33,6 +33,8 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from flatshard.runtime.mesh import device_of
+
 
 def has_meta_states(module: nn.Module, skip: set[nn.Module]) -> bool:
     """Whether any module under ``module`` (outside ``skip``) holds a parameter or buffer on meta."""
@@ -41,7 +43,7 @@ def has_meta_states(module: nn.Module, skip: set[nn.Module]) -> bool:
 
 def materialization_device(device_id) -> torch.device:
     if device_id is not None:
-        return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        return device_of(device_id)
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -100,13 +102,12 @@ def units_in_init_order(
 
 # ---- helpers -------------------------------------------------------------------------------------
 def _walk(root: nn.Module, skip: set[nn.Module]) -> Iterator[nn.Module]:
-    """``root.modules()`` order (each module once), not entering ``skip``."""
-    from flatshard.fsdp import FullyShardedDataParallel
-
+    """``root.modules()`` order (each module once), not entering ``skip`` (ignored modules and units
+    wrapped earlier)."""
     seen: set[int] = set()
 
     def visit(m: nn.Module) -> Iterator[nn.Module]:
-        if id(m) in seen or m in skip or (m is not root and isinstance(m, FullyShardedDataParallel)):
+        if id(m) in seen or m in skip:
             return
         seen.add(id(m))
         yield m

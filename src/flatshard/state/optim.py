@@ -7,7 +7,7 @@ three types follow the model's ``state_dict_type``:
 * FULL     ``{"state": {fqn: {key: full-shape tensor | scalar}}, "param_groups": [{..., "params": [fqn]}]}``,
            pieces gathered one unit and one state key at a time (an all-gather of the unit's flat layout);
 * SHARDED  the same with each piece a ``ShardedTensor`` of the parameter's full shape, made of boxes
-           as the model's SHARDED values are (state_dict.py, [Note: flat ranges as boxes]), so
+           as the model's SHARDED values are (sharded_tensors.py, [Note: flat ranges as boxes]), so
            ``torch.distributed.checkpoint`` can save and load it;
 * LOCAL    the same with each piece as this rank holds it, plus ``"layouts"``: each unit's fingerprint.
 
@@ -16,33 +16,36 @@ this rank's layout.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from flatshard.api import StateDictType
-from flatshard.checkpoint_sync import CheckpointError, agree, collective_device, gather_json
-from flatshard.state_dict import (
-    ShardedPiece,
+from flatshard.api import CheckpointError, StateDictType
+from flatshard.runtime import agree, collectives
+from flatshard.runtime.hooks import traced
+from flatshard.runtime.schedule import Phase
+from flatshard.state.model_view import (
+    EntryKind,
+    LocalParam,
+    ModelView,
+    dtype_from,
+    dtype_name,
     exchange,
-    gather_flat,
+    gather_to,
     layout_fingerprint,
     model_view,
-    pieces_from_sharded_tensors,
-    rank_in,
-    settings_of,
-    sharded_tensor,
 )
+from flatshard.state.settings import settings_of
+from flatshard.state.sharded_tensors import ShardedPiece, pieces_from_sharded_tensors, sharded_tensor
 
 SCALAR_TYPES = (bool, int, float, str, type(None))
 
 
-def param_names(model, optim, view=None) -> tuple[list, list[str], dict]:
-    """(optimizer's params in state-dict order, their FQNs, fqn -> Slot or None for an unsharded parameter)."""
-    view = view if view is not None else model_view(model)
-    by_view = {id(s.view): s for s in view.slots}
-    plain = {id(obj): name for kind, name, obj in view.entries if kind == "plain"}
+def param_names(optim, view: ModelView) -> tuple[list, list[str], dict]:
+    """(optimizer's params in state-dict order, their FQNs, fqn -> LocalParam or None for an unsharded one)."""
+    by_view = {id(s.view): s for s in view.params}
+    plain = {id(obj): name for kind, name, obj in view.entries if kind is EntryKind.UNMANAGED}
     params, names, slots = [], [], {}
     for group in optim.param_groups:
         for p in group["params"]:
@@ -66,11 +69,11 @@ def describe(value: Any, local_numel: Optional[int], name: str, key: str) -> dic
     """How one optimizer state value travels: a piece of the flattened parameter, a scalar tensor, or a value."""
     if torch.is_tensor(value):
         if value.dim() == 0:
-            return {"kind": "scalar", "value": value.item(), "dtype": str(value.dtype).replace("torch.", "")}
+            return {"kind": "scalar", "value": value.item(), "dtype": dtype_name(value.dtype)}
         if local_numel is not None and value.dim() == 1 and value.numel() == local_numel:
-            return {"kind": "piece", "dtype": str(value.dtype).replace("torch.", "")}
+            return {"kind": "piece", "dtype": dtype_name(value.dtype)}
         if local_numel is None:
-            return {"kind": "whole", "dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape)}
+            return {"kind": "whole", "dtype": dtype_name(value.dtype), "shape": list(value.shape)}
         raise CheckpointError(
             f"optimizer state {key!r} of {name} has shape {tuple(value.shape)}, neither a scalar nor one value per "
             "element of the parameter; flatshard shards only element-wise optimizer state (SGD, Adam, AdamW, ...)."
@@ -81,7 +84,7 @@ def describe(value: Any, local_numel: Optional[int], name: str, key: str) -> dic
 
 
 def scalar_tensor(d: dict) -> torch.Tensor:
-    return torch.tensor(d["value"], dtype=getattr(torch, d["dtype"]))
+    return torch.tensor(d["value"], dtype=dtype_from(d["dtype"]))
 
 
 def json_groups(optim, names: list[str]) -> list[dict]:
@@ -105,9 +108,18 @@ def json_groups(optim, names: list[str]) -> list[dict]:
     return out
 
 
-def local_state(model, optim, osd=None, view=None) -> tuple[list, dict, dict, dict]:
-    """(param_groups with FQNs, {fqn: {key: description}}, {fqn: {key: local value}}, fqn -> Slot)."""
-    params, names, slots = param_names(model, optim, view)
+@dataclass
+class LocalOptimState:
+    """An optimizer's state on this rank, keyed by FQN."""
+
+    groups: list[dict]  # param_groups with FQNs (JSON)
+    meta: dict[str, dict[str, dict]]  # {fqn: {key: description}}
+    values: dict[str, dict[str, Any]]  # {fqn: {key: local value}}
+    params: dict[str, Optional[LocalParam]]  # fqn -> its LocalParam (None: a parameter no unit owns)
+
+
+def local_state(optim, view: ModelView, osd=None) -> LocalOptimState:
+    params, names, slots = param_names(optim, view)
     packed = (osd or optim.state_dict())["state"]
     meta, values = {}, {}
     for i, (p, name) in enumerate(zip(params, names)):
@@ -117,13 +129,13 @@ def local_state(model, optim, osd=None, view=None) -> tuple[list, dict, dict, di
         numel = p.numel() if slots[name] is not None else None
         meta[name] = {k: describe(v, numel, name, k) for k, v in state.items()}
         values[name] = dict(state)
-    return json_groups(optim, names), meta, values, slots
+    return LocalOptimState(json_groups(optim, names), meta, values, slots)
 
 
-def merged_meta(meta: dict, group) -> dict:
+def merged_meta(meta: dict, view: ModelView) -> dict:
     """The union over ranks of each parameter's state description (a rank may hold none for a parameter)."""
     merged: dict[str, dict] = {}
-    for rank_meta in gather_json(meta, group):
+    for rank_meta in agree.gather_json(meta, view.group, view.record):
         for name, keys in rank_meta.items():
             for k, d in keys.items():
                 merged.setdefault(name, {}).setdefault(k, d)
@@ -131,37 +143,45 @@ def merged_meta(meta: dict, group) -> dict:
 
 
 def optim_state_dict(model, optim, osd=None, group=None) -> dict:
-    settings = settings_of(model)
+    """FullyShardedDataParallel.optim_state_dict: this optimizer's state of the type ``state_dict_type`` sets.
+    ``group`` is accepted for PyTorch's signature; the model's own process group is the one used."""
     view = model_view(model)
-    group = group if group is not None else view.group
-    groups, meta, values, slots = local_state(model, optim, osd, view)
+    with traced("optim_state_dict"), view.phase(Phase.STATE_DICT):
+        return _optim_state_dict(model, optim, osd, view)
+
+
+def _optim_state_dict(model, optim, osd, view: ModelView) -> dict:
+    settings = settings_of(model)
+    local = local_state(optim, view, osd)
     kind, config = settings.state_dict_type, settings.optim_state_dict_config
     move = (lambda t: t.detach().cpu()) if config.offload_to_cpu else (lambda t: t.detach())
     if kind is StateDictType.FULL_STATE_DICT:
-        return _full(view, groups, merged_meta(meta, group), values, slots, config, group, move)
+        keep = not config.rank0_only or agree.rank_in(view.group) == 0
+        return _full(view, local, merged_meta(local.meta, view), keep, move)
     if kind is StateDictType.SHARDED_STATE_DICT:
-        return {"state": _sharded(merged_meta(meta, group), values, slots, move), "param_groups": groups}
-    state = {name: {k: move(v) if torch.is_tensor(v) else v for k, v in keys.items()} for name, keys in values.items()}
-    result = {"state": state, "param_groups": groups}
-    if kind is StateDictType.LOCAL_STATE_DICT:
-        result["layouts"] = {u.name: layout_fingerprint(u).tolist() for u in view.units}
-    return result
+        state = _sharded(merged_meta(local.meta, view), local, move, view)
+        return {"state": state, "param_groups": local.groups}
+    state = {name: {k: move(v) if torch.is_tensor(v) else v for k, v in keys.items()}
+             for name, keys in local.values.items()}
+    layouts = {u.name: layout_fingerprint(u).tolist() for u in view.units}
+    return {"state": state, "param_groups": local.groups, "layouts": layouts}
 
 
-def _sharded(meta: dict, values: dict, slots: dict, move) -> dict:
+def _sharded(meta: dict, local: LocalOptimState, move, view: ModelView) -> dict:
     """SHARDED state: pieces as ShardedTensors. Every rank lists the same parameters and keys, as DCP
     plans by key: a rank without state for a parameter (it holds none of its elements) gives
     ShardedTensors with only an empty box and the scalars the other ranks hold."""
     state = {}
     for name, keys in meta.items():
-        slot, mine = slots[name], values.get(name, {})
+        slot, mine = local.params[name], local.values.get(name, {})
         out = {}
         for k, d in keys.items():
             if d["kind"] == "piece":
                 v = mine.get(k)
                 if v is None:
-                    v = torch.zeros(slot.end - slot.start, dtype=getattr(torch, d["dtype"]), device=slot.unit.flat_shard.device)
-                out[k] = sharded_tensor(slot, move(v))
+                    device = slot.unit.flat_shard.device
+                    v = torch.zeros(slot.end - slot.start, dtype=dtype_from(d["dtype"]), device=device)
+                out[k] = sharded_tensor(slot, move(v), view.record)
             elif k in mine:
                 out[k] = move(mine[k]) if torch.is_tensor(mine[k]) else mine[k]
             elif d["kind"] != "whole":
@@ -170,19 +190,20 @@ def _sharded(meta: dict, values: dict, slots: dict, move) -> dict:
     return state
 
 
-def _full(view, groups, meta, values, slots, config, group, move) -> dict:
-    keep = not config.rank0_only or rank_in(group) == 0
+def _full(view: ModelView, local: LocalOptimState, meta: dict, keep: bool, move) -> dict:
+    """FULL: pieces gathered one unit and one state key at a time; ``keep`` False (rank0_only, not rank
+    0): this rank takes part in the gathers and returns an empty dict."""
     full_values: dict[tuple[str, str], torch.Tensor] = {}
     for unit in view.units:  # one unit and one state key gathered at a time
-        unit_slots = [s for s in view.slots_of(unit) if s.fqn in meta]
+        unit_slots = [s for s in view.params_of(unit) if s.fqn in meta]
         keys = sorted({(k, d["dtype"]) for s in unit_slots for k, d in meta[s.fqn].items() if d["kind"] == "piece"})
         for key, dtype in keys:
-            flat = torch.zeros(unit.layout.shard_numel, dtype=getattr(torch, dtype), device=unit.flat_shard.device)
+            flat = torch.zeros(unit.layout.shard_numel, dtype=dtype_from(dtype), device=unit.flat_shard.device)
             for s in unit_slots:
-                v = values.get(s.fqn, {}).get(key)
+                v = local.values.get(s.fqn, {}).get(key)
                 if v is not None:
                     flat[s.lo : s.hi].copy_(v.reshape(-1))
-            full = gather_flat(unit, flat)
+            full = gather_to(unit, flat)
             if keep:
                 for s in unit_slots:
                     if key in meta[s.fqn]:
@@ -200,41 +221,51 @@ def _full(view, groups, meta, values, slots, config, group, move) -> dict:
             elif d["kind"] == "scalar":
                 out[k] = scalar_tensor(d)
             else:
-                out[k] = move(values[name][k]) if d["kind"] == "whole" else d["value"]
+                out[k] = move(local.values[name][k]) if d["kind"] == "whole" else d["value"]
         state[name] = out
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": local.groups}
 
 
 # ---- loading --------------------------------------------------------------------------------
-def optim_state_dict_to_load(model, optim, osd: dict, group=None) -> dict:
-    """What ``optim.load_state_dict`` takes on this rank, from a FULL, SHARDED or LOCAL optimizer state dict."""
-    settings = settings_of(model)
+def optim_state_dict_to_load(model, optim, osd: dict, load_directly: bool = False, group=None) -> dict:
+    """What ``optim.load_state_dict`` takes on this rank, from a FULL, SHARDED or LOCAL optimizer state dict
+    (loaded into ``optim`` too with ``load_directly``)."""
     view = model_view(model)
-    group = group if group is not None else view.group
-    params, names, slots = param_names(model, optim, view)
+    with traced("optim_state_dict_to_load"), view.phase(Phase.STATE_DICT):
+        packed = _to_load(model, optim, osd, view)
+    if load_directly:
+        optim.load_state_dict(packed)
+    return packed
+
+
+def _to_load(model, optim, osd: dict, view: ModelView) -> dict:
+    settings = settings_of(model)
+    params, names, slots = param_names(optim, view)
     if settings.state_dict_type is StateDictType.FULL_STATE_DICT and settings.optim_state_dict_config.rank0_only:
-        osd = _from_rank0(osd, group, {n: slots[n] for n in names})
+        osd = _from_rank0(osd, view, {n: slots[n] for n in names})
     osd, problem = _pieces(osd)
-    problem = problem or _check(optim, osd, names, settings.state_dict_type, view)
-    agree(problem, group)
+    problem = problem or check(optim, osd, names, settings.state_dict_type, view)
+    agree.agree(problem, view.group, CheckpointError, view.record)
     state = osd.get("state", {})
     sharded = [(n, k) for n in names if n in state for k, v in state[n].items() if isinstance(v, ShardedPiece)]
     uncovered = [(n, k) for n, k in sharded if not _covers(state[n][k], slots[n])]
     exchanged = {}
-    if any(gather_json(bool(uncovered), group)):
-        keys = sorted({f"{n}\x00{k}" for n, k in (x for r in gather_json(sharded, group) for x in r)})
-        pieces = {key: state.get(key.split("\x00")[0], {}).get(key.split("\x00")[1]) for key in keys}
-        wanted = {key: _range(slots.get(key.split("\x00")[0])) for key in keys}
-        exchanged = exchange(pieces, wanted, group)
+    if any(agree.gather_json(bool(uncovered), view.group, view.record)):
+        everyone = agree.gather_json(sharded, view.group, view.record)
+        keys = sorted({(n, k) for r in everyone for n, k in r})
+        pieces = {(n, k): state.get(n, {}).get(k) for n, k in keys}
+        wanted = {(n, k): _range(slots.get(n)) for n, k in keys}
+        exchanged = exchange(pieces, wanted, view)
     packed = {}
     for i, (p, name) in enumerate(zip(params, names)):
         if name not in state:
             continue
         slot = slots[name]
         held = optim.state.get(p, {})
-        packed[i] = {k: _local_value(v, slot, exchanged.get(f"{name}\x00{k}"), settings.state_dict_type, k, held.get(k))
+        kind = settings.state_dict_type
+        packed[i] = {k: _local_value(v, slot, exchanged.get((name, k)), kind, k, held.get(k))
                      for k, v in state[name].items()}
-    return {"state": packed, "param_groups": _groups_to_load(optim, osd)}
+    return {"state": packed, "param_groups": groups_to_load(optim, osd)}
 
 
 def _pieces(osd) -> tuple[Any, Optional[str]]:
@@ -248,16 +279,16 @@ def _pieces(osd) -> tuple[Any, Optional[str]]:
     return {**osd, "state": state}, problem
 
 
-def _from_rank0(osd: Optional[dict], group, slots: dict) -> dict:
+def _from_rank0(osd: Optional[dict], view: ModelView, slots: dict) -> dict:
     """FULL with ``rank0_only``: rank 0 holds the state dict; the others receive its structure and, one
     tensor at a time (a broadcast each), the full tensors, keeping only their own range of each."""
-    rank0 = rank_in(group) == 0
+    group = view.group
+    rank0 = agree.rank_in(group) == 0
     shape = None
     if rank0:
         shape = {"param_groups": osd["param_groups"], "state": {n: {k: _shape_of(v) for k, v in keys.items()}
                                                                     for n, keys in osd["state"].items()}}
-    shape = gather_json(shape, group)[0]
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+    shape = agree.gather_json(shape, group, view.record)[0]
     state = {}
     for name, keys in shape["state"].items():
         out = {}
@@ -265,9 +296,13 @@ def _from_rank0(osd: Optional[dict], group, slots: dict) -> dict:
             if d["kind"] != "tensor":
                 out[k] = osd["state"][name][k] if rank0 else (scalar_tensor(d) if d["kind"] == "scalar" else d["value"])
                 continue
-            device = collective_device(group)
-            full = osd["state"][name][k].to(device).contiguous() if rank0 else torch.empty(d["shape"], dtype=getattr(torch, d["dtype"]), device=device)
-            dist.broadcast(full, src=src, group=group)
+            device = agree.collective_device(group)
+            if rank0:
+                full = osd["state"][name][k].to(device).contiguous()
+            else:
+                full = torch.empty(d["shape"], dtype=dtype_from(d["dtype"]), device=device)
+            if agree.world_of(group) > 1:
+                view.record(collectives.broadcast(full, 0, group))
             slot = slots.get(name)
             if slot is None:
                 out[k] = full
@@ -280,7 +315,7 @@ def _from_rank0(osd: Optional[dict], group, slots: dict) -> dict:
 
 def _shape_of(v) -> dict:
     if torch.is_tensor(v) and v.dim() > 0:
-        return {"kind": "tensor", "shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+        return {"kind": "tensor", "shape": list(v.shape), "dtype": dtype_name(v.dtype)}
     return describe(v, None, "", "") if torch.is_tensor(v) else {"kind": "value", "value": v}
 
 
@@ -316,7 +351,8 @@ def _per_element(v: torch.Tensor, slot, kind, key: str, held) -> bool:
     return key != "step"
 
 
-def _check(optim, osd: dict, names: list[str], kind, view) -> Optional[str]:
+def check(optim, osd: dict, names: list[str], kind: StateDictType, view: ModelView) -> Optional[str]:
+    """Why ``osd`` cannot load into ``optim`` (holding the parameters ``names``), or None."""
     if not isinstance(osd, dict) or "param_groups" not in osd or "state" not in osd:
         return ("the optimizer state dict has no 'state' and 'param_groups'; pass what "
                 "FullyShardedDataParallel.optim_state_dict(model, optim) returned")
@@ -344,7 +380,7 @@ def _check(optim, osd: dict, names: list[str], kind, view) -> Optional[str]:
     return None
 
 
-def _groups_to_load(optim, osd: dict) -> list[dict]:
+def groups_to_load(optim, osd: dict) -> list[dict]:
     """The saved hyperparameters with this optimizer's parameter indices (tuples kept as tuples)."""
     out, i = [], 0
     for g_saved, g_now in zip(osd["param_groups"], optim.param_groups):

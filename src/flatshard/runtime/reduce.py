@@ -6,27 +6,34 @@ unsharded flat's gradient to the reduce dtype and issues the reduce-scatter over
 shard across replicas when there are both (hybrid), divides by the data-parallel size and casts to
 the master dtype. The full-size gradient is released as soon as the reduce-scatter is done.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
-from flatshard import collectives
-from flatshard.mesh import ShardGroups
+from flatshard.runtime import collectives
+from flatshard.runtime.mesh import ShardGroups
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """What a unit's reduction needs to know about the unit."""
+
+    groups: ShardGroups
+    shard_numel: int
+    reduce_dtype: torch.dtype
+    label: str  # the unit's name, for profiler labels
 
 
 @dataclass
 class PendingReduction:
-    work: Optional[dist.Work]
+    work: Optional[Any]  # a Work (or a point-to-point exchange) still in flight, or None
     full: Optional[torch.Tensor]  # the gradient being reduced, kept alive until the collective is done
     out: torch.Tensor  # this rank's reduced shard (reduce dtype)
     all_reduce_after: bool  # hybrid: the shard still has to be all-reduced across replicas
-
-    def done(self) -> bool:
-        return self.work is None or self.work.is_completed()
 
     def nbytes(self) -> tuple[int, int]:
         """(full-size gradient bytes, reduced shard bytes) held now."""
@@ -34,33 +41,34 @@ class PendingReduction:
         return full, self.out.untyped_storage().nbytes()
 
 
-Record = Callable[[collectives.Collective, str], None]
+Record = Callable[[collectives.CollectiveResult, str], None]
 
 
-def start(grad: torch.Tensor, groups: ShardGroups, shard_numel: int, reduce_dtype: torch.dtype,
-          record: Record, label: str, async_op: bool, tag: int = 0) -> PendingReduction:
-    full = grad if grad.dtype == reduce_dtype else grad.to(reduce_dtype)
+def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: bool, tag: int = 0) -> PendingReduction:
+    groups = spec.groups
+    full = grad if grad.dtype == spec.reduce_dtype else grad.to(spec.reduce_dtype)
     if groups.shard_size > 1:
-        out = torch.empty(shard_numel, dtype=reduce_dtype, device=grad.device)
-        with torch.profiler.record_function(f"flatshard::reduce_scatter ({label})"):
+        out = torch.empty(spec.shard_numel, dtype=spec.reduce_dtype, device=grad.device)
+        with torch.profiler.record_function(f"flatshard::reduce_scatter ({spec.label})"):
             result = collectives.reduce_scatter(out, full, groups.shard_group, async_op=async_op, tag=tag)
         record(result, "shard")
         return PendingReduction(result.work, full, out, groups.replicate_size > 1)
     if groups.replicate_size > 1:
-        with torch.profiler.record_function(f"flatshard::all_reduce ({label})"):
+        with torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
             result = collectives.all_reduce(full, groups.replicate_group, async_op=async_op)
         record(result, "replicate")
         return PendingReduction(result.work, full, full, False)
     return PendingReduction(None, full, full, False)
 
 
-def finish(pending: PendingReduction, groups: ShardGroups, master_dtype: torch.dtype, record: Record, label: str) -> torch.Tensor:
+def finish(pending: PendingReduction, spec: ReduceSpec, master_dtype: torch.dtype, record: Record) -> torch.Tensor:
+    groups = spec.groups
     if pending.work is not None:
         pending.work.wait()
     pending.full = None
     out = pending.out
     if pending.all_reduce_after:
-        with torch.profiler.record_function(f"flatshard::all_reduce ({label})"):
+        with torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
             record(collectives.all_reduce(out, groups.replicate_group), "replicate")
     if groups.data_parallel_size > 1:
         out.div_(groups.data_parallel_size)

@@ -7,7 +7,8 @@ Each unit names five tensors, always with these words:
   * shard views    per original parameter, the slice of its flattened range inside this rank's flat
                    shard, as an ``nn.Parameter`` (1-D, maybe empty) under the original name. What
                    ``named_parameters()`` and the optimizer see; ``orig_shape`` holds the full shape.
-  * grad shard     S elements where reduced gradients land; each shard view's ``.grad`` views into it.
+  * grad shard     S elements where reduced gradients land; each shard view's ``.grad`` views into it
+                   (``Unit.grad_shard``).
   * unsharded flat F·S elements, filled by all-gather; its storage is freed on reshard and refilled
                    into the same tensor, so tensors autograd saved in forward are valid in backward.
   * compute views  the unsharded flat in the original shapes (one ``torch.split`` per pass, so
@@ -45,7 +46,6 @@ class FlatLayout:
     def __init__(self, infos: list[ParamInfo], shard_size: int):
         self.infos = infos
         self.total = sum(i.numel for i in infos)  # T
-        self.world = shard_size  # F
         self.shard_numel = math.ceil(self.total / shard_size) if self.total else 0  # S
         self.padded = self.shard_numel * shard_size  # F·S
         self.split_sizes = [i.numel for i in infos] + [self.padded - self.total]
@@ -81,7 +81,6 @@ def make_shard_views(layout: FlatLayout, flat_shard: torch.Tensor, rank: int) ->
     for info, (lo, hi) in zip(layout.infos, layout.local_slices(rank)):
         view = nn.Parameter(flat_shard[lo:hi], requires_grad=info.requires_grad)
         view.orig_shape = info.shape  # shard views are 1-D; the full shape stays readable
-        view.orig_numel = info.numel
         views.append(view)
     return views
 

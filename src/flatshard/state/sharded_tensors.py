@@ -1,7 +1,7 @@
 """SHARDED state-dict values: a rank's flat range of a parameter as a ``ShardedTensor`` of its full
 shape (made of boxes, for torch.distributed.checkpoint), and back to the flat piece (``ShardedPiece``)
-that state_dict.py and checkpoint_optim.py load from. No communication: every rank computes every
-shard rank's boxes from the unit's layout.
+that module.py and optim.py load from. No communication (but for 0-D parameters): every rank
+computes every shard rank's boxes from the unit's layout.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from torch.distributed._shard.sharded_tensor import (
     TensorProperties,
 )
 
-from flatshard.checkpoint_sync import collective_device
+from flatshard.runtime import collectives
+from flatshard.runtime.agree import Record, collective_device
 
 
 @dataclass(frozen=True)
@@ -100,18 +101,18 @@ def _empty_box(shape: list[int]) -> list[tuple[list[int], list[int]]]:
     return [(shape if math.prod(shape) else [0] * len(shape), [0] * len(shape))]
 
 
-def sharded_tensor(slot: Any, flat: torch.Tensor) -> Union[ShardedTensor, torch.Tensor]:
-    """``flat`` (this rank's elements [slot.start, slot.end) of the parameter, or of optimizer state
+def sharded_tensor(param: Any, flat: torch.Tensor, record: Record = None) -> Union[ShardedTensor, torch.Tensor]:
+    """``flat`` (this rank's elements [param.start, param.end) of the parameter, or of optimizer state
     shaped like it) as a ShardedTensor of the full shape; its local shards are views of ``flat``.
 
     A 0-D parameter is the exception: its one element lives on one shard rank, a 0-D tensor has no
     empty box for the others (_empty_box), and DCP cannot load a ShardedTensor into a rank without local
     shards; so it is a whole 0-D tensor on every rank, broadcast from the rank that holds it (DCP
     writes a tensor that every rank holds once)."""
-    shape, size, info = list(slot.info.shape), slot.unit.layout.shard_numel, slot.info
-    group, ranks = _shard_ranks(slot.unit)
+    shape, size, info = list(param.info.shape), param.unit.layout.shard_numel, param.info
+    group, ranks = _shard_ranks(param.unit)
     if not shape:
-        return _whole_scalar(slot, flat, group, ranks)
+        return _whole_scalar(param, flat, group, ranks, record)
     device = str(flat.device)
     metas, local = [], []
     for shard_rank, global_rank in enumerate(ranks):
@@ -121,21 +122,23 @@ def sharded_tensor(slot: Any, flat: torch.Tensor) -> Union[ShardedTensor, torch.
         for offsets, sizes in flat_range_boxes(start, end, shape) or _empty_box(shape):
             meta = ShardMetadata(offsets, sizes, f"rank:{global_rank}/{device}")
             metas.append(meta)
-            if shard_rank == slot.unit.groups.shard_rank:
-                a, b = box_flat_range(offsets, sizes, shape) if math.prod(sizes) else (slot.start, slot.start)
-                local.append(Shard(flat[a - slot.start : b - slot.start].view(sizes), meta))
+            if shard_rank == param.unit.groups.shard_rank:
+                a, b = box_flat_range(offsets, sizes, shape) if math.prod(sizes) else (param.start, param.start)
+                local.append(Shard(flat[a - param.start : b - param.start].view(sizes), meta))
     properties = TensorProperties(dtype=flat.dtype, requires_grad=False, pin_memory=flat.is_pinned())
     metadata = ShardedTensorMetadata(metas, torch.Size(shape), properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=group)
 
 
-def _whole_scalar(slot: Any, flat: torch.Tensor, group, ranks: list[int]) -> torch.Tensor:
-    owner = slot.info.offset // slot.unit.layout.shard_numel  # the shard rank holding the element
+def _whole_scalar(param: Any, flat: torch.Tensor, group, ranks: list[int], record: Record) -> torch.Tensor:
+    owner = param.info.offset // param.unit.layout.shard_numel  # the shard rank holding the element
     if len(ranks) == 1:
         return flat.reshape(())
     device = collective_device(group)
     value = flat.reshape(()).to(device) if flat.numel() else torch.zeros((), dtype=flat.dtype, device=device)
-    dist.broadcast(value, src=ranks[owner], group=group)
+    result = collectives.broadcast(value, owner, group)
+    if record is not None:
+        record(result)
     return value.to(flat.device)
 
 

@@ -12,7 +12,7 @@ from typing import Iterable, Optional
 
 from torch import nn
 
-from flatshard.flat_param import ParamInfo
+from flatshard.runtime.layout import ParamInfo
 
 
 class Placement:
@@ -85,7 +85,7 @@ class Placement:
 def check_no_tie_into_wrapped(placement: Placement, wrapped: Iterable[nn.Module]) -> None:
     """A parameter that a hand-wrapped unit already flattened must not be used outside that unit."""
     for inner in wrapped:
-        originals = getattr(inner, "_flattened_originals", {})  # id(param) -> weakref(param)
+        originals = inner._unit.originals  # id(param) -> weakref(param)
         for param, uses in placement.uses.items():
             ref = originals.get(id(param))
             if ref is not None and ref() is param:

@@ -19,12 +19,14 @@ import json
 import os
 import struct
 import zlib
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from flatshard.checkpoint_sync import CheckpointError
+from flatshard.api import CheckpointError
 
+MANIFEST = "manifest.json"
+FORMAT, FORMAT_VERSION = "flatshard-checkpoint", 1
 BLOCK = 1 << 22  # 4 MiB
 DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -35,12 +37,8 @@ BY_NAME = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 1 << 28
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def dtype_from(name: str) -> torch.dtype:
-    return getattr(torch, name)
+def shard_file(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
 
 
 def fsync_dir(path: str) -> None:
@@ -112,8 +110,8 @@ class ShardReader:
     """Read byte ranges of tensors from one safetensors file, checking sizes, header and block CRCs
     against the manifest's ``record`` for the file (None: no checks beyond the header)."""
 
-    def __init__(self, path: str, record: Optional[dict] = None, label: Optional[str] = None):
-        self.path, self.record, self.label = path, record, label or path
+    def __init__(self, path: str, record: Optional[dict] = None):
+        self.path, self.record, self.label = path, record, path
         if not os.path.exists(path):
             raise CheckpointError(
                 f"shard file {self.label} is missing: the checkpoint is incomplete; restore the file or load an earlier checkpoint"
@@ -235,7 +233,7 @@ def sha256_of(path: str, chunk: int = BLOCK) -> str:
     return h.hexdigest()
 
 
-def write_json_atomic(path: str, obj, hook: Optional[Callable[[str], None]] = None) -> None:
+def write_json_atomic(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=False)

@@ -22,6 +22,7 @@ logger = logging.getLogger("flatshard")
 
 
 def auto_sharding_factor(
+    *,
     strategy: ShardingStrategy,
     unit_sizes: list[int],
     root_size: int,
@@ -44,8 +45,7 @@ def auto_sharding_factor(
         optimizer=optimizer,
         param_tensors=param_tensors,
     )
-    reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-    factor, why = choose_sharding_factor(inputs, reshard_after_forward=reshard)
+    factor, why = choose_sharding_factor(inputs, reshard_after_forward=strategy.reshard_after_forward)
     if why.startswith("nothing fits"):
         raise ValueError(
             f'sharding_factor="auto": {why}. Give a larger memory_budget, more ranks, or smaller units; or pass '

@@ -16,9 +16,10 @@ import sys
 import torch
 from safetensors import safe_open
 
-from flatshard.checkpoint import read_manifest
-from flatshard.checkpoint_format import ShardReader, ShardWriter, dtype_from, fsync_dir, sha256_of
-from flatshard.checkpoint_sync import CheckpointError
+from flatshard.api import CheckpointError
+from flatshard.checkpoint.format import ShardReader, ShardWriter, fsync_dir, sha256_of
+from flatshard.checkpoint.load import read_manifest
+from flatshard.state.model_view import dtype_from
 
 
 def consolidate(ckpt: str, out: str, *, verbose: bool = False) -> dict:
@@ -40,7 +41,7 @@ def consolidate(ckpt: str, out: str, *, verbose: bool = False) -> dict:
             for name, a, b in entry["pieces"]:
                 if name not in readers:
                     path = os.path.join(ckpt, name)
-                    readers[name] = ShardReader(path, manifest["files"][name], path)
+                    readers[name] = ShardReader(path, manifest["files"][name])
                 readers[name].read_into(tensor_of[key], 0, full[a:b])
             writer.write(key, full)
             largest = max(largest, full.numel() * full.element_size())
@@ -92,7 +93,7 @@ def _verify(ckpt: str, manifest: dict) -> list[str]:
             problems.append(f"{name}: checksum mismatch (SHA-256 of the file differs from the manifest's)")
             continue
         try:
-            with ShardReader(path, rec, path) as reader:
+            with ShardReader(path, rec) as reader:
                 for key in rec["blocks"]:
                     reader.read(key)
             with safe_open(path, framework="pt") as f:  # the reference reader agrees that it is safetensors

@@ -19,13 +19,11 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from flatshard.api import ShardingStrategy
-
-HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-
 
 @dataclass(frozen=True)
 class ShardGroups:
@@ -35,11 +33,17 @@ class ShardGroups:
     shard_rank: int
     replicate_size: int  # R
     process_group: ProcessGroup  # all ranks that train this model together (F·R of them)
+    replicate_rank: int = 0  # which replica this rank belongs to
 
     @property
     def data_parallel_size(self) -> int:
         """How many ranks see different data: gradients are summed over them and divided by this."""
         return self.shard_size * self.replicate_size
+
+
+def device_of(device_id) -> torch.device:
+    """FSDP's ``device_id``: an int is a CUDA device index; a string or ``torch.device`` is itself."""
+    return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
 
 
 def require_initialized() -> None:
@@ -84,7 +88,7 @@ def _factor(strategy: ShardingStrategy, sharding_factor, world: int) -> int:
     if sharding_factor is None:
         if strategy is ShardingStrategy.NO_SHARD:
             return 1
-        if strategy in HYBRID:
+        if strategy.is_hybrid:
             return _node_size(strategy, world)
         return world
     if isinstance(sharding_factor, bool) or not isinstance(sharding_factor, int):
@@ -142,11 +146,11 @@ def _split(group: ProcessGroup, world: int, factor: int) -> ShardGroups:
         shard_group = group
     elif factor == 1 and world > 1:
         replicate_group = group
-    return ShardGroups(shard_group, replicate_group, factor, me % factor, replicas, group)
+    return ShardGroups(shard_group, replicate_group, factor, me % factor, replicas, group, me // factor)
 
 
 def _from_pair(strategy: ShardingStrategy, pair: tuple) -> ShardGroups:
-    if strategy not in HYBRID:
+    if not strategy.is_hybrid:
         raise ValueError(
             f"process_group=(shard_group, replicate_group) is for HYBRID_SHARD or _HYBRID_SHARD_ZERO2, not {strategy.name}"
         )
@@ -157,7 +161,7 @@ def _from_pair(strategy: ShardingStrategy, pair: tuple) -> ShardGroups:
 
 
 def _from_mesh(strategy: ShardingStrategy, mesh) -> ShardGroups:
-    if strategy not in HYBRID:
+    if not strategy.is_hybrid:
         raise ValueError(
             f"a 2-D device_mesh (replicate, shard) is for HYBRID_SHARD or _HYBRID_SHARD_ZERO2, not {strategy.name}; "
             "pass a 1-D mesh for FULL_SHARD / SHARD_GRAD_OP / NO_SHARD"
@@ -175,5 +179,6 @@ def _checked(shard: ProcessGroup, replicate: ProcessGroup, world_group: ProcessG
             "cover every rank exactly once."
         )
     return ShardGroups(
-        shard if F > 1 else None, replicate if R > 1 else None, F, dist.get_rank(shard), R, world_group
+        shard if F > 1 else None, replicate if R > 1 else None, F, dist.get_rank(shard), R, world_group,
+        dist.get_rank(replicate),
     )

@@ -1,0 +1,219 @@
+"""Loading a checkpoint (save.py has the format): into any world size, sharding factor or strategy.
+
+Loading reads, for each parameter and optimizer state this rank holds in the *current* layout, the
+byte ranges that hold its elements, from whichever files hold them; it stages them (at most this
+rank's share of the model), agrees with the other ranks that every read succeeded, and only then
+copies them in. RNG states are restored when the world size is the one saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from flatshard.api import CheckpointError, StateDictType
+from flatshard.checkpoint.format import FORMAT, FORMAT_VERSION, MANIFEST, ShardReader, shard_file
+from flatshard.checkpoint.save import wait_pending
+from flatshard.runtime.agree import rank_in, run_agreed, world_of
+from flatshard.runtime.hooks import traced
+from flatshard.runtime.schedule import Phase
+from flatshard.state.model_view import EntryKind, ModelView, dtype_from, model_view
+from flatshard.state.module import copy_into_model
+from flatshard.state.optim import check, groups_to_load, param_names, scalar_tensor
+
+
+class Loaded(NamedTuple):
+    step: Optional[int]
+    extra: Any
+
+
+def load(path, model, optimizer=None, *, strict: bool = True, rng: bool = True) -> Loaded:
+    """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``), whatever world size, sharding
+    factor or strategy it was saved with. Collective. Returns ``(step, extra)``. With ``rng`` and the
+    same world size, every rank's RNG states (torch, CUDA, numpy, random) are restored too."""
+    path = os.path.abspath(os.fspath(path))
+    wait_pending(model)
+    view = model_view(model)
+    with traced("checkpoint.load"), view.phase(Phase.CHECKPOINT):
+        return _load(path, view, optimizer, strict, rng)
+
+
+def _load(path: str, view: ModelView, optimizer, strict: bool, rng: bool) -> Loaded:
+    group, record = view.group, view.record
+    manifest = run_agreed(lambda: read_manifest(path), group, record=record)
+    run_agreed(lambda: _check_model(path, manifest, view, optimizer, strict), group, record=record)
+    with_rng = rng and manifest["world_size"] == world_of(group)
+    staged = run_agreed(lambda: _read_all(path, manifest, view, optimizer, with_rng), group, record=record)
+    copy_into_model(view, staged.params, staged.plain)
+    if optimizer is not None:
+        optimizer.load_state_dict(staged.optim)
+    if staged.rng is not None:
+        _restore_rng(*staged.rng)
+    return Loaded(manifest.get("step"), manifest.get("extra"))
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of the checkpoint at ``path``, with its files present and of the recorded sizes."""
+    if not os.path.isdir(path):
+        hint = ""
+        if os.path.isdir(path + ".partial"):
+            hint = f"; {path}.partial holds a save that never finished (it is not loadable; the next save removes it)"
+        if os.path.isdir(path + ".replaced"):
+            hint += f"; {path}.replaced holds the checkpoint that a save was replacing when it stopped"
+        raise CheckpointError(f"no checkpoint at {path}{hint}")
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.exists(mpath):
+        raise CheckpointError(f"{path} has no {MANIFEST}: the checkpoint is incomplete or not a flatshard checkpoint; "
+                              "load an earlier checkpoint")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except ValueError as exc:
+        raise CheckpointError(f"{mpath} is not valid JSON ({exc}): the manifest is corrupt; load an earlier checkpoint") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath} is not a flatshard checkpoint manifest")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {manifest['format_version']}; this flatshard reads up to "
+                              f"{FORMAT_VERSION}: upgrade flatshard")
+    for name, rec in manifest["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise CheckpointError(f"shard file {file} is missing: the checkpoint is incomplete; restore the file or load "
+                                  "an earlier checkpoint")
+        if os.path.getsize(file) != rec["bytes"]:
+            raise CheckpointError(f"shard file {file} is truncated or altered: {os.path.getsize(file)} bytes on disk, the "
+                                  f"manifest records {rec['bytes']}; restore the file or load an earlier checkpoint")
+    return manifest
+
+
+def _check_model(path: str, manifest: dict, view, optimizer, strict: bool) -> None:
+    saved = manifest["model"]["keys"]
+    names = view.names()
+    missing = [n for n in names if n not in set(saved)]
+    unexpected = [n for n in saved if n not in set(names)]
+    if strict and (missing or unexpected):
+        parts = [f"the model's {_listed(missing)} not in the checkpoint"] if missing else []
+        parts += [f"the checkpoint's {_listed(unexpected)} not in the model"] if unexpected else []
+        raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(parts)}. Load it into the model "
+                              "it was saved from, or pass strict=False to load the names both have")
+    for kind, name, obj in view.entries:
+        if kind is EntryKind.EXTRA or name not in saved:
+            continue
+        want = tuple(obj.info.shape if kind is EntryKind.PARAM else obj.shape)
+        got = tuple(manifest["tensors"][manifest["model"]["tensor_of"][name]]["shape"])
+        if got != want:
+            raise CheckpointError(f"checkpoint {path} holds {name} with shape {got}, the model has {want}: not the same model")
+    if optimizer is not None and manifest.get("optim") is None:
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state; call load without optimizer=, or save with it")
+
+
+def _listed(names: list[str], most: int = 6) -> str:
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+class _Files:
+    """Shard readers opened on first use, checked against the manifest's records."""
+
+    def __init__(self, path: str, manifest: dict):
+        self.path, self.manifest, self.open = path, manifest, {}
+
+    def reader(self, name: str) -> ShardReader:
+        if name not in self.open:
+            self.open[name] = ShardReader(os.path.join(self.path, name), self.manifest["files"][name])
+        return self.open[name]
+
+    def fetch(self, key: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of the flattened tensor ``key``, from the files that hold them."""
+        entry = self.manifest["tensors"][key]
+        out = torch.empty(b - a, dtype=dtype_from(entry["dtype"]))
+        for name, start, end in entry["pieces"]:
+            lo, hi = max(a, start), min(b, end)
+            if hi > lo:
+                self.reader(name).read_into(key, lo - start, out[lo - a : hi - a])
+        return out
+
+    def close(self) -> None:
+        for r in self.open.values():
+            r.close()
+
+
+class Staged(NamedTuple):
+    """What a load read, before anything is copied in."""
+
+    params: dict[int, torch.Tensor]  # id(LocalParam) -> this rank's elements
+    plain: dict[str, Any]  # buffers, unmanaged parameters, extra state, by name
+    optim: Optional[dict]  # what optimizer.load_state_dict takes
+    rng: Optional[tuple[dict, dict]]
+
+
+def _read_all(path: str, manifest: dict, view: ModelView, optimizer, with_rng: bool) -> Staged:
+    files = _Files(path, manifest)
+    try:
+        tensor_of = manifest["model"]["tensor_of"]
+        params = {id(s): files.fetch(next(tensor_of[n] for n in s.names if n in tensor_of), s.start, s.end)
+                  for s in view.params if any(n in tensor_of for n in s.names)}
+        plain = {}
+        for kind, name, obj in view.entries:
+            if kind is EntryKind.EXTRA and name in manifest["model"]["extra_state"]:
+                plain[name] = manifest["model"]["extra_state"][name]
+            elif kind in (EntryKind.UNMANAGED, EntryKind.BUFFER) and name in tensor_of:
+                plain[name] = files.fetch(tensor_of[name], 0, obj.numel()).view(obj.shape)
+        optim_sd = _read_optim(files, manifest, view, optimizer) if optimizer is not None else None
+        rng_state = _read_rng(files, manifest, rank_in(view.group)) if with_rng else None
+        return Staged(params, plain, optim_sd, rng_state)
+    finally:
+        files.close()
+
+
+def _read_optim(files: _Files, manifest: dict, view: ModelView, optimizer) -> dict:
+    params, names, slots = param_names(optimizer, view)
+    saved = {"state": manifest["optim"]["state"], "param_groups": manifest["optim"]["param_groups"]}
+    problem = check(optimizer, saved, names, StateDictType.FULL_STATE_DICT, view)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {files.path}: {problem}")
+    packed = {}
+    for i, (p, name) in enumerate(zip(params, names)):
+        if name not in saved["state"]:
+            continue
+        slot, state = slots[name], {}
+        for k, d in saved["state"][name].items():
+            if d["kind"] == "piece":
+                key = f"optim/{name}/{k}"
+                if slot is not None:
+                    state[k] = files.fetch(key, slot.start, slot.end)
+                else:
+                    shape = manifest["tensors"][key]["shape"]
+                    state[k] = files.fetch(key, 0, int(torch.Size(shape).numel())).view(shape)
+            elif d["kind"] == "scalar":
+                state[k] = scalar_tensor(d)
+            else:
+                state[k] = d["value"]
+        packed[i] = state
+    return {"state": packed, "param_groups": groups_to_load(optimizer, saved)}
+
+
+def _read_rng(files: _Files, manifest: dict, rank: int):
+    name = shard_file(rank, manifest["world_size"])
+    reader = files.reader(name)
+    meta = json.loads(reader.metadata.get("rng", "null"))
+    tensors = {k: reader.read(k) for k in reader.header if k.startswith("rng/")}
+    return tensors, meta
+
+
+def _restore_rng(tensors: dict, meta: dict) -> None:
+    torch.set_rng_state(tensors["rng/torch"])
+    cuda = sorted((k for k in tensors if k.startswith("rng/cuda/")), key=lambda k: int(k.rsplit("/", 1)[1]))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
+    if meta:
+        version, state, gauss = meta["python"]
+        random.setstate((version, tuple(state), gauss))
+        name, pos, has_gauss, cached = meta["numpy"]
+        np.random.set_state((name, tensors["rng/numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+

@@ -1,0 +1,340 @@
+"""Checkpoints on disk: one safetensors file per rank and a JSON manifest; atomic, verified, pickle-free,
+and loadable at any world size, sharding factor or strategy.
+
+    flatshard.checkpoint.save("ckpt/step_100", model, opt, step=100, extra={"lr": 3e-4})
+    handle = flatshard.checkpoint.save("ckpt/step_200", model, opt, step=200, async_save=True); handle.wait()
+    step, extra = flatshard.checkpoint.load("ckpt/step_200", model, opt)
+
+A checkpoint directory holds ``rank-RRRRR-of-WWWWW.safetensors`` per rank and ``manifest.json``
+(written last): every tensor's name, shape, dtype and the flat ranges [start, end) each file holds,
+the layout it was saved from, each file's size and checksums ([Note: checksums],
+format.py), step, extra and the flatshard version. Each rank writes only its own pieces
+(the ranks of the first replica write parameters and optimizer state; global rank 0 adds buffers;
+every rank adds its RNG states).
+
+[Note: atomic commit]
+Ranks write into ``PATH.partial``; each fsyncs its file; rank 0 gathers every rank's record, writes
+the manifest, fsyncs, and renames the directory to ``PATH`` (an old ``PATH`` is first renamed to
+``PATH.replaced`` and removed after). ``load`` reads only a directory named ``PATH`` that has a
+manifest, so a save killed at any point leaves either the previous checkpoint or nothing that
+loads; an unfinished ``PATH.partial`` is named in the error and removed by the next save.
+
+Loading (load.py) reads, for each parameter and optimizer state this rank holds in the *current*
+layout, the byte ranges that hold its elements. Collectives are recorded under the ``checkpoint`` phase.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from flatshard import __version__
+from flatshard.api import CheckpointError
+from flatshard.checkpoint.format import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, fsync_dir, shard_file
+from flatshard.checkpoint.format import write_json_atomic
+from flatshard.runtime.agree import agree, gather_json, rank_in, run_agreed, world_of
+from flatshard.runtime.hooks import traced
+from flatshard.runtime.schedule import Phase
+from flatshard.runtime.tree import UnitHost, unit_hosts
+from flatshard.state.model_view import EntryKind, ModelView, dtype_name, model_view
+from flatshard.state.optim import local_state, merged_meta
+
+
+def _reached(stage: str) -> None:
+    """Called as a save passes ``"writing"`` (halfway through this rank's file) and, on rank 0,
+    ``"before_commit"`` (manifest written, not yet renamed); tests patch it to stop a save there."""
+
+
+@dataclass
+class SavePlan:
+    """What one rank writes, and what rank 0 needs for the manifest."""
+
+    path: str
+    rank: int
+    world: int
+    items: list = field(default_factory=list)  # (key, full shape, dtype, start, end, 1-D tensor)
+    rng: list = field(default_factory=list)  # (key, tensor)
+    rng_meta: dict = field(default_factory=dict)
+    head: dict = field(default_factory=dict)  # manifest fields known before writing (rank 0)
+
+    @property
+    def partial(self) -> str:
+        return self.path + ".partial"
+
+    @property
+    def file(self) -> str:
+        return shard_file(self.rank, self.world)
+
+    def snapshot(self) -> None:
+        """Copy every tensor this rank writes off the training path (host memory, one copy of its share)."""
+        self.items = [(k, s, d, a, b, t.detach().to("cpu", copy=True)) for k, s, d, a, b, t in self.items]
+        self.rng = [(k, t.to("cpu", copy=True)) for k, t in self.rng]
+
+
+def _host(view: ModelView) -> Optional[UnitHost]:
+    """The host that keeps the model's save state (its first unit's), if the model has units."""
+    return view.hosts[0][1] if view.hosts else None
+
+
+class AsyncSave:
+    """The handle ``save(..., async_save=True)`` returns: ``wait()`` blocks until the checkpoint is
+    committed on every rank (returns its path) or raises the save's error; ``done()`` polls."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: Optional[float] = None) -> str:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the asynchronous save to {self.path} is still running after {timeout}s")
+        if self._error is not None:
+            raise CheckpointError(str(self._error)) from self._error
+        return self.path
+
+
+def save(path, model, optimizer=None, step: Optional[int] = None, extra: Any = None,
+         async_save: bool = False) -> Optional[AsyncSave]:
+    """Save ``model`` (and ``optimizer``'s state, ``step``, JSON-serialisable ``extra``, this rank's RNG
+    states) to the directory ``path``. Collective: every rank of the model's process group calls it.
+
+    With ``async_save=True`` the tensors are first copied to host memory and the writing and commit
+    run in a background thread on a separate gloo group; the returned ``AsyncSave`` says when it is
+    committed. A later ``save`` or ``load`` of the same model waits for it first."""
+    path = os.path.abspath(os.fspath(path))
+    wait_pending(model)
+    view = model_view(model)
+    with traced("checkpoint.save"), view.phase(Phase.CHECKPOINT):
+        return _save(path, model, view, optimizer, step, extra, async_save)
+
+
+def _save(path: str, model, view: ModelView, optimizer, step, extra, async_save: bool) -> Optional[AsyncSave]:
+    group, record = view.group, view.record
+    plan = run_agreed(lambda: _prepare(path, view, optimizer, step, extra), group, record=record)
+    if optimizer is not None:
+        plan.head["optim"]["state"] = _manifest_optim(merged_meta(plan.head.pop("optim_meta"), view))
+    _fresh_partial(plan, group, record)
+    if not async_save:
+        _write_and_commit(plan, group, record)
+        return None
+    plan.snapshot()
+    handle = AsyncSave(path)
+    host = _host(view)
+    cgroup = _checkpoint_group(host, group)
+    ctx = view.ctx
+
+    def background_record(result) -> None:  # recorded as checkpoint traffic whatever the trainer does meanwhile
+        if ctx is not None:
+            ctx.record(result, "world", "<model>", phase=Phase.CHECKPOINT)
+
+    def run() -> None:
+        try:
+            _write_and_commit(plan, cgroup, background_record)
+        except Exception as exc:  # noqa: BLE001 - handed to wait()
+            handle._error = exc
+
+    handle._thread = threading.Thread(target=run, name=f"flatshard-save {path}", daemon=True)
+    if host is not None:
+        host.pending_save = handle
+    handle._thread.start()
+    return handle
+
+
+def wait_pending(model) -> None:
+    """Wait for the model's asynchronous save in flight, if any (``save`` and ``load`` call it first)."""
+    hosts = unit_hosts(model)
+    host = hosts[0] if hosts else None
+    if host is not None and host.pending_save is not None:
+        handle, host.pending_save = host.pending_save, None
+        handle.wait()
+
+
+def _checkpoint_group(host: Optional[UnitHost], group):
+    """A gloo group of the model's ranks for the background commit (never the training group)."""
+    if world_of(group) == 1 or host is None:
+        return group
+    if host.checkpoint_group is None:
+        ranks = dist.get_process_group_ranks(group)
+        host.checkpoint_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return host.checkpoint_group
+
+
+def _prepare(path: str, view: ModelView, optimizer, step, extra) -> SavePlan:
+    group = view.group
+    plan = SavePlan(path, rank_in(group), world_of(group))
+    _json_check(step, "step")
+    _json_check(extra, "extra")
+    groups = view.units[0].groups if view.units else None
+    replica0 = groups is None or groups.replicate_size == 1 or dist.get_rank(groups.replicate_group) == 0
+    tensor_of, extra_state = {}, {}
+    for p in view.params:
+        if replica0 and p.end > p.start:
+            plan.items.append(("model/" + p.fqn, list(p.info.shape), p.view.dtype, p.start, p.end, p.view.detach()))
+    for kind, name, obj in view.entries:
+        if kind is EntryKind.PARAM:
+            tensor_of[name] = "model/" + obj.fqn
+        elif kind is EntryKind.EXTRA:
+            extra_state[name] = _json_check(obj.get_extra_state(), f"extra state of {name}")
+        else:
+            tensor_of[name] = "model/" + name
+            if plan.rank == 0:
+                plan.items.append(("model/" + name, list(obj.shape), obj.dtype, 0, obj.numel(), obj.detach().reshape(-1)))
+    plan.head = {
+        "step": step, "extra": extra, "world_size": plan.world, "layout": _layout(view),
+        "model": {"keys": view.names(), "tensor_of": tensor_of, "extra_state": extra_state}, "optim": None,
+    }
+    if optimizer is not None:
+        _optim_items(plan, view, optimizer, replica0)
+    plan.rng, plan.rng_meta = _rng_state()
+    return plan
+
+
+def _optim_items(plan: SavePlan, view: ModelView, optimizer, replica0: bool) -> None:
+    local = local_state(optimizer, view)
+    for fqn, keys in local.values.items():
+        param = local.params[fqn]
+        for k, v in keys.items():
+            d = local.meta[fqn][k]
+            key = f"optim/{fqn}/{k}"
+            if d["kind"] == "piece" and replica0 and param.end > param.start:
+                plan.items.append((key, list(param.info.shape), v.dtype, param.start, param.end, v.detach().reshape(-1)))
+            elif d["kind"] == "whole" and plan.rank == 0:
+                plan.items.append((key, list(v.shape), v.dtype, 0, v.numel(), v.detach().reshape(-1)))
+    plan.head["optim"] = {"param_groups": local.groups}
+    plan.head["optim_meta"] = local.meta
+
+
+def _manifest_optim(meta: dict) -> dict:
+    return {fqn: {k: ({"kind": "piece", "dtype": d["dtype"]} if d["kind"] in ("piece", "whole") else d)
+                  for k, d in keys.items()} for fqn, keys in meta.items()}
+
+
+def _json_check(value: Any, what: str) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{what} must be JSON-serialisable (numbers, strings, lists, dicts): {exc}") from None
+    return value
+
+
+def _layout(view: ModelView) -> dict:
+    units = view.units
+    g = units[0].groups if units else None
+    strategy = units[0].strategy if units else None
+    return {
+        "strategy": strategy.name if strategy is not None else None,
+        "shard_size": g.shard_size if g else 1, "replicate_size": g.replicate_size if g else 1,
+        "units": [{"name": u.name, "total": u.layout.total, "shard_numel": u.layout.shard_numel,
+                   "params": [i.name for i in u.layout.infos]} for u in units],
+    }
+
+
+def _rng_state() -> tuple[list, dict]:
+    tensors = [("rng/torch", torch.get_rng_state())]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors += [(f"rng/cuda/{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors.append(("rng/numpy", torch.from_numpy(keys.astype(np.int64))))
+    version, state, gauss = random.getstate()
+    meta = {"python": [version, list(state), gauss], "numpy": [name, int(pos), int(has_gauss), float(cached)]}
+    return tensors, meta
+
+
+def _fresh_partial(plan: SavePlan, group, record) -> None:
+    """Rank 0 removes a stale ``PATH.partial`` and creates an empty one; the others wait for it."""
+    message = None
+    if plan.rank == 0:
+        try:
+            if os.path.exists(plan.partial):
+                shutil.rmtree(plan.partial)
+            os.makedirs(plan.partial)
+        except OSError as exc:
+            message = f"cannot create {plan.partial}: {exc}; check that the directory is writable"
+    agree(message, group, record=record)
+
+
+def _write_and_commit(plan: SavePlan, group, record) -> None:
+    file_record, message = None, None
+    try:
+        file_record = _write_file(plan)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+        message = f"writing {os.path.join(plan.partial, plan.file)} failed: {exc}"
+    records = gather_json({"record": file_record, "error": message}, group, record)
+    agree(next((r["error"] for r in records if r["error"]), None), group, record=record)
+    message = None
+    if plan.rank == 0:
+        try:
+            write_json_atomic(os.path.join(plan.partial, MANIFEST), _manifest(plan, [r["record"] for r in records]))
+            fsync_dir(plan.partial)
+            _reached("before_commit")
+            _commit(plan.partial, plan.path)
+        except Exception as exc:  # noqa: BLE001
+            message = f"committing the checkpoint {plan.path} failed: {exc}"
+    agree(message, group, record=record)
+
+
+def _write_file(plan: SavePlan) -> dict:
+    items = plan.items + [(k, list(t.shape), t.dtype, 0, t.numel(), t) for k, t in plan.rng]
+    metadata = {"format": "pt", "flatshard": f"rank {plan.rank} of {plan.world}", "rng": json.dumps(plan.rng_meta)}
+    writer = ShardWriter(os.path.join(plan.partial, plan.file), [(k, d, [b - a]) for k, _, d, a, b, _ in items], metadata)
+    for i, (key, _, _, _, _, tensor) in enumerate(items):
+        writer.write(key, tensor)
+        if i == len(items) // 2:
+            _reached("writing")
+    record = writer.close()
+    record["pieces"] = {k: [a, b, shape, dtype_name(d)] for k, shape, d, a, b, _ in plan.items}
+    return record
+
+
+def _manifest(plan: SavePlan, records: list[dict]) -> dict:
+    tensors: dict[str, dict] = {}
+    files = {}
+    for rank, rec in enumerate(records):
+        name = shard_file(rank, plan.world)
+        for key, (a, b, shape, dtype) in rec.pop("pieces").items():
+            entry = tensors.setdefault(key, {"shape": shape, "dtype": dtype, "pieces": []})
+            entry["pieces"].append([name, a, b])
+        files[name] = dict(rec, rank=rank)
+    for key, entry in tensors.items():
+        entry["pieces"].sort(key=lambda p: p[1])
+        _check_cover(key, entry)
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "flatshard_version": __version__,
+        "torch_version": torch.__version__, **plan.head, "tensors": tensors, "files": files,
+    }
+
+
+def _check_cover(key: str, entry: dict) -> None:
+    numel = int(torch.Size(entry["shape"]).numel())
+    at = 0
+    for _, a, b in entry["pieces"]:
+        if a > at:
+            break
+        at = max(at, b)
+    if at < numel:
+        raise CheckpointError(f"internal: the pieces of {key} cover only [0, {at}) of {numel} elements")
+
+
+def _commit(partial: str, path: str) -> None:
+    old = path + ".replaced"
+    if os.path.exists(path):
+        if os.path.exists(old):
+            shutil.rmtree(old)
+        os.rename(path, old)
+    os.rename(partial, path)
+    fsync_dir(os.path.dirname(path) or ".")
+    if os.path.exists(old):
+        shutil.rmtree(old)

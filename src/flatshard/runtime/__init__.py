@@ -1,0 +1,52 @@
+"""The engine: units, their flat layout, collectives, hooks, construction. Imports nothing above it
+(no front end, no state dicts, no checkpoints); tests/test_layering.py holds it to that.
+
+One step of one unit (FULL_SHARD), each step as file:function
+-------------------------------------------------------------
+Construction (once)
+  build.py:build_units          ignored states, devices, wrap policy (wrap.py:select_units), placement
+                                (placement.py:Placement), sharding factor (autoshard.py), groups (mesh.py)
+  build.py:build_unit           flatten (layout.py:FlatLayout.flatten), keep the flat shard (unit.py:Unit)
+  hooks.py:register_post_backward   the unsharded flat's post-accumulate-grad hook
+  build.py:become_root          one run context (schedule.py:RunContext) for every unit under the root
+Forward
+  hooks.py:forward              the front end's forward: cast inputs, RunContext.begin_forward (root)
+  hooks.py:pre_forward          unit.py:Unit.unshard -> collectives.py:all_gather (gloo_exchange.py on CPU);
+                                Unit.use_compute_views (layout.py:make_compute_views, set_views_on_modules);
+                                RunContext.record_forward, RunContext.prefetch_forward
+  hooks.py:post_forward         Unit.use_shard_views; Unit.reshard unless the root (or SHARD_GRAD_OP)
+  hooks.py:register_pre_backward  a tensor hook on every output; RunContext.end_forward (root)
+Backward
+  hooks.py:pre_backward         hooks.py:begin_backward (queues end_of_backward once); Unit.unshard;
+                                RunContext.prefetch_backward (BACKWARD_PRE)
+  hooks.py:_on_split_backward   Unit.reshard before the flat gradient is joined
+  hooks.py:post_backward        RunContext.settle_reductions; Unit.start_reduction -> reduce.py:start ->
+                                collectives.py:reduce_scatter; Unit.reshard; Unit.finish_reduction ->
+                                reduce.py:finish (all-reduce across replicas, divide) -> Unit._expose_grads
+  hooks.py:end_of_backward      RunContext.end_of_backward: reductions in flight, Unit.finish_backward
+Between steps
+  the optimizer steps the shard views locally; grad.py:clip_grad_norm_ (one all-reduce), grad.py:no_sync;
+  summon.py:summon (Unit.gather_full); agree.py (checks every rank ends alike)
+
+Index of every [Note: ...] in the package
+-----------------------------------------
+  flatshard tensors ............... runtime/layout.py
+  precision of a unit's tensors ... runtime/precision.py
+  reductions in flight ............ runtime/schedule.py
+  prefetch ........................ runtime/schedule.py
+  exchange tags ................... runtime/gloo_exchange.py
+  recomputation in backward ....... runtime/hooks.py
+  free before the flat gradient ... runtime/hooks.py
+  deferred initialisation ......... runtime/deferred.py
+  equal errors .................... runtime/agree.py
+  nested wrappers ................. fsdp.py
+  flat ranges as boxes ............ state/sharded_tensors.py
+  loading through a plain parent .. state/module.py
+  atomic commit ................... checkpoint/save.py
+  checksums ....................... checkpoint/format.py
+  bf16-mixed accounting ........... planner/inputs.py
+  planner memory model ............ planner/memory.py
+  planner communication model ..... planner/comm.py
+  planner CPU offload model ....... planner/offload.py
+  planner units ................... planner/quantities.py
+"""

@@ -1,0 +1,265 @@
+"""Construction: from a module and the options of one wrap call to built units.
+
+``build_units`` runs the pipeline every front end shares: the ignored states, the devices, which
+modules become units (the wrap policy), which unit owns which parameter (placement.py), the sharding
+factor (``"auto"``: autoshard.py), the groups (mesh.py), then one ``Unit`` per chosen module, eagerly
+or interleaved with deferred initialisation (deferred.py). Each nested unit gets a host from the
+front end's ``make_host`` and takes its module's place in its parents. ``become_root`` then hands one
+run context to every unit under the front end's root host (including units wrapped earlier by hand)
+and names them by their path. Nothing here imports a front end.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
+from flatshard.runtime import collectives, deferred, hooks, precision
+from flatshard.runtime.autoshard import auto_sharding_factor
+from flatshard.runtime.layout import FlatLayout, ParamInfo
+from flatshard.runtime.mesh import ShardGroups, device_of, require_initialized, resolve_groups
+from flatshard.runtime.placement import Placement, check_no_tie_into_wrapped
+from flatshard.runtime.schedule import RunContext, ScheduleConfig
+from flatshard.runtime.tree import UnitHost, clean_name, unit_hosts
+from flatshard.runtime.unit import Unit
+from flatshard.wrap import select_units
+
+MakeHost = Callable[[nn.Module, Unit], nn.Module]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What one wrap call asks for, in engine terms (the front ends translate their keywords)."""
+
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    process_group: Any = None  # a group, or (shard_group, replicate_group) for hybrid strategies
+    device_mesh: Any = None
+    sharding_factor: Union[int, str, None] = None
+    memory_budget: Optional[int] = None
+    auto_wrap_policy: Optional[Callable] = None
+    ignored_modules: Any = None
+    ignored_states: Any = None
+    mixed_precision: Optional[MixedPrecision] = None
+    offload_params: bool = False
+    param_init_fn: Optional[Callable[[nn.Module], None]] = None
+    device_id: Any = None
+    sync_module_states: bool = False
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+@dataclass
+class Built:
+    """The result of ``build_units``: the root unit, and what the front end keeps."""
+
+    root: Unit
+    ignored_params: set[nn.Parameter]
+    sharding_decision: Optional[tuple[int, str]]  # sharding_factor="auto": (F, why)
+
+
+def build_units(module: nn.Module, options: BuildOptions, make_host: MakeHost) -> Built:
+    deferred.check_init_fn(options.param_init_fn)
+    if isinstance(module, UnitHost):
+        raise ValueError("this module is already wrapped in FullyShardedDataParallel; wrap it once")
+    ignored, ignored_params = ignored_states(module, options.ignored_modules, options.ignored_states)
+    ignored_params |= {p for m in ignored for p in m.parameters()}
+    device_id = options.device_id
+    if options.offload_params:
+        device_id = offload_compute_device(module, device_id)
+    place_on_device(module, device_id, ignored_params)
+    wrapped_earlier = unit_hosts(module)
+    skip = set(ignored) | set(wrapped_earlier)
+    chosen = select_units(module, options.auto_wrap_policy, skip, ignored_params)
+    placement = Placement(module, chosen, skip, ignored_params)
+    check_no_tie_into_wrapped(placement, wrapped_earlier)
+    by_unit = placement.infos_by_unit()
+    factor, decision = options.sharding_factor, None
+    if factor == "auto":
+        factor, why = _auto_factor(options, module, chosen, by_unit)
+        decision = (factor, why)
+    elif options.memory_budget is not None:
+        raise ValueError('memory_budget is read only with sharding_factor="auto"')
+    groups = resolve_groups(options.strategy, options.process_group, options.device_mesh, factor)
+    root = _build_each(module, chosen, by_unit, placement.path, skip, device_id, groups, options, make_host)
+    if options.sync_module_states:
+        _broadcast_buffers(module, groups, ignored)
+    return Built(root, ignored_params, decision)
+
+
+def _build_each(module, chosen, by_unit, paths, skip, device_id, groups, options, make_host) -> Unit:
+    """One unit per chosen module (each replaced in its parents by its host), and the root's own."""
+    parents = _parents(module)
+    if deferred.has_meta_states(module, skip):  # [Note: deferred initialisation] (deferred.py)
+        device = deferred.materialization_device(device_id)
+        units = deferred.units_in_init_order(module, [*chosen, module], by_unit, skip, options.param_init_fn, device)
+    else:  # children first (any order would do: parents are looked up before any unit is built)
+        units = ((m, by_unit.get(m, [])) for m in [*chosen, module])
+    root = None
+    for unit_module, params in units:
+        name = "" if unit_module is module else paths[unit_module]
+        unit = build_unit(name, params, groups, options)
+        if unit_module is module:
+            root = unit
+        else:
+            host = make_host(unit_module, unit)
+            for parent, attr in parents.get(unit_module, []):
+                parent._modules[attr] = host
+        del params  # the unit keeps its shard; the full-size parameters go before the next unit is initialised
+    return root
+
+
+def build_unit(name: str, params: list[tuple[ParamInfo, nn.Parameter]], groups: ShardGroups,
+               options: BuildOptions) -> Unit:
+    """Flatten ``params`` (layout info, original parameter) into one unit on this rank."""
+    infos = [info for info, _ in params]
+    originals = [p for _, p in params]
+    dtypes = {p.dtype for p in originals}
+    if len(dtypes) > 1:
+        raise TypeError(
+            f"unit {name or '<root>'!r} holds parameters of several dtypes {sorted(map(str, dtypes))}; one flat "
+            "parameter needs one dtype. Cast the model to one dtype first (model.float()), or wrap the "
+            "modules of each dtype as separate units."
+        )
+    dtype = dtypes.pop() if dtypes else torch.float32
+    device = originals[0].device if originals else torch.device("cpu")
+    layout = FlatLayout(infos, groups.shard_size)
+    flat = layout.flatten(originals, dtype=dtype, device=device)
+    if options.sync_module_states and torch.distributed.get_world_size(groups.process_group) > 1:
+        collectives.broadcast(flat, 0, groups.process_group)
+    unit = Unit(name, layout, flat, groups, reshard_after_forward=options.strategy.reshard_after_forward,
+                precision=precision.resolve(options.mixed_precision, dtype), offload=options.offload_params)
+    unit.originals = {id(p): weakref.ref(p) for p in originals}
+    unit.strategy = options.strategy
+    unit.mixed_precision = options.mixed_precision
+    hooks.register_post_backward(unit)
+    return unit
+
+
+def become_root(host: nn.Module, config: ScheduleConfig, mixed_precision: Optional[MixedPrecision]) -> RunContext:
+    """``host`` (a front end's root, already holding its unit and module) becomes the root of every unit
+    under it: one run context, shared, and each unit named by its path in the unwrapped model."""
+    hosts = unit_hosts(host)
+    if len({id(h._unit.groups.process_group) for h in hosts}) > 1:
+        raise NotBuiltError(
+            "units under one root use different process groups; flatshard needs one process group per "
+            "root for now. Pass the same process_group to every FullyShardedDataParallel."
+        )
+    root = host._unit
+    ctx = RunContext([h._unit for h in hosts], root, config)
+    if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
+        ctx.buffer_cast = (host, mixed_precision.buffer_dtype)
+    for path, m in host.named_modules():
+        if isinstance(m, UnitHost):
+            m._unit.ctx = ctx
+            m._unit.name = clean_name(path) or "<root>"
+    return ctx
+
+
+def schedule_config(device: torch.device, **kw) -> ScheduleConfig:
+    """The prefetch keywords, and [Note: reductions in flight] for the compute device."""
+    overlap = kw.get("backward_prefetch") is not None and device.type != "cpu"
+    return ScheduleConfig(**kw, overlap_reductions=overlap)
+
+
+# ---- the pipeline's steps -----------------------------------------------------------------------
+def ignored_states(module: nn.Module, ignored_modules, states) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    """The modules (with their submodules) and the parameters flatshard leaves alone: not flattened, not
+    sharded, and their gradients not reduced (as in PyTorch FSDP)."""
+    states = list(states or [])
+    if ignored_modules is not None and states:
+        raise ValueError("pass ignored_modules or ignored_states, not both")
+    all_params = all(isinstance(s, nn.Parameter) for s in states)
+    if states and not (all_params or all(isinstance(s, nn.Module) for s in states)):
+        raise ValueError("ignored_states must hold only nn.Parameter objects or only nn.Module objects, not a mix")
+    given = list(ignored_modules or []) + [s for s in states if isinstance(s, nn.Module)]
+    params = {s for s in states if isinstance(s, nn.Parameter)}
+    ignored: set[nn.Module] = set()
+    for m in given:
+        if isinstance(m, UnitHost):
+            raise ValueError("ignored_modules must not contain FullyShardedDataParallel instances")
+        ignored.update(m.modules())
+    if module in ignored:
+        raise ValueError("the module being wrapped cannot itself be ignored")
+    owned = {id(p) for p in module.parameters()}
+    if any(id(p) not in owned for p in params):
+        raise ValueError("ignored_states holds a parameter that is not in the module being wrapped")
+    return ignored, params
+
+
+def offload_compute_device(module: nn.Module, device_id) -> torch.device:
+    """CPUOffload(offload_params=True): the device units compute on (``device_id``; else the device of
+    the module's parameters; else the current CUDA device), which must be an accelerator. Tests on
+    machines without one patch this function (``flatshard.testing.offload_on_cpu``): the offload path
+    then runs with CPU as the compute device, the flat shards separate CPU tensors copied before every
+    gather, as on an accelerator (but not pinned)."""
+    device = _offload_device(module, device_id)
+    if device.type == "cpu":
+        raise ValueError(
+            "CPUOffload(offload_params=True): offload needs an accelerator compute device, and this run has "
+            "none: the parameters already live in CPU memory. Pass cpu_offload=None (or CPUOffload(False))."
+        )
+    return device
+
+
+def _offload_device(module: nn.Module, device_id) -> torch.device:
+    if device_id is not None:
+        return device_of(device_id)
+    device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
+    if device.type == "cpu" and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def place_on_device(module: nn.Module, device_id, ignored_params: set) -> None:
+    """Move real parameters and buffers to ``device_id``; meta ones are materialised there later (deferred.py)."""
+    if device_id is None:
+        return
+    device = device_of(device_id)
+    for sub in module.modules():
+        for p in sub._parameters.values():
+            if p is not None and p not in ignored_params and not p.is_meta and p.device != device:
+                p.data = p.data.to(device)
+        for attr, b in sub._buffers.items():
+            if b is not None and not b.is_meta and b.device != device:
+                sub._buffers[attr] = b.to(device)
+
+
+def _auto_factor(options: BuildOptions, module, chosen, by_unit) -> tuple[int, str]:
+    if options.device_mesh is not None or isinstance(options.process_group, tuple):
+        raise ValueError('sharding_factor="auto" picks the groups itself; do not pass device_mesh or a group pair')
+    require_initialized()
+    group = options.process_group if options.process_group is not None else torch.distributed.group.WORLD
+    root_params = by_unit.get(module, [])
+    return auto_sharding_factor(
+        strategy=options.strategy,
+        unit_sizes=[sum(i.numel for i, _ in by_unit.get(m, [])) for m in chosen],
+        root_size=sum(i.numel for i, _ in root_params),
+        param_tensors=sum(len(by_unit.get(m, [])) for m in [*chosen, module]),
+        world_size=torch.distributed.get_world_size(group),
+        memory_budget=options.memory_budget,
+        device=next((p.device for _, p in root_params), torch.device("cpu")),
+    )
+
+
+def _parents(root: nn.Module) -> dict[nn.Module, list[tuple[nn.Module, str]]]:
+    out: dict[nn.Module, list[tuple[nn.Module, str]]] = {}
+    for parent in root.modules():
+        for attr, child in parent._modules.items():
+            if child is not None:
+                out.setdefault(child, []).append((parent, attr))
+    return out
+
+
+def _broadcast_buffers(module: nn.Module, groups: ShardGroups, ignored: set[nn.Module]) -> None:
+    if torch.distributed.get_world_size(groups.process_group) == 1:
+        return
+    for sub in module.modules():
+        if sub in ignored:
+            continue
+        for buf in sub._buffers.values():
+            if buf is not None:
+                collectives.broadcast(buf, 0, groups.process_group)

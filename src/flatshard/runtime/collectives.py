@@ -1,0 +1,75 @@
+"""Stateless collective calls on a given group, each returning a small result with its accounting.
+
+Every collective flatshard issues goes through these functions: the engine's gathers and
+reductions, ``clip_grad_norm_``, summon, state dicts and checkpoints. Callers hand the result to the
+run context's communication recorder (``RunContext.record``). Tests may patch these functions.
+
+Byte figures are per rank and follow the ring algorithm: all-gather and reduce-scatter move
+(n-1)·(shard bytes); all-reduce moves 2·(n-1)/n·(tensor bytes); broadcast counts the tensor once.
+On gloo (CPU tensors) all-gather and reduce-scatter are point-to-point exchanges (gloo_exchange.py)
+that send exactly those bytes; NCCL and other backends use their own collectives.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+from flatshard.runtime import gloo_exchange
+
+
+class CollectiveResult(NamedTuple):
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
+    group_size: int
+    tensor_bytes: int  # bytes of the larger buffer involved (gathered output, scattered input, reduced tensor)
+    wire_bytes: float  # bytes this rank sends under the ring algorithm
+    work: Optional[dist.Work]  # set when issued with async_op=True; wait() before reading the output
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather(
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False, tag: int = 0
+) -> CollectiveResult:
+    """``output`` (n·len(shard) elements) receives every rank's ``shard`` in group-rank order.
+
+    ``tag`` names a point-to-point exchange (gloo): exchanges in flight at the same time need their own."""
+    n = dist.get_world_size(group)
+    if gloo_exchange.applies(output, group):
+        work = gloo_exchange.all_gather(output, shard, group, n, tag, async_op)
+    else:
+        work = dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+    return CollectiveResult("all_gather", n, _nbytes(output), float((n - 1) * _nbytes(shard)), work)
+
+
+def reduce_scatter(
+    output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, async_op: bool = False, tag: int = 0
+) -> CollectiveResult:
+    """``output`` receives this rank's chunk of the sum over ranks of ``full``; ``tag`` as for ``all_gather``."""
+    n = dist.get_world_size(group)
+    if gloo_exchange.applies(full, group):
+        work = gloo_exchange.reduce_scatter(output, full, group, n, tag, async_op)
+    else:
+        work = dist.reduce_scatter_tensor(output, full, op=ReduceOp.SUM, group=group, async_op=async_op)
+    return CollectiveResult("reduce_scatter", n, _nbytes(full), float((n - 1) * _nbytes(output)), work)
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM, async_op: bool = False
+) -> CollectiveResult:
+    n = dist.get_world_size(group)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return CollectiveResult("all_reduce", n, _nbytes(tensor), 2.0 * (n - 1) / n * _nbytes(tensor), work)
+
+
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: Optional[ProcessGroup]) -> CollectiveResult:
+    group = group if group is not None else dist.group.WORLD
+    n = dist.get_world_size(group)
+    src = dist.get_global_rank(group, src_group_rank)
+    dist.broadcast(tensor, src=src, group=group)
+    return CollectiveResult("broadcast", n, _nbytes(tensor), float(_nbytes(tensor)), None)

@@ -1,0 +1,188 @@
+"""Every hook flatshard registers, and what each does, in the order one step runs them.
+
+Each runs under ``torch.profiler.record_function("flatshard::<hook> (<unit>)")``, the unit named
+by its fully qualified module name (``blocks.3``; ``<root>`` for the root), as FSDP2 labels
+``FSDP::pre_forward (layers.3)``. The public entry points that communicate (clip_grad_norm_,
+summon_full_params, state dicts, checkpoints) run under ``flatshard::<entry point>`` (``traced``).
+
+  pre_forward     the front end's forward (FSDP1: the wrapper's ``forward``; fully_shard: a
+                  forward pre-hook): gather, set compute views, record the order, prefetch the next
+  post_forward    after the module's forward: shard views back; reshard unless the root or
+                  SHARD_GRAD_OP; hook the outputs for pre-backward
+  pre_backward    a tensor hook on the unit's outputs: the first gradient to arrive gathers the
+                  unit again and prefetches the previous one (BACKWARD_PRE); the first of a pass
+                  queues end_of_backward
+  split backward  a prehook on the compute views' split node: free the parameters before autograd
+                  joins their gradients ([Note: free before the flat gradient])
+  post_backward   the unsharded flat's post-accumulate-grad hook: start the reduction
+                  (``post_backward_reduce``), reshard; finish the previous unit's reduction
+  end_of_backward one autograd-engine callback per backward pass: finish reductions in flight,
+                  expose ``.grad`` on shard views, reshard what is still gathered
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from flatshard.runtime import precision
+from flatshard.runtime.schedule import RunContext
+from flatshard.runtime.unit import Unit
+
+
+def label(hook: str, unit: Optional[Unit] = None) -> torch.profiler.record_function:
+    """The profiler range of one hook (or entry point) for one unit."""
+    return torch.profiler.record_function(f"flatshard::{hook}" + (f" ({unit.name})" if unit is not None else ""))
+
+
+traced = label  # entry points: ``with hooks.traced("clip_grad_norm_"):``
+
+
+# ---- forward ----------------------------------------------------------------------------------
+def forward(unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Run ``module`` (the unit's module) between the unit's pre- and post-forward."""
+    ctx = unit.ctx
+    ctx.start()
+    p = unit.precision
+    if p.mixed and (p.cast_forward_inputs or (unit.is_root and p.cast_root_forward_inputs)):
+        args, kwargs = precision.cast_floating((args, kwargs), p.compute)
+    if unit.is_root:
+        ctx.begin_forward()
+    try:
+        pre_forward(unit)
+        try:
+            output = module(*args, **kwargs)
+        finally:
+            post_forward(unit)
+    finally:
+        if unit.is_root:
+            ctx.end_forward()
+    if torch.is_grad_enabled():
+        register_pre_backward(output, unit)
+    return output
+
+
+def pre_forward(unit: Unit) -> None:
+    with label("pre_forward", unit):
+        unit.unshard()
+        _use_compute_views(unit)
+        if not unit.ctx.in_backward:
+            unit.ctx.record_forward(unit)
+            unit.ctx.prefetch_forward(unit)
+
+
+# [Note: recomputation in backward]
+# Activation checkpointing runs a unit's forward again during backward. Whether the checkpoint
+# wraps the unit (its forward, with these hooks, runs again) or sits inside it (the module reads
+# its parameters directly), the unit must be gathered with compute views set on its modules until
+# its post-backward; so a forward that runs in the backward phase neither reshards nor puts the
+# shard views back, and pre-backward sets compute views too.
+def post_forward(unit: Unit) -> None:
+    with label("post_forward", unit):
+        if unit.ctx.in_backward:
+            return
+        unit.use_shard_views()
+        if (unit.reshard_after_forward and not unit.is_root) or not torch.is_grad_enabled():
+            unit.reshard()
+
+
+def _use_compute_views(unit: Unit) -> None:
+    split = unit.use_compute_views()
+    if split is not None and not unit.ctx.in_backward:  # its backward will build the flat gradient
+        unit.open_splits += 1
+        split.register_prehook(functools.partial(_on_split_backward, unit))
+
+
+# [Note: free before the flat gradient]
+# Backward of the compute views' split concatenates their gradients into one flat gradient, a
+# buffer the size of the unsharded flat. By the time it runs, every operator that reads these views
+# has run its backward, so when it is the last open split of this unit (a unit run twice in one pass
+# has two) the unsharded flat is freed first: backward then holds the gradients and the flat
+# gradient, never the parameters as well, and the peak of a unit's backward drops by one unsharded
+# flat. Only splits made outside backward count: a recomputation's split (activation checkpointing)
+# never runs its backward (non-reentrant) or runs it with the parameters no longer needed after
+# (reentrant, where the unit then reshards in post-backward). A split made before the last backward
+# ended (counts reset there) leaves the count off zero: the unit then reshards in post-backward.
+def _on_split_backward(unit: Unit, grad_outputs) -> None:
+    with label("split_backward", unit):
+        unit.open_splits -= 1
+        # The unit's backward peak: its parameters and every per-parameter gradient, about to be joined.
+        unit.view_grad_bytes = sum(g.untyped_storage().nbytes() for g in grad_outputs if g is not None)
+        unit.ctx.sample_memory()
+        ctx = unit.ctx
+        if unit.open_splits == 0 and ctx.in_backward and (ctx.sync_gradients or unit.reshard_after_forward):
+            unit.use_shard_views()
+            unit.reshard()
+    return None
+
+
+# ---- backward ---------------------------------------------------------------------------------
+def register_pre_backward(output: Any, unit: Unit) -> None:
+    """Hook every output tensor that needs a gradient: the first gradient to arrive gathers the unit."""
+    tensors, _ = tree_flatten(output)
+
+    def hook(grad_output: torch.Tensor) -> None:
+        pre_backward(unit)
+
+    for t in tensors:
+        if torch.is_tensor(t) and t.requires_grad:
+            t.register_hook(hook)
+
+
+def pre_backward(unit: Unit) -> None:
+    with label("pre_backward", unit):
+        begin_backward(unit.ctx)
+        unit.unshard()
+        if not unit.compute_views_set:
+            _use_compute_views(unit)
+        unit.ctx.prefetch_backward(unit, pre=True)
+
+
+def register_post_backward(unit: Unit) -> None:
+    """At construction: the unsharded flat's gradient, once complete, starts the unit's reduction."""
+    if unit.requires_grad:
+        unit.unsharded.register_post_accumulate_grad_hook(functools.partial(post_backward, unit))
+
+
+def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:
+    """The unsharded flat's gradient is complete: start reducing it to this rank's shard, reshard."""
+    with label("post_backward", unit):
+        ctx = unit.ctx
+        unit.view_grad_bytes = 0  # joined into the flat gradient by now
+        begin_backward(ctx)
+        # The reduction left in flight by the previous unit has had this unit's backward to finish:
+        # finish it now, so at most one full-size gradient is ever waiting for its reduce-scatter.
+        ctx.settle_reductions(keep=0)
+        ctx.sample_memory()
+        unit.use_shard_views()
+        if not ctx.sync_gradients:
+            # no_sync: the full-size gradient stays on the unsharded flat and accumulates there.
+            if unit.reshard_after_forward:
+                unit.reshard()
+            return
+        ctx.prefetch_backward(unit, pre=False)  # BACKWARD_POST: the next gather goes before this reduction
+        grad, unsharded.grad = unsharded.grad, None
+        in_flight = ctx.config.overlap_reductions
+        with label("post_backward_reduce", unit):
+            unit.start_reduction(grad, async_op=in_flight)
+        del grad
+        unit.reshard()
+        if in_flight:
+            ctx.pending_reductions.append(unit)  # finished at the next post-backward or the end of backward
+        else:
+            unit.finish_reduction()
+
+
+def begin_backward(ctx: RunContext) -> None:
+    """The first backward hook of a pass queues end_of_backward with the autograd engine."""
+    if ctx.begin_backward():
+        Variable._execution_engine.queue_callback(functools.partial(end_of_backward, ctx))
+
+
+def end_of_backward(ctx: RunContext) -> None:
+    with label("end_of_backward"):
+        ctx.end_of_backward()

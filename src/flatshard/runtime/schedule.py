@@ -1,0 +1,206 @@
+"""The run context of one root: what spans units.
+
+Every unit has a ``RunContext`` from the moment it is built (never a global): the units one
+constructor call builds share one, and a later call that wraps them (manual nesting) hands its own
+to every unit under it (build.py, ``adopt_units``). It holds the phase (for the recorders), whether
+this backward synchronises gradients (``no_sync``), the recorded forward execution order, the
+prefetch schedule and rate limiter, the reductions in flight, and the attached recorders. The hooks
+that drive it live in hooks.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import torch
+
+from torch import nn
+
+from flatshard.api import BackwardPrefetch
+from flatshard.runtime import precision
+from flatshard.runtime.collectives import CollectiveResult
+from flatshard.runtime.instrument import CommEvent, CommRecorder, MemoryRecorder
+
+if TYPE_CHECKING:
+    from flatshard.runtime.unit import Unit
+
+logger = logging.getLogger("flatshard")
+
+
+class Phase(str, enum.Enum):
+    """Where a root is in its step; recorded with every collective (a ``str``, so ``"forward"`` matches)."""
+
+    IDLE = "idle"  # before the first forward, and between a forward and its backward
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"  # after a backward: optimizer.step(), clip_grad_norm_
+    SUMMON = "summon"  # summon_full_params
+    STATE_DICT = "state_dict"  # model and optimizer state dicts
+    CHECKPOINT = "checkpoint"  # flatshard.checkpoint save and load
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """How a root schedules its units' collectives (FSDP's prefetch keywords)."""
+
+    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    # [Note: reductions in flight]
+    # On an accelerator a reduction left in flight overlaps the next unit's backward at the cost of
+    # one full-size gradient held a little longer. On CPU (gloo) the collective's threads share the
+    # cores with compute, so nothing is hidden while the memory is still paid: there each reduction
+    # finishes before the next unit computes (build.py, ``schedule_config``).
+    overlap_reductions: bool = False
+
+
+class RunContext:
+    def __init__(self, units: list["Unit"], root: "Unit", config: ScheduleConfig):
+        self.units = units  # every unit under the root, root first, in module order
+        self.root = root
+        self.config = config
+        self.phase = Phase.IDLE
+        self.sync_gradients = True
+        self.forward_order: list["Unit"] = []  # units in the order their forward ran in the last pass
+        self.order_this_pass: list["Unit"] = []
+        self.end_of_backward_queued = False
+        self.comm_recorders: list[CommRecorder] = []
+        self.memory_recorders: list[MemoryRecorder] = []
+        self.pending_reductions: list["Unit"] = []
+        self.buffer_cast: Optional[tuple[nn.Module, torch.dtype]] = None  # MixedPrecision.buffer_dtype
+        self.started = False
+        self._order_changed_warned = False
+        self._exchanges = 0  # tags for point-to-point exchanges ([Note: exchange tags], gloo_exchange.py)
+
+    def start(self) -> None:
+        """First use (a forward, summon, clip, a recorder): cast the buffers to the root's buffer dtype."""
+        if self.started:
+            return
+        self.started = True
+        if self.buffer_cast is not None:
+            precision.cast_buffers(*self.buffer_cast)
+            self.buffer_cast = None
+
+    @property
+    def in_backward(self) -> bool:
+        return self.phase is Phase.BACKWARD
+
+    # ---- phases -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase_scope(self, phase: Phase) -> Iterator[None]:
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+    def begin_forward(self) -> None:
+        self.phase = Phase.FORWARD
+        self.order_this_pass = []
+
+    def end_forward(self) -> None:
+        self.phase = Phase.IDLE
+        if self.order_this_pass:
+            if self.order_this_pass != self.forward_order:
+                self._order_changed_warned = False
+            self.forward_order = self.order_this_pass
+        for unit in self.units:  # a forward prefetch the pass did not use: free it now
+            if unit.reshard_after_forward and not unit.is_root and unit.gathered and unit not in self.order_this_pass:
+                unit.reshard()
+
+    def record_forward(self, unit: "Unit") -> None:
+        self.order_this_pass.append(unit)
+
+    def begin_backward(self) -> bool:
+        """The first pre-backward (or post-backward) hook of a backward pass: True if this call began it."""
+        if self.end_of_backward_queued:
+            return False
+        self.end_of_backward_queued = True
+        self.phase = Phase.BACKWARD
+        return True
+
+    def end_of_backward(self) -> None:
+        """Runs once, when the autograd engine finishes the backward pass (hooks.py queues it)."""
+        try:
+            pending, self.pending_reductions = self.pending_reductions, []
+            for unit in pending:  # in the order issued: the same on every rank
+                unit.finish_reduction()
+            for unit in self.units:
+                unit.finish_backward(self.sync_gradients)
+            self.sample_memory()
+        finally:
+            self.end_of_backward_queued = False
+            self.phase = Phase.OPTIMIZER
+
+    # ---- prefetch: the schedule that spans units ------------------------------------------
+    # [Note: prefetch]
+    # Forward prefetch gathers the unit that ran after this one in the last recorded forward, if this
+    # pass has followed that order so far; otherwise the order has changed and nothing is prefetched
+    # (logged once) until the end of this pass records the new order. Backward prefetch gathers the
+    # unit that ran before this one in this pass's forward: in pre-backward (BACKWARD_PRE, before this
+    # unit's gradients are computed) or in post-backward before this unit's reduce-scatter
+    # (BACKWARD_POST). The root unit is never prefetched: it stays gathered. With limit_all_gathers,
+    # no prefetch is issued while two units (besides the root) are already gathered.
+    def prefetch_forward(self, unit: "Unit") -> None:
+        if not self.config.forward_prefetch or not self.forward_order:
+            return
+        k = len(self.order_this_pass)
+        if self.order_this_pass != self.forward_order[:k]:
+            if not self._order_changed_warned:
+                logger.warning(
+                    "flatshard: the forward order of units changed; forward prefetch is off until "
+                    "this pass has recorded the new order"
+                )
+                self._order_changed_warned = True
+            return
+        if k < len(self.forward_order):
+            self._prefetch(self.forward_order[k])
+
+    def prefetch_backward(self, unit: "Unit", *, pre: bool) -> None:
+        wanted = BackwardPrefetch.BACKWARD_PRE if pre else BackwardPrefetch.BACKWARD_POST
+        if self.config.backward_prefetch is not wanted or unit not in self.forward_order:
+            return
+        k = len(self.forward_order) - 1 - self.forward_order[::-1].index(unit)
+        if k > 0:
+            self._prefetch(self.forward_order[k - 1])
+
+    def _prefetch(self, target: "Unit") -> None:
+        if target.is_root or target.gathered:
+            return
+        if self.config.limit_all_gathers and sum(u.gathered and not u.is_root for u in self.units) >= 2:
+            return
+        target.unshard(wait=False)
+
+    def settle_reductions(self, keep: int) -> None:
+        """Finish all but the ``keep`` newest reductions in flight, oldest first (same order on every rank).
+
+        A reduction is left in flight for one unit's backward compute; the next post-backward finishes
+        it (by then it is done, so the wait is short) and frees its full-size gradient. (gloo's
+        ``Work.is_completed()`` does not report completion before ``wait()``, so polling cannot work.)"""
+        while len(self.pending_reductions) > keep:
+            self.pending_reductions.pop(0).finish_reduction()
+
+    def next_tag(self) -> int:
+        self._exchanges = (self._exchanges + 1) % (1 << 20)
+        return self._exchanges
+
+    # ---- recorders ----------------------------------------------------------------------
+    def record(self, result: CollectiveResult, group: str, unit: str, phase: Optional[Phase] = None) -> None:
+        """Hand a collective to every attached recorder, under ``phase`` (default: the current phase)."""
+        if not self.comm_recorders:
+            return
+        event = CommEvent(result.kind, group, result.group_size, phase or self.phase, unit, result.tensor_bytes,
+                          result.wire_bytes)
+        for recorder in self.comm_recorders:
+            recorder.record(event)
+
+    def sample_memory(self) -> None:
+        for recorder in self.memory_recorders:
+            recorder.sample()

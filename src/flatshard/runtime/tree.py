@@ -1,0 +1,117 @@
+"""The units under a module: the modules that host them, their names, and a public read-only view.
+
+A front end marks each module that carries a unit as a ``UnitHost`` (the FSDP1 wrapper is one).
+Everything below the front ends (state dicts, checkpoints, summon, recorders) finds units through
+``unit_hosts`` and ``units_under`` here, never through a front-end class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from flatshard.runtime.unit import Unit
+
+WRAPPED = "_fsdp_wrapped_module"  # the FSDP1 wrapper's child: its name adds nothing to parameter names
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper, stripped as PyTorch FSDP does
+HOPS = (WRAPPED, CHECKPOINT_WRAPPED)
+
+
+def clean_name(name: str) -> str:
+    """A parameter, buffer or module name as in the unwrapped model."""
+    return ".".join(part for part in name.split(".") if part not in HOPS)
+
+
+class UnitHost:
+    """The ``nn.Module`` that carries one unit (a mixin of the front end's module class).
+
+    Besides ``_unit``, hosts declare what the layers above keep per model, so nothing is stashed in a
+    module's ``__dict__`` under a string key: the state-dict settings (state/settings.py), the
+    asynchronous save in flight and its process group (checkpoint/save.py), and the bookkeeping of a
+    load through a plain parent ([Note: loading through a plain parent], state/module.py)."""
+
+    _unit: "Unit"
+    state_dict_settings: Optional[Any] = None
+    pending_save: Optional[Any] = None
+    checkpoint_group: Optional[Any] = None
+    load_prefix: Optional[str] = None
+    loaded_by_outer: bool = False
+    applying: bool = False
+
+
+def unit_hosts(module: nn.Module, root_only: bool = False) -> list[UnitHost]:
+    """The hosts at or under ``module``, in ``modules()`` order; with ``root_only``, the outermost ones."""
+    hosts = [m for m in module.modules() if isinstance(m, UnitHost)]
+    if root_only:
+        inner = {id(m) for h in hosts for m in h.modules() if m is not h}
+        hosts = [h for h in hosts if id(h) not in inner]
+    return hosts
+
+
+def units_under(module: nn.Module) -> list["Unit"]:
+    return [h._unit for h in unit_hosts(module)]
+
+
+# ---- the public view ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UnitInfo:
+    """One unit as this rank sees it (``flatshard.units(model)``). Element counts are per unit:
+    ``numel`` parameter elements T, padded to ``padded_numel`` = F·S, of which this rank's flat
+    shard holds ``shard_numel`` = S (``local_numel`` of them real parameter elements, the rest padding)."""
+
+    name: str  # the unit's module path in the unwrapped model ("<root>" for the root)
+    param_names: tuple[str, ...]  # its parameters, relative to its module, in flat order
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    local_numel: int
+    dtype: torch.dtype  # the master dtype (flat shard, grad shard, optimizer state)
+    compute_dtype: torch.dtype  # the gathered parameters' dtype
+    shard_size: int  # F
+    replicate_size: int  # R = W / F
+    shard_rank: int  # this rank's position in its shard group
+    replicate_rank: int  # which replica this rank belongs to
+    shard_group_ranks: tuple[int, ...]  # global ranks of this rank's shard group, in group order
+    is_root: bool
+    reshard_after_forward: bool
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+
+def unit_info(unit: "Unit") -> UnitInfo:
+    groups, layout = unit.groups, unit.layout
+    local = sum(hi - lo for lo, hi in layout.local_slices(groups.shard_rank))
+    return UnitInfo(
+        name=unit.name,
+        param_names=tuple(i.name for i in layout.infos),
+        numel=layout.total,
+        padded_numel=layout.padded,
+        shard_numel=layout.shard_numel,
+        local_numel=local,
+        dtype=unit.precision.master,
+        compute_dtype=unit.precision.compute,
+        shard_size=groups.shard_size,
+        replicate_size=groups.replicate_size,
+        shard_rank=groups.shard_rank,
+        replicate_rank=groups.replicate_rank,
+        shard_group_ranks=_ranks(groups.shard_group),
+        is_root=unit.is_root,
+        reshard_after_forward=unit.reshard_after_forward,
+    )
+
+
+def _ranks(group) -> tuple[int, ...]:
+    if group is None:
+        return (torch.distributed.get_rank(),) if torch.distributed.is_initialized() else (0,)
+    return tuple(torch.distributed.get_process_group_ranks(group))
+
+
+def units(module: nn.Module) -> list[UnitInfo]:
+    """Every unit at or under ``module`` (root first, in module order), as read-only ``UnitInfo``."""
+    return [unit_info(u) for u in units_under(module)]

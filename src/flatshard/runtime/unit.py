@@ -1,0 +1,299 @@
+"""One unit: its flat shard, its unsharded flat and its gradient shard, and the transitions between them.
+
+States: SHARDED (only the flat shard holds data) and UNSHARDED (the unsharded flat holds the full
+parameters). ``unshard`` and ``reshard`` are idempotent. Terms as in [Note: flatshard tensors]
+(layout.py). When each transition runs is decided by the hooks (hooks.py); this file only knows
+how a unit changes state.
+
+When F == 1 and the compute dtype is the master dtype, the unsharded flat aliases the flat shard's
+storage (through ``.data``, so it has its own version counter and the optimizer's in-place updates
+never invalidate what autograd saved): nothing is gathered and nothing is freed.
+
+Collectives may be issued asynchronously (prefetch): ``unshard(wait=False)`` issues the all-gather
+and returns; whoever needs the parameters waits (``unshard()`` does), and ``reshard`` waits before
+it frees. Gradient reductions likewise (reduce.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from flatshard.api import MixedPrecision, ShardingStrategy
+from flatshard.runtime import collectives, reduce
+from flatshard.runtime.layout import FlatLayout, make_compute_views, make_shard_views, set_views_on_modules
+from flatshard.runtime.mesh import ShardGroups
+from flatshard.runtime.precision import UnitPrecision
+from flatshard.runtime.schedule import RunContext, ScheduleConfig
+
+
+class UnitState(enum.Enum):
+    SHARDED = enum.auto()
+    UNSHARDED = enum.auto()
+
+
+class StoragePlan(NamedTuple):
+    """Which storage a unit's flat shard and unsharded flat use."""
+
+    aliased: bool  # F == 1, master dtype, no offload: the unsharded flat is the flat shard itself
+    reuse_flat_full: bool  # the construction buffer becomes the unsharded flat tensor (storage freed)
+
+
+def storage_plan(shard_size: int, mixed: bool, offload: bool) -> StoragePlan:
+    aliased = shard_size == 1 and not mixed and not offload
+    return StoragePlan(aliased, not aliased and (shard_size > 1 or offload) and not mixed)
+
+
+@dataclass
+class _Gather:
+    """An all-gather in flight: its handle, and the tensor it sends (kept alive until it is done)."""
+
+    work: Any
+    source: torch.Tensor
+
+
+class Unit:
+    def __init__(
+        self,
+        name: str,
+        layout: FlatLayout,
+        flat_full: torch.Tensor,
+        groups: ShardGroups,
+        *,
+        reshard_after_forward: bool,
+        precision: UnitPrecision,
+        offload: bool = False,
+    ):
+        """``flat_full`` is the zero-padded concatenation of the unit's parameters, identical on every
+        rank of the shard group, on the compute device; the unit keeps this rank's slice and frees the
+        rest. With ``offload`` (CPUOffload) the flat shard, and so the shard views, their gradients and
+        the optimizer's state, live in CPU memory (pinned when computing on CUDA): each gather copies
+        the shard to the compute device first, and each reduced gradient shard is copied back.
+
+        The unit starts with a run context of its own; the root that builds or adopts it hands it the
+        root's (build.py)."""
+        self.name = name or "<root>"
+        self.layout = layout
+        self.groups = groups
+        self.reshard_after_forward = reshard_after_forward  # free after forward, gather again in backward
+        self.precision = precision
+        self.requires_grad = any(i.requires_grad for i in layout.infos)
+        self.compute_device = flat_full.device
+        self.offload = offload
+        self.plan = storage_plan(groups.shard_size, precision.mixed, offload)
+        self.flat_shard = self._keep_shard(flat_full)
+        if self.plan.aliased:
+            self.unsharded = flat_full.data  # alias with its own version counter
+        else:
+            self.unsharded = flat_full if self.plan.reuse_flat_full else torch.empty(
+                layout.padded, dtype=precision.compute, device=flat_full.device
+            )
+            self.unsharded.untyped_storage().resize_(0)
+        self.unsharded.requires_grad_(self.requires_grad)
+        self._gather_target = self.unsharded.data  # what collectives write into (own version counter)
+        self.shard_views = make_shard_views(layout, self.flat_shard, groups.shard_rank)
+        self.state = UnitState.UNSHARDED if self.plan.aliased else UnitState.SHARDED
+        self.ctx = RunContext([self], self, ScheduleConfig())
+        self.reduction: Optional[reduce.PendingReduction] = None
+        self.compute_views_set = False
+        self.open_splits = 0  # splits of the unsharded flat whose backward has not run (hooks.py)
+        self.view_grad_bytes = 0  # per-parameter gradients autograd holds for the split's backward
+        self._gathered_version = -1
+        self._gather: Optional[_Gather] = None
+        self._grad_shard: Optional[weakref.ref] = None
+        self.originals: dict[int, weakref.ref] = {}  # id -> the parameters flattened here (placement.py)
+        self.strategy: Optional[ShardingStrategy] = None  # what the wrap call asked for (checkpoint manifests)
+        self.mixed_precision: Optional[MixedPrecision] = None  # the policy ``precision`` was resolved from
+        set_views_on_modules(layout, self.shard_views, as_params=True)
+
+    def _keep_shard(self, flat_full: torch.Tensor) -> torch.Tensor:
+        S, rank = self.layout.shard_numel, self.groups.shard_rank
+        if self.offload:
+            shard = flat_full.detach()[rank * S : (rank + 1) * S].to("cpu", copy=True)
+            return shard.pin_memory() if self.compute_device.type == "cuda" else shard
+        if self.groups.shard_size == 1:
+            return flat_full
+        return flat_full[rank * S : (rank + 1) * S].clone()
+
+    @property
+    def is_root(self) -> bool:
+        """The root is the outermost unit of a model; it stays gathered from forward to backward."""
+        return self.ctx.root is self
+
+    # ---- transitions ---------------------------------------------------------------------
+    def unshard(self, wait: bool = True) -> None:
+        """Fill the unsharded flat; a no-op if it already holds (or is receiving) the current flat shard.
+        With ``wait=False`` the all-gather is only issued (a prefetch)."""
+        if self.plan.aliased:
+            return
+        if self.state is UnitState.UNSHARDED and self._gathered_version == self.flat_shard._version:
+            if wait:
+                self.wait_for_unshard()
+            return
+        self.wait_for_unshard()
+        storage = self.unsharded.untyped_storage()
+        nbytes = self.layout.padded * self.unsharded.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        source = self.flat_shard
+        if self.offload or self.precision.mixed:  # to the compute device and dtype (pinned: asynchronous)
+            source = self.flat_shard.to(self.compute_device, self.precision.compute, non_blocking=True, copy=True)
+        if self.groups.shard_size == 1:
+            self._gather_target.copy_(source)
+        else:
+            with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"):
+                result = collectives.all_gather(
+                    self._gather_target, source, self.groups.shard_group, async_op=not wait, tag=self.ctx.next_tag()
+                )
+            self.record(result, "shard")
+            if result.work is not None:
+                self._gather = _Gather(result.work, source)
+        self._gathered_version = self.flat_shard._version
+        self.state = UnitState.UNSHARDED
+        self.ctx.sample_memory()
+
+    def wait_for_unshard(self) -> None:
+        if self._gather is not None:
+            self._gather.work.wait()
+            self._gather = None
+
+    @property
+    def gathered(self) -> bool:
+        """Whether this unit holds (or is receiving) its unsharded flat in memory of its own."""
+        return not self.plan.aliased and self.state is UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded flat (its tensor object stays, for autograd's saved views)."""
+        if self.state is UnitState.SHARDED or self.plan.aliased:
+            return
+        self.wait_for_unshard()  # never free memory a collective is still writing
+        self.unsharded.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+        self.ctx.sample_memory()
+
+    def use_compute_views(self) -> Optional[torch.autograd.graph.Node]:
+        """Set the compute views on the modules; returns the autograd node of their split (whose
+        backward builds the flat gradient), or None when no gradient flows through them."""
+        views = make_compute_views(self.layout, self.unsharded)
+        set_views_on_modules(self.layout, views, as_params=False)
+        self.compute_views_set = True
+        return next((v.grad_fn.next_functions[0][0] for v in views if v.grad_fn is not None), None)
+
+    def use_shard_views(self) -> None:
+        if self.compute_views_set:
+            set_views_on_modules(self.layout, self.shard_views, as_params=True)
+            self.compute_views_set = False
+
+    # ---- gradients -----------------------------------------------------------------------
+    def start_reduction(self, grad: torch.Tensor, async_op: bool) -> None:
+        """Issue the reduction of the full-size gradient ``grad`` to this rank's grad shard."""
+        spec = reduce.ReduceSpec(self.groups, self.layout.shard_numel, self.precision.reduce, self.name)
+        self.reduction = reduce.start(grad, spec, self.record, async_op=async_op, tag=self.ctx.next_tag())
+
+    def finish_reduction(self) -> None:
+        """Wait for this unit's reduction (if one is in flight) and expose the result as ``.grad``."""
+        if self.reduction is None:
+            return
+        pending, self.reduction = self.reduction, None
+        spec = reduce.ReduceSpec(self.groups, self.layout.shard_numel, self.precision.reduce, self.name)
+        self._expose_grads(reduce.finish(pending, spec, self.precision.grad, self.record))
+        self.ctx.sample_memory()
+
+    def finish_backward(self, synced: bool) -> None:
+        """End of backward: put shard views back and reshard what is still gathered."""
+        self.open_splits = 0
+        self.use_shard_views()
+        if synced or self.reshard_after_forward:
+            self.reshard()
+
+    @property
+    def grad_shard(self) -> Optional[torch.Tensor]:
+        """The tensor the trainable shard views' ``.grad`` slice, while they still do (else None: no
+        gradient yet, ``zero_grad(set_to_none=True)`` dropped it, or the views hold gradients of their own)."""
+        grad = self._grad_shard() if self._grad_shard is not None else None
+        if grad is None:
+            return None
+        ptr = grad.untyped_storage().data_ptr()
+        views = [v for v in self.shard_views if v.requires_grad]
+        if any(v.grad is None or v.grad.untyped_storage().data_ptr() != ptr for v in views):
+            return None
+        return grad
+
+    def _expose_grads(self, reduced: torch.Tensor) -> None:
+        """Make ``reduced`` this rank's gradient: after ``zero_grad()`` (set_to_none, PyTorch's default)
+        it becomes the grad shard, each trainable shard view's ``.grad`` a slice of it; where a view still
+        holds a gradient (``zero_grad(set_to_none=False)``, or no zero_grad at all) the new gradient is
+        added to it in place, as ``torch.autograd`` accumulates, and ``reduced`` is dropped."""
+        if self.offload:
+            reduced = reduced.to(self.flat_shard.device)
+        slices = self.layout.local_slices(self.groups.shard_rank)
+        trainable = [(v, lo, hi) for v, (lo, hi) in zip(self.shard_views, slices) if v.requires_grad]
+        if all(v.grad is None for v, _, _ in trainable):
+            for view, lo, hi in trainable:
+                _set_grad(view, reduced[lo:hi])
+            self._grad_shard = weakref.ref(reduced)
+            return
+        for view, lo, hi in trainable:
+            if view.grad is None:
+                _set_grad(view, reduced[lo:hi].clone())
+            else:
+                view.grad.add_(reduced[lo:hi])
+
+    # ---- whole flats for summon and state dicts --------------------------------------------
+    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        """The shard group's ``shard`` tensors (S elements each, e.g. the flat shard or optimizer state
+        laid out like it) concatenated: the padded flat, on the compute device; ``shard`` itself when
+        there is nothing to gather. Recorded under the run context's current phase."""
+        if self.groups.shard_size == 1 and shard.device == self.compute_device:
+            return shard
+        source = shard.to(self.compute_device).contiguous()
+        if self.groups.shard_size == 1:
+            return source
+        full = torch.empty(self.layout.padded, dtype=shard.dtype, device=self.compute_device)
+        self.record(collectives.all_gather(full, source, self.groups.shard_group, tag=self.ctx.next_tag()), "shard")
+        return full
+
+    # ---- accounting ------------------------------------------------------------------------
+    def record(self, result: collectives.CollectiveResult, group: str) -> None:
+        self.ctx.record(result, group, self.name)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this unit holds now, by category (see ``instrument.MemoryRecorder``)."""
+        grad_storages = {}
+        for v in self.shard_views:
+            if v.grad is not None:
+                storage = v.grad.untyped_storage()
+                grad_storages[storage.data_ptr()] = storage.nbytes()
+        grads = sum(grad_storages.values())
+        gathered = 0 if self.plan.aliased else self.unsharded.untyped_storage().nbytes()
+        if self.unsharded.grad is not None:
+            gathered += self.unsharded.grad.untyped_storage().nbytes()
+        gathered += self.view_grad_bytes
+        if self.reduction is not None:  # in flight: the full-size gradient and the shard it lands in
+            full, out = self.reduction.nbytes()
+            gathered += full
+            grads += out
+        return {
+            "params": self.flat_shard.untyped_storage().nbytes(),
+            "grads": grads,
+            "optimizer": 0,
+            "gathered": gathered,
+        }
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name}, T={self.layout.total}, S={self.layout.shard_numel}, {self.state.name})"
+
+
+def _set_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
+    """``view.grad = grad``, also when ``grad`` is in another dtype (keep_low_precision_grads): autograd
+    refuses that assignment, so a same-dtype placeholder that allocates nothing (a broadcast scalar) is
+    assigned first and its ``.data`` swapped for ``grad``."""
+    if grad.dtype == view.dtype:
+        view.grad = grad
+        return
+    view.grad = torch.zeros((), dtype=view.dtype, device=view.device).expand(view.shape)
+    view.grad.data = grad

@@ -1,0 +1,204 @@
+"""What a flatshard model holds, in state-dict order, as one rank sees it; and moving flat pieces between ranks.
+
+``model_view(module)`` walks the module tree once and lists every state-dict entry with wrapper hops
+removed: each original parameter of a unit as a ``LocalParam`` (which elements of it this rank holds,
+and where they sit in its unit's flat shard), parameters no unit manages (ignored ones), buffers and
+extra state. Every state-dict, optimizer state-dict and checkpoint path starts here. Its collectives
+go through collectives.py and are recorded with the root's run context, under the entry point's phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from flatshard.runtime import agree
+from flatshard.runtime.collectives import CollectiveResult
+from flatshard.runtime.layout import ParamInfo
+from flatshard.runtime.schedule import Phase, RunContext
+from flatshard.runtime.tree import HOPS, UnitHost, unit_hosts
+from flatshard.runtime.unit import Unit
+from flatshard.state.sharded_tensors import ShardedPiece
+
+
+@dataclass
+class LocalParam:
+    """One original parameter of a unit, seen from this rank."""
+
+    fqn: str  # canonical name (its first name in state-dict order)
+    names: list[str]
+    unit: Unit
+    info: ParamInfo
+    view: nn.Parameter  # its shard view
+    start: int  # elements [start, end) of the flattened parameter that this rank holds
+    end: int
+    lo: int  # where they sit in the flat shard
+    hi: int
+
+
+class EntryKind(enum.Enum):
+    PARAM = enum.auto()  # a unit's parameter: obj is a LocalParam
+    UNMANAGED = enum.auto()  # a parameter no unit owns (ignored): obj is the tensor
+    BUFFER = enum.auto()  # obj is the tensor
+    EXTRA = enum.auto()  # a module's extra state: obj is the module
+
+
+class Entry(NamedTuple):
+    kind: EntryKind
+    name: str
+    obj: Any
+
+
+@dataclass
+class ModelView:
+    """Every state-dict entry of a module tree, with wrapper hops removed."""
+
+    entries: list[Entry] = field(default_factory=list)
+    params: list[LocalParam] = field(default_factory=list)
+    hosts: list[tuple[str, UnitHost]] = field(default_factory=list)  # (clean prefix, host)
+    group: Any = None  # the model's process group (None: no unit)
+    ctx: Optional[RunContext] = None  # the root's run context, for recording
+
+    @property
+    def units(self) -> list[Unit]:
+        seen, out = set(), []
+        for s in self.params:
+            if id(s.unit) not in seen:
+                seen.add(id(s.unit))
+                out.append(s.unit)
+        return out
+
+    def params_of(self, unit: Unit) -> list[LocalParam]:
+        if not hasattr(self, "_by_unit"):
+            self._by_unit: dict[int, list[LocalParam]] = {}
+            for s in self.params:
+                self._by_unit.setdefault(id(s.unit), []).append(s)
+        return self._by_unit.get(id(unit), [])
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    def record(self, result: CollectiveResult) -> None:
+        """A collective over the model's whole process group, for the recorders."""
+        if self.ctx is not None:
+            self.ctx.record(result, "world", "<model>")
+
+    def phase(self, phase: Phase):
+        """The entry point's phase on the root's run context (recorded with its collectives)."""
+        return self.ctx.phase_scope(phase) if self.ctx is not None else contextlib.nullcontext()
+
+
+def model_view(module: nn.Module, prefix: str = "") -> ModelView:
+    hosts = unit_hosts(module)
+    owners = {}
+    for h in hosts:
+        unit = h._unit
+        rank = unit.groups.shard_rank
+        layout = unit.layout
+        for info, view, rng, loc in zip(layout.infos, unit.shard_views, layout.param_ranges(rank),
+                                        layout.local_slices(rank)):
+            owners[id(view)] = (unit, info, view, rng, loc)
+    out = ModelView(group=hosts[0]._unit.groups.process_group if hosts else None,
+                    ctx=hosts[0]._unit.ctx if hosts else None)
+    _walk(module, prefix, out, owners, {})
+    return out
+
+
+def _walk(module: nn.Module, prefix: str, out: ModelView, owners: dict, seen: dict) -> None:
+    if isinstance(module, UnitHost):
+        out.hosts.append((prefix, module))
+    for name, p in module._parameters.items():
+        if p is None:
+            continue
+        if id(p) in owners:
+            if id(p) not in seen:
+                unit, info, view, (a, b), (lo, hi) = owners[id(p)]
+                seen[id(p)] = LocalParam(prefix + name, [], unit, info, view, a, b, lo, hi)
+                out.params.append(seen[id(p)])
+            seen[id(p)].names.append(prefix + name)
+            out.entries.append(Entry(EntryKind.PARAM, prefix + name, seen[id(p)]))
+        else:
+            out.entries.append(Entry(EntryKind.UNMANAGED, prefix + name, p))
+    for name, b in module._buffers.items():
+        if b is not None and name not in module._non_persistent_buffers_set:
+            out.entries.append(Entry(EntryKind.BUFFER, prefix + name, b))
+    if type(module).get_extra_state is not nn.Module.get_extra_state:
+        out.entries.append(Entry(EntryKind.EXTRA, prefix + "_extra_state", module))
+    for name, child in module._modules.items():
+        if child is not None:
+            _walk(child, prefix if name in HOPS else f"{prefix}{name}.", out, owners, seen)
+
+
+def layout_fingerprint(unit: Unit) -> torch.Tensor:
+    """What must match for a LOCAL state dict to load: F, shard rank, sizes and every name and shape."""
+    text = ";".join(f"{i.name}:{tuple(i.shape)}" for i in unit.layout.infos)
+    return torch.tensor([unit.groups.shard_size, unit.groups.shard_rank, unit.layout.total,
+                         unit.layout.shard_numel, zlib.crc32(text.encode())], dtype=torch.int64)
+
+
+def gather_to(unit: Unit, shard: torch.Tensor) -> torch.Tensor:
+    """``unit.gather_full(shard)`` returned where ``shard`` lives (CPU under CPUOffload)."""
+    return unit.gather_full(shard).to(shard.device)
+
+
+# ---- moving flat pieces between ranks -----------------------------------------------------------
+def exchange(pieces: dict[Any, Any], wanted: dict[Any, tuple[int, int]], view: ModelView) -> dict[Any, torch.Tensor]:
+    """Redistribute flat pieces: ``pieces[key]`` is this rank's ShardedPiece (or full tensor, or None);
+    every rank gets elements ``wanted[key]``. The keys must be the same, in the same order, on every rank."""
+    group = view.group
+    keys = list(pieces)
+    everyone = agree.gather_json([_piece_range(pieces[k]) for k in keys], group, view.record)
+    device = agree.collective_device(group)
+    out = {}
+    for i, (key, piece) in enumerate(pieces.items()):
+        ranges = [m[i] for m in everyone]
+        if all(r is None for r in ranges):
+            continue
+        longest = max(r[1] - r[0] for r in ranges if r is not None)
+        dtype = _piece_tensor(piece).dtype if piece is not None else _dtype_of(ranges)
+        local = torch.zeros(longest, dtype=dtype, device=device)
+        if piece is not None:
+            t = _piece_tensor(piece).reshape(-1)
+            local[: t.numel()] = t.to(dtype)
+        everything = agree.all_gather_padded(local, group, view.record)
+        a, b = wanted[key]
+        dest = torch.zeros(b - a, dtype=dtype, device=device)
+        for r, rng in enumerate(ranges):
+            if rng is None:
+                continue
+            lo, hi = max(a, rng[0]), min(b, rng[1])
+            if hi > lo:
+                dest[lo - a : hi - a] = everything[r * longest + lo - rng[0] : r * longest + hi - rng[0]]
+        out[key] = dest
+    return out
+
+
+def _piece_range(v) -> Optional[list]:
+    if v is None:
+        return None
+    if isinstance(v, ShardedPiece):
+        return [v.start, v.end, dtype_name(v.dtype)]
+    return [0, v.numel(), dtype_name(v.dtype)]
+
+
+def _piece_tensor(v) -> torch.Tensor:
+    return v.tensor if isinstance(v, ShardedPiece) else v
+
+
+def _dtype_of(ranges: list) -> torch.dtype:
+    return dtype_from(next(r[2] for r in ranges if r is not None))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (how dtypes travel in JSON and manifests)."""
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_from(name: str) -> torch.dtype:
+    return getattr(torch, name.replace("torch.", ""))
