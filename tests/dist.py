@@ -1,62 +1,25 @@
 """Run a function on N real processes (spawned, gloo, a file store) and check every rank's result.
 
-Each rank runs ``fn(rank, world_size, *args)`` after ``init_process_group``; its return value (or its
-traceback) comes back through a queue. A rank that neither returns nor fails within ``timeout``
-seconds fails the test and every process is killed: a hang is a failure, never a wait.
+Each rank runs ``fn(rank, world_size, *args)`` in a process that has joined a gloo group of
+``world_size`` ranks; its return value (or its traceback) comes back through a queue. A rank that
+neither returns nor fails within ``timeout`` seconds fails the test and every process of its pool is
+killed: a hang is a failure, never a wait. Processes are kept per world size across tests
+(dist_pool.py) and replaced after any failure.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
-import queue
-import tempfile
-import traceback
 from typing import Any, Callable
 
-
-def _entry(fn, rank, world_size, store_path, args, results) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
-        out = fn(rank, world_size, *args)
-        # plain pickle (bytes), so tensors are copied rather than shared through file descriptors that
-        # die with this process
-        results.put((rank, "ok", pickle.dumps(out)))
-    except BaseException:  # report everything, including assertion failures, to the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+from tests import dist_pool
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
-    """Returns the per-rank results in rank order; raises with every failing rank's traceback."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store, args, results)) for r in range(world_size)]
-        for p in procs:
-            p.start()
-        outcomes: dict[int, tuple[str, Any]] = {}
-        try:
-            while len(outcomes) < world_size:
-                rank, status, payload = results.get(timeout=timeout)
-                outcomes[rank] = (status, payload)
-                if status == "error":
-                    break  # peers of a failed rank may be stuck in a collective: stop waiting for them
-        except queue.Empty:
-            pass
-        finally:
-            for p in procs:
-                p.join(timeout=5 if len(outcomes) == world_size else 0.5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+    """Returns the per-rank results in rank order; raises with every failing rank's traceback.
+
+    The ranks come from the pool of ``world_size`` processes (tests/dist_pool.py), started on first use."""
+    outcomes = dist_pool.pool(world_size).run(fn, args, timeout)
     errors = [f"rank {r}:\n{payload}" for r, (s, payload) in sorted(outcomes.items()) if s == "error"]
     missing = sorted(set(range(world_size)) - set(outcomes))
     if errors or missing:

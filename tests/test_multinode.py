@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,13 +30,15 @@ def test_two_node_torchrun_hybrid(tmp_path):
             os.path.join(HERE, "torchrun_hybrid.py"), str(tmp_path),
         ]
         log = open(tmp_path / f"node{node}.log", "w")
-        nodes.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        # a session of its own: on a timeout the agent and every rank it started are killed together
+        nodes.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
     try:
         codes = [p.wait(timeout=240) for p, _ in nodes]
     finally:
         for p, log in nodes:
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
             log.close()
     logs = "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in range(2))
     assert codes == [0, 0], logs
