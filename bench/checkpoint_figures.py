@@ -17,6 +17,7 @@ just before the call, after handing freed heap memory back to the OS; ``/proc/se
 
 Times are wall-clock on this machine (shared, 2 cores): compare them with each other, not with a GPU box.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,6 @@ def _trim() -> None:
     """Hand freed heap memory back to the OS, so that what a call allocates shows as new resident memory
     (glibc otherwise keeps freed pages resident and reuses them unseen)."""
     import ctypes
-
     import gc
 
     gc.collect()
@@ -95,14 +95,15 @@ def measure(fn, group=None):
     return out, t1 - t0, mem.extra
 
 
-def worker(rank: int, world: int, cfg_kwargs: dict, tmp: str) -> dict:
+def worker(rank: int, _world: int, cfg_kwargs: dict, tmp: str) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from gpt import GPT, Block, GPTConfig
 
     import flatshard
-    from flatshard import FullyShardedDataParallel as FSDP, checkpoint
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import checkpoint
     from flatshard.wrap import ModuleWrapPolicy
 
     cfg = GPTConfig(**cfg_kwargs)
@@ -118,10 +119,13 @@ def worker(rank: int, world: int, cfg_kwargs: dict, tmp: str) -> dict:
     opt.step()
     opt.zero_grad(set_to_none=True)
     share = sum(p.numel() * 4 for p in model.parameters()) + sum(
-        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+    )
     out = {"share": share, "params": sum(u.numel for u in flatshard.units(model))}
     _, out["save"], out["save_mem"] = measure(lambda: checkpoint.save(f"{tmp}/sync", model, opt, step=1))
-    handle, out["async_call"], out["async_call_mem"] = measure(lambda: checkpoint.save(f"{tmp}/async", model, opt, step=1, async_save=True))
+    handle, out["async_call"], out["async_call_mem"] = measure(
+        lambda: checkpoint.save(f"{tmp}/async", model, opt, step=1, async_save=True)
+    )
     _, out["async_wait"], _ = measure(handle.wait)
     _, out["load"], out["load_mem"] = measure(lambda: checkpoint.load(f"{tmp}/sync", model, opt))
     del model, opt
@@ -130,7 +134,8 @@ def worker(rank: int, world: int, cfg_kwargs: dict, tmp: str) -> dict:
         model, opt = build(solo)
         _, out["load1"], out["load1_mem"] = measure(lambda: checkpoint.load(f"{tmp}/sync", model, opt), solo)
         out["share1"] = sum(p.numel() * 4 for p in model.parameters()) + sum(
-            t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+            t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+        )
     dist.barrier()
     return out
 
@@ -166,27 +171,43 @@ def report(args, cfg, tmp: str, results: list[dict]) -> None:
     r0 = results[0]
     W = args.world
     size = sum(os.path.getsize(os.path.join(tmp, "sync", f)) for f in os.listdir(os.path.join(tmp, "sync")))
-    print(f"GPT {args.model} with {cfg.layers} blocks, dim {cfg.dim}: {r0['params']:,} parameters; W = {W}, FULL_SHARD, AdamW")
-    print(f"checkpoint: {size / MB:.1f} MB on disk ({W} files + manifest); each rank's share "
-          f"(parameters + AdamW state) {r0['share'] / MB:.1f} MB\n")
+    print(
+        f"GPT {args.model} with {cfg.layers} blocks, dim {cfg.dim}: {r0['params']:,} parameters; "
+        f"W = {W}, FULL_SHARD, AdamW"
+    )
+    print(
+        f"checkpoint: {size / MB:.1f} MB on disk ({W} files + manifest); each rank's share "
+        f"(parameters + AdamW state) {r0['share'] / MB:.1f} MB\n"
+    )
     print(f"{'':<28}{'time s':>8}   peak extra MB on " + "  ".join(f"{'rank ' + str(r):>7}" for r in range(W)))
-    rows = [("save (sync)", "save", "save_mem"), ("save (async): the call", "async_call", "async_call_mem"),
-            ("save (async): wait", "async_wait", None), (f"load, W = {W}", "load", "load_mem")]
+    rows = [
+        ("save (sync)", "save", "save_mem"),
+        ("save (async): the call", "async_call", "async_call_mem"),
+        ("save (async): wait", "async_wait", None),
+        (f"load, W = {W}", "load", "load_mem"),
+    ]
     pad = " " * len("   peak extra MB on ")
     for label, t, m in rows:
         mem = "  ".join(f"{r[m] / MB:7.1f}" for r in results) if m else ""
         print(f"{label:<28}{max(r[t] for r in results):>8.2f}{pad}{mem}".rstrip())
-    print(f"{'load, W = 1 (rank 0 alone)':<28}{r0['load1']:>8.2f}{pad}{r0['load1_mem'] / MB:7.1f}"
-          f"   (its share at W = 1: {r0['share1'] / MB:.1f} MB)")
+    print(
+        f"{'load, W = 1 (rank 0 alone)':<28}{r0['load1']:>8.2f}{pad}{r0['load1_mem'] / MB:7.1f}"
+        f"   (its share at W = 1: {r0['share1'] / MB:.1f} MB)"
+    )
     print("(time: the slowest rank; peak extra: resident memory above the level before the call)")
     manifest = read_manifest(os.path.join(tmp, "sync"))
-    model_bytes = sum(4 * int(__import__("math").prod(t["shape"])) for k, t in manifest["tensors"].items() if k.startswith("model/"))
+    model_bytes = sum(
+        4 * int(__import__("math").prod(t["shape"])) for k, t in manifest["tensors"].items() if k.startswith("model/")
+    )
     with PeakRSS() as mem:
         t0 = time.perf_counter()
         info = consolidate(os.path.join(tmp, "sync"), os.path.join(tmp, "model.safetensors"))
         took = time.perf_counter() - t0
-    print(f"\nconsolidate: {took:.2f} s, {info['tensors']} tensors, {info['bytes'] / MB:.1f} MB written; peak extra memory "
-          f"{mem.extra / MB:.1f} MB vs largest tensor {info['largest_tensor_bytes'] / MB:.1f} MB and model {model_bytes / MB:.1f} MB")
+    print(
+        f"\nconsolidate: {took:.2f} s, {info['tensors']} tensors, {info['bytes'] / MB:.1f} MB written; "
+        f"peak extra memory {mem.extra / MB:.1f} MB vs largest tensor {info['largest_tensor_bytes'] / MB:.1f} MB "
+        f"and model {model_bytes / MB:.1f} MB"
+    )
 
 
 if __name__ == "__main__":

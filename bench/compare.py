@@ -36,6 +36,7 @@ bf16 losses agree only loosely: autocast keeps norms and softmax in fp32). All u
 * Losses: every rank's loss of every step (tracked step included), compared across systems after the
   run; fp32 must agree within 1e-4 relative, bf16 FSDP2 within 2e-2, DDP-autocast within 5e-2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,11 +89,18 @@ def sizes():
 
 
 # ---- the trackers -----------------------------------------------------------------------------------
-C10D_KINDS = {"_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-              "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-              "reduce_scatter_tensor_coalesced_": "reduce_scatter", "allreduce_": "all_reduce",
-              "allreduce_coalesced_": "all_reduce", "broadcast_": "broadcast",
-              "send": "send"}  # flatshard's point-to-point all-gathers and reduce-scatters on gloo (collectives.py)
+C10D_KINDS = {
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast",
+    "send": "send",
+}  # flatshard's point-to-point all-gathers and reduce-scatters on gloo (collectives.py)
 
 
 def _nbytes(tensors) -> int:
@@ -183,7 +191,9 @@ def batches(data, steps, batch, block, rank, world, seed):
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        starts = torch.randint(len(data) - block - 1, (world * batch,), generator=gen)[rank * batch:(rank + 1) * batch]
+        starts = torch.randint(len(data) - block - 1, (world * batch,), generator=gen)[
+            rank * batch : (rank + 1) * batch
+        ]
         windows = data[starts[:, None] + torch.arange(block + 1)].long()
         out.append((windows[:, :-1], windows[:, 1:]))
     return out
@@ -215,13 +225,20 @@ class System:
 
 
 def build_flatshard(gpt, cfg, bf16: bool, strategy="FULL_SHARD", backward_prefetch="BACKWARD_PRE", **kw):
-    from flatshard import BackwardPrefetch, FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
+    from flatshard import BackwardPrefetch, MixedPrecision, ShardingStrategy
+    from flatshard import FullyShardedDataParallel as FSDP
     from flatshard.wrap import ModuleWrapPolicy
 
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     prefetch = None if backward_prefetch is None else BackwardPrefetch[backward_prefetch]
-    return FSDP(gpt.GPT(cfg), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({gpt.Block}),
-                mixed_precision=mp, backward_prefetch=prefetch, **kw)
+    return FSDP(
+        gpt.GPT(cfg),
+        sharding_strategy=ShardingStrategy[strategy],
+        auto_wrap_policy=ModuleWrapPolicy({gpt.Block}),
+        mixed_precision=mp,
+        backward_prefetch=prefetch,
+        **kw,
+    )
 
 
 def build_fsdp2(gpt, cfg, bf16: bool):
@@ -247,7 +264,7 @@ def make_systems(gpt, cfg, bf16: bool, seed: int, variants: dict | None) -> list
         builders["DDP"] = lambda: build_ddp(gpt, cfg)
     else:
         for name, kw in variants.items():
-            builders[name] = (lambda kw=kw: build_flatshard(gpt, cfg, bf16, **kw))
+            builders[name] = lambda kw=kw: build_flatshard(gpt, cfg, bf16, **kw)
     systems = []
     for name, build in builders.items():
         torch.manual_seed(seed)
@@ -260,7 +277,7 @@ def make_systems(gpt, cfg, bf16: bool, seed: int, variants: dict | None) -> list
 # ---- one comparison, in the ranks -------------------------------------------------------------------
 def tracked_step(system: System, x, y, world: int) -> None:
     """One more training step under StoragePeak (and flatshard's recorder): peak bytes and collectives."""
-    start = [p for p in system.model.parameters()] + [b for b in system.model.buffers()]
+    start = [*system.model.parameters(), *system.model.buffers()]
     start += [v for st in system.opt.state.values() for v in st.values() if torch.is_tensor(v)]
     tracker = StoragePeak(start, world)
     recorder = system.model.record_comms() if hasattr(system.model, "record_comms") else None
@@ -314,7 +331,7 @@ def gather_results(systems, n_params: int, world: int) -> dict:
         out["systems"][s.name] = {
             "step_s_median": statistics.median(times) if times else None,
             "step_s": times,
-            "losses_per_rank": [e[n_t:n_t + n_l].tolist() for e in every],
+            "losses_per_rank": [e[n_t : n_t + n_l].tolist() for e in every],
             "peak_bytes_per_rank": [int(e[-1].item()) for e in every],
             "peak_at_rank0": s.peak_at,
             "comm_per_step": comm,
@@ -357,11 +374,16 @@ def worker(args) -> int:
             res = compare(gpt, table[size], bf16, args, data)
             res.update(kind="comparison", size=size, world=world, dtype=dtype, agree=losses_agree(res, bf16))
             for name in ("FSDP2", "DDP"):
-                res[f"flatshard/{name}"] = res["systems"]["flatshard"]["step_s_median"] / res["systems"][name]["step_s_median"]
+                res[f"flatshard/{name}"] = (
+                    res["systems"]["flatshard"]["step_s_median"] / res["systems"][name]["step_s_median"]
+                )
             results.append(res)
             if rank == 0:
-                print(f"[W={world} {size} {dtype}] flatshard/FSDP2 {res['flatshard/FSDP2']:.3f}  "
-                      f"flatshard/DDP {res['flatshard/DDP']:.3f}", flush=True)
+                print(
+                    f"[W={world} {size} {dtype}] flatshard/FSDP2 {res['flatshard/FSDP2']:.3f}  "
+                    f"flatshard/DDP {res['flatshard/DDP']:.3f}",
+                    flush=True,
+                )
     if args.ablation and world == args.ablation_world:
         res = compare(gpt, table[args.ablation_size], False, args, data, variants=ABLATION)
         base = next(iter(ABLATION))
@@ -384,8 +406,17 @@ def launch(world: int, argv: list[str], out: Path) -> list[dict]:
 
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
     parser = torchrun.get_args_parser()
-    launch_args = parser.parse_args(["--standalone", f"--nproc-per-node={world}", str(Path(__file__).resolve()),
-                                     *argv, "--_worker", "--_out", str(out)])
+    launch_args = parser.parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={world}",
+            str(Path(__file__).resolve()),
+            *argv,
+            "--_worker",
+            "--_out",
+            str(out),
+        ]
+    )
     try:
         torchrun.run(launch_args)
     except ChildFailedError as err:
@@ -405,7 +436,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-ablation", dest="ablation", action="store_false", help="skip flatshard's prefetch ablation")
     p.add_argument("--ablation-size", default="30M", choices=["tiny", "3M", "30M"])
     p.add_argument("--ablation-world", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="3M only, W=2, fp32 and bf16, 4 steps, ablation on 3M (about 30 s)")
+    p.add_argument(
+        "--quick", action="store_true", help="3M only, W=2, fp32 and bf16, 4 steps, ablation on 3M (about 30 s)"
+    )
     p.add_argument("--json", type=Path, help=f"where to write the results (default {DEFAULT_JSON.relative_to(ROOT)})")
     p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_out", help=argparse.SUPPRESS)
@@ -418,9 +451,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def worker_argv(args) -> list[str]:
-    argv = ["--sizes", *args.sizes, "--dtypes", *args.dtypes, "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--batch-size", str(args.batch_size), "--seed", str(args.seed), "--ablation-size", args.ablation_size,
-            "--ablation-world", str(args.ablation_world)]
+    argv = [
+        "--sizes",
+        *args.sizes,
+        "--dtypes",
+        *args.dtypes,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch-size",
+        str(args.batch_size),
+        "--seed",
+        str(args.seed),
+        "--ablation-size",
+        args.ablation_size,
+        "--ablation-world",
+        str(args.ablation_world),
+    ]
     return argv + ([] if args.ablation else ["--no-ablation"])
 
 
@@ -435,10 +483,18 @@ def main(argv=None) -> int:
             results += launch(world, worker_argv(args), Path(tmp) / f"w{world}.json")
     out = args.json or (QUICK_JSON if args.quick else DEFAULT_JSON)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"command": "python -m flatshard.bench " + " ".join(sys.argv[1:] if argv is None else argv),
-              "torch": torch.__version__, "cpus": os.cpu_count(),
-              "load_average_before": load_before, "load_average_after": os.getloadavg(), "seconds": time.time() - started, "steps": args.steps, "warmup": args.warmup,
-              "batch_size": args.batch_size, "results": results}
+    report = {
+        "command": "python -m flatshard.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "seconds": time.time() - started,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "batch_size": args.batch_size,
+        "results": results,
+    }
     out.write_text(json.dumps(report, indent=1))
     print_report(report)
     print(f"results written to {out}")
@@ -455,7 +511,17 @@ def print_report(report: dict) -> None:
 
     console = Console() if Console().is_terminal else Console(width=150)
     t = Table(title="flatshard FULL_SHARD vs FSDP2 vs DDP (median step, interleaved; peak = max over ranks)")
-    for col in ("model", "W", "dtype", "system", "step ms", "flatshard/x", "peak MiB/rank", "MiB sent/step/rank", "loss Δ (rel)"):
+    for col in (
+        "model",
+        "W",
+        "dtype",
+        "system",
+        "step ms",
+        "flatshard/x",
+        "peak MiB/rank",
+        "MiB sent/step/rank",
+        "loss Δ (rel)",
+    ):
         t.add_column(col, justify="right")
     for r in (r for r in report["results"] if r["kind"] == "comparison"):
         flat = r["systems"]["flatshard"]["step_s_median"]
@@ -463,8 +529,17 @@ def print_report(report: dict) -> None:
             ratio = "" if name == "flatshard" else f"{flat / fig['step_s_median']:.2f}"
             agree = r["agree"].get(name)
             loss = "ref" if agree is None else f"{agree['max_rel_diff']:.1e} {'ok' if agree['agree'] else 'NO'}"
-            t.add_row(f"{r['size']} ({r['P'] / 1e6:.1f}M)", str(r["world"]), r["dtype"], name, f"{fig['step_s_median'] * 1e3:,.0f}",
-                      ratio, mib(max(fig["peak_bytes_per_rank"])), mib(fig["bytes_per_step"]), loss)
+            t.add_row(
+                f"{r['size']} ({r['P'] / 1e6:.1f}M)",
+                str(r["world"]),
+                r["dtype"],
+                name,
+                f"{fig['step_s_median'] * 1e3:,.0f}",
+                ratio,
+                mib(max(fig["peak_bytes_per_rank"])),
+                mib(fig["bytes_per_step"]),
+                loss,
+            )
         t.add_section()
     console.print(t)
     for r in (r for r in report["results"] if r["kind"] == "ablation"):
@@ -475,8 +550,13 @@ def print_report(report: dict) -> None:
         for name, fig in r["systems"].items():
             agree = r["agree"].get(name)
             loss = "ref" if agree is None else f"{agree['max_rel_diff']:.1e} {'ok' if agree['agree'] else 'NO'}"
-            a.add_row(name, f"{fig['step_s_median'] * 1e3:,.0f}", f"{fig['ratio_to_' + base]:.2f}",
-                      mib(max(fig["peak_bytes_per_rank"])), loss)
+            a.add_row(
+                name,
+                f"{fig['step_s_median'] * 1e3:,.0f}",
+                f"{fig['ratio_to_' + base]:.2f}",
+                mib(max(fig["peak_bytes_per_rank"])),
+                loss,
+            )
         console.print(a)
         console.print(f"FULL_SHARD / NO_SHARD step time: {r['FULL_SHARD/NO_SHARD']:.2f}")
 

@@ -3,6 +3,7 @@
 flatshard implements FSDP and never imports PyTorch's inside its package; the benchmark
 (``python -m flatshard.bench``) loads this file from the repository, as it loads examples/gpt.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 def build(gpt, cfg, bf16: bool) -> torch.nn.Module:
     """``fully_shard`` on each Block, then on the root: the same units as flatshard's."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     model = gpt.GPT(cfg)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)

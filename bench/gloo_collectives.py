@@ -4,6 +4,7 @@ the same bytes per rank). Median of 9, rank 0's clock; the results are checked a
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node=2 bench/gloo_collectives.py
 """
+
 import statistics
 import time
 
@@ -21,7 +22,7 @@ def main() -> None:
     n = 4923520 // world * world
     for dtype in (torch.float32, torch.bfloat16):
         full = (torch.arange(n, dtype=torch.float32) % 251 * (rank + 1)).to(dtype)
-        shard = full[rank * (n // world):(rank + 1) * (n // world)].clone()
+        shard = full[rank * (n // world) : (rank + 1) * (n // world)].clone()
         gathered, reduced = torch.empty_like(full), torch.empty_like(shard)
         ops = {
             "gloo all_gather_into_tensor": lambda: dist.all_gather_into_tensor(gathered, shard),
@@ -44,7 +45,9 @@ def main() -> None:
         dist.reduce_scatter_tensor(expect_r, full)
         collectives.all_gather(gathered, shard, group)
         collectives.reduce_scatter(reduced, full, group)
-        assert torch.equal(gathered, expect_g) and torch.equal(reduced, expect_r), "flatshard's results differ from gloo's"
+        assert torch.equal(gathered, expect_g) and torch.equal(reduced, expect_r), (
+            "flatshard's results differ from gloo's"
+        )
     dist.barrier()  # every rank is done with the group before any tears it down
     dist.destroy_process_group()
 

@@ -20,6 +20,7 @@ Checks, one PASS / FAIL / NOT RUN line each, with its figures:
 Exit status 1 if any check failed. Results as JSON: --json PATH, else $OUT/gpu_check.json when OUT is
 set, else bench/results/gpu_check.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,8 +101,13 @@ def build(kind: str, ctx: Ctx, **fsdp_kwargs):
         policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m is module.fc1)
     else:
         policy = ModuleWrapPolicy({Block})
-    model = FSDP(module, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=policy,
-                 device_id=ctx.device_id, **fsdp_kwargs)
+    model = FSDP(
+        module,
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy=policy,
+        device_id=ctx.device_id,
+        **fsdp_kwargs,
+    )
     return ref, model
 
 
@@ -208,8 +214,10 @@ def check_parity_fp32(ctx: Ctx) -> list[Result]:
             opt.zero_grad()
             if not agree(diffs.failure is None, ctx):
                 break
-    summary = (f"W={ctx.world} {ctx.device.type}: {len(cases)} cases ({'/'.join(MODELS)} x {'/'.join(OPTIMIZERS)}) "
-               f"x {ctx.steps} steps, output/loss/grads/params at fp32 default tolerances")
+    summary = (
+        f"W={ctx.world} {ctx.device.type}: {len(cases)} cases ({'/'.join(MODELS)} x {'/'.join(OPTIMIZERS)}) "
+        f"x {ctx.steps} steps, output/loss/grads/params at fp32 default tolerances"
+    )
     return [diffs.result("parity_fp32", ctx, summary)]
 
 
@@ -253,8 +261,10 @@ def check_parity_bf16(ctx: Ctx) -> list[Result]:
             ref.zero_grad()
             if not agree(diffs.failure is None, ctx):
                 break
-    summary = (f"W={ctx.world} {ctx.device.type}: param bf16 / reduce fp32, {'/'.join(MODELS)} x SGD "
-               f"x {ctx.steps} steps vs a bf16-cast reference, bf16 tolerances")
+    summary = (
+        f"W={ctx.world} {ctx.device.type}: param bf16 / reduce fp32, {'/'.join(MODELS)} x SGD "
+        f"x {ctx.steps} steps vs a bf16-cast reference, bf16 tolerances"
+    )
     return [diffs.result("parity_bf16", ctx, summary)]
 
 
@@ -285,8 +295,10 @@ def check_cpu_offload(ctx: Ctx) -> list[Result]:
             diffs.compare(f"{what} output", outs[1], outs[0])
             diffs.compare(f"{what} loss", losses[1], losses[0])
             for (name, p), q in zip(off.named_parameters(), base.parameters()):
-                diffs.require(p.grad is not None and p.grad.device.type == "cpu",
-                              f"{what}: grad of {name} on {None if p.grad is None else p.grad.device}, not cpu")
+                diffs.require(
+                    p.grad is not None and p.grad.device.type == "cpu",
+                    f"{what}: grad of {name} on {None if p.grad is None else p.grad.device}, not cpu",
+                )
                 diffs.compare(f"{what} grad {name}", p.grad, q.grad.cpu())
             for o in (ref_opt, base_opt, off_opt):
                 o.step()
@@ -298,22 +310,29 @@ def check_cpu_offload(ctx: Ctx) -> list[Result]:
                 break
         # FULL_STATE_DICT (the default) under offload: the unwrapped reference's keys and values
         got, want = off.state_dict(), ref.state_dict()
-        sd_diffs.require(set(got) == set(want), f"{kind}/{opt_kind}: state_dict keys differ: "
-                         f"missing {sorted(set(want) - set(got))}, extra {sorted(set(got) - set(want))}")
+        sd_diffs.require(
+            set(got) == set(want),
+            f"{kind}/{opt_kind}: state_dict keys differ: "
+            f"missing {sorted(set(want) - set(got))}, extra {sorted(set(got) - set(want))}",
+        )
         for k in sorted(set(got) & set(want)):
             sd_diffs.compare(f"{kind}/{opt_kind} state_dict[{k!r}]", got[k].detach().cpu(), want[k].detach().cpu())
-    summary = (f"W={ctx.world}: {len(cases)} cases x {ctx.steps} steps; params pinned on CPU, grads on CPU, "
-               f"outputs on {ctx.device}, equal to flatshard without offload at fp32 default tolerances")
-    return [diffs.result("cpu_offload", ctx, summary),
-            sd_diffs.result("cpu_offload_state_dict", ctx,
-                            f"{len(cases)} state dicts (FULL) vs the unwrapped reference's")]
+    summary = (
+        f"W={ctx.world}: {len(cases)} cases x {ctx.steps} steps; params pinned on CPU, grads on CPU, "
+        f"outputs on {ctx.device}, equal to flatshard without offload at fp32 default tolerances"
+    )
+    return [
+        diffs.result("cpu_offload", ctx, summary),
+        sd_diffs.result("cpu_offload_state_dict", ctx, f"{len(cases)} state dicts (FULL) vs the unwrapped reference's"),
+    ]
 
 
 def pinned_on_cpu(model, diffs: Diffs, when: str) -> None:
     """Every parameter the optimizer sees must be a pinned CPU tensor."""
     for name, p in model.named_parameters():
-        diffs.require(p.device.type == "cpu" and p.is_pinned(),
-                      f"{when}: parameter {name} on {p.device}, pinned={p.is_pinned()}")
+        diffs.require(
+            p.device.type == "cpu" and p.is_pinned(), f"{when}: parameter {name} on {p.device}, pinned={p.is_pinned()}"
+        )
 
 
 def check_offload_error(ctx: Ctx) -> list[Result]:
@@ -353,11 +372,14 @@ def check_all_gather(ctx: Ctx, sizes_mib: list[int]) -> list[Result]:
         algbw = nbytes / med / 1e9
         busbw = algbw * (ctx.world - 1) / ctx.world
         ok = ok and correct and med > 0
-        rows.append({"mib": mib, "bytes": nbytes, "median_s": med, "algbw_GBps": algbw, "busbw_GBps": busbw,
-                     "correct": correct})
+        rows.append(
+            {"mib": mib, "bytes": nbytes, "median_s": med, "algbw_GBps": algbw, "busbw_GBps": busbw, "correct": correct}
+        )
     backend = dist.get_backend()
-    figures = ", ".join(f"{r['mib']} MiB {r['median_s'] * 1e3:.3f} ms algbw {r['algbw_GBps']:.1f} GB/s "
-                        f"busbw {r['busbw_GBps']:.1f} GB/s" for r in rows)
+    figures = ", ".join(
+        f"{r['mib']} MiB {r['median_s'] * 1e3:.3f} ms algbw {r['algbw_GBps']:.1f} GB/s busbw {r['busbw_GBps']:.1f} GB/s"
+        for r in rows
+    )
     if ctx.world == 1:
         note = "W=1: a single-rank figure (a local copy on one device), NOT a network or NVLink figure"
     else:
@@ -365,8 +387,14 @@ def check_all_gather(ctx: Ctx, sizes_mib: list[int]) -> list[Result]:
     summary = f"{backend} {ctx.device.type}, median of {ITERS} after {WARMUP} warmup: {figures}; {note}"
     if not all(r["correct"] for r in rows):
         summary += "; gathered data WRONG"
-    return [Result("all_gather_bw", "PASS" if ok else "FAIL", summary,
-                   {"backend": backend, "world_size": ctx.world, "single_rank": ctx.world == 1, "sizes": rows})]
+    return [
+        Result(
+            "all_gather_bw",
+            "PASS" if ok else "FAIL",
+            summary,
+            {"backend": backend, "world_size": ctx.world, "single_rank": ctx.world == 1, "sizes": rows},
+        )
+    ]
 
 
 def timed(fn, ctx: Ctx) -> float:
@@ -385,13 +413,23 @@ def timed(fn, ctx: Ctx) -> float:
 
 # ---- driver --------------------------------------------------------------------------------------
 def environment(ctx: Ctx) -> dict:
-    env = {"python": sys.executable, "python_version": platform.python_version(), "torch": torch.__version__,
-           "flatshard": str(Path(sys.modules["flatshard"].__file__).parent), "backend": dist.get_backend(),
-           "world_size": ctx.world, "device": str(ctx.device)}
+    env = {
+        "python": sys.executable,
+        "python_version": platform.python_version(),
+        "torch": torch.__version__,
+        "flatshard": str(Path(sys.modules["flatshard"].__file__).parent),
+        "backend": dist.get_backend(),
+        "world_size": ctx.world,
+        "device": str(ctx.device),
+    }
     if ctx.cuda:
-        env.update(cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(), gpus_visible=torch.cuda.device_count(),
-                   nccl=".".join(map(str, torch.cuda.nccl.version())),
-                   float32_matmul_precision=torch.get_float32_matmul_precision())
+        env.update(
+            cuda=torch.version.cuda,
+            gpu=torch.cuda.get_device_name(),
+            gpus_visible=torch.cuda.device_count(),
+            nccl=".".join(map(str, torch.cuda.nccl.version())),
+            float32_matmul_precision=torch.get_float32_matmul_precision(),
+        )
     return env
 
 
@@ -439,8 +477,9 @@ def main() -> int:
             return 2
         torch.cuda.set_device(local_rank)
         torch.set_float32_matmul_precision("highest")  # true fp32 products (no TF32) for fp32 tolerances
-        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120),
-                                device_id=torch.device("cuda", local_rank))
+        dist.init_process_group(
+            "nccl", timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", local_rank)
+        )
     else:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -452,8 +491,11 @@ def main() -> int:
     if ctx.rank == 0:
         print("environment: " + ", ".join(f"{k}={v}" for k, v in report["environment"].items()), flush=True)
 
-    checks = [(("parity_fp32",), check_parity_fp32), (("parity_bf16",), check_parity_bf16),
-              (("cpu_offload", "cpu_offload_state_dict"), check_cpu_offload)]
+    checks = [
+        (("parity_fp32",), check_parity_fp32),
+        (("parity_bf16",), check_parity_bf16),
+        (("cpu_offload", "cpu_offload_state_dict"), check_cpu_offload),
+    ]
     if not cuda:
         checks.append((("offload_error",), check_offload_error))
     checks.append((("all_gather_bw",), functools.partial(check_all_gather, sizes_mib=sizes)))
@@ -468,8 +510,10 @@ def main() -> int:
                 in_step = False
                 if ctx.rank != 0:  # rank 0 may have seen only the broken connection: the cause is here
                     print(f"rank {ctx.rank}: {names[0]}: {e}", file=sys.stderr, flush=True)
-                results = [Result(name, "FAIL", f"failed on some ranks only, ranks out of step: {one_line(str(e))}")
-                           for name in names]
+                results = [
+                    Result(name, "FAIL", f"failed on some ranks only, ranks out of step: {one_line(str(e))}")
+                    for name in names
+                ]
         for r in results:
             report["checks"].append(vars(r))
             if ctx.rank == 0:
@@ -484,8 +528,11 @@ def main() -> int:
         path.write_text(json.dumps(report, indent=2, default=str) + "\n")
         counts = {s: sum(c["status"] == s for c in report["checks"]) for s in ("PASS", "FAIL", "NOT RUN")}
         which = f" ({', '.join(failed)})" if failed else ""
-        print(f"{'FAIL' if failed else 'PASS'}: {counts['PASS']} passed, {counts['FAIL']} failed, "
-              f"{counts['NOT RUN']} not run{which}; results in {path}", flush=True)
+        print(
+            f"{'FAIL' if failed else 'PASS'}: {counts['PASS']} passed, {counts['FAIL']} failed, "
+            f"{counts['NOT RUN']} not run{which}; results in {path}",
+            flush=True,
+        )
     if in_step:  # (a process group whose ranks fell out of step may hang on the way down)
         dist.destroy_process_group()
     return 1 if failed else 0

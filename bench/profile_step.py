@@ -8,6 +8,7 @@ loss), backward and optimizer.step(), each timed on rank 0 after a barrier at th
 of the steps after two warmups. Then one profiled step of flatshard FULL_SHARD with its collectives'
 labels (``flatshard::all_gather (unit)``, ``flatshard::reduce_scatter (unit)``).
 """
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,11 @@ import statistics
 import sys
 import time
 
+import compare as bench  # bench/compare.py, beside this file
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import compare as bench  # bench/compare.py, beside this file
 import flatshard
 from flatshard.runtime import collectives
 
@@ -47,9 +48,11 @@ def collective_costs(flat_system, rank: int) -> None:
     full = torch.randn(unit.padded_numel, dtype=unit.compute_dtype)
     shard = torch.empty(unit.padded_numel // world, dtype=unit.compute_dtype)
     group = dist.group.WORLD
-    ops = {"all_gather": lambda: collectives.all_gather(full, shard, group),
-           "reduce_scatter": lambda: collectives.reduce_scatter(shard, full, group),
-           "all_reduce": lambda: collectives.all_reduce(full, group)}
+    ops = {
+        "all_gather": lambda: collectives.all_gather(full, shard, group),
+        "reduce_scatter": lambda: collectives.reduce_scatter(shard, full, group),
+        "all_reduce": lambda: collectives.all_reduce(full, group),
+    }
     for name, op in ops.items():
         times = []
         for _ in range(5):
@@ -59,7 +62,9 @@ def collective_costs(flat_system, rank: int) -> None:
             times.append(time.perf_counter() - t0)
         if rank == 0:
             mb = full.numel() * full.element_size() / 2**20
-            print(f"{name} of one Block unit ({mb:.1f} MiB full, {full.dtype}): {statistics.median(times) * 1e3:.1f} ms")
+            print(
+                f"{name} of one Block unit ({mb:.1f} MiB full, {full.dtype}): {statistics.median(times) * 1e3:.1f} ms"
+            )
 
 
 def main() -> None:

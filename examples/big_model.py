@@ -17,6 +17,7 @@ Reads top to bottom: config → cgroups → launcher → one rank (dist init →
 optimizer → steps, one of them recorded by category) → the run without flatshard → figures and plot.
 Each rank prints nothing; the launcher prints the table (``--json`` writes the figures).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,15 +40,17 @@ def parse_bytes(text: str) -> int:
     units = {"gib": GiB, "g": GiB, "gb": 10**9, "mib": MiB, "m": MiB, "mb": 10**6, "": 1}
     t = text.strip().lower()
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    if t[len(num):] not in units:
+    if t[len(num) :] not in units:
         raise argparse.ArgumentTypeError(f"unknown size suffix in {text!r}; use e.g. 1.5GiB or 800MiB")
-    return int(float(num) * units[t[len(num):]])
+    return int(float(num) * units[t[len(num) :]])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4, help="ranks W (default 4)")
-    p.add_argument("--cap", type=parse_bytes, default=parse_bytes("1.5GiB"), help="memory cap per process (default 1.5GiB)")
+    p.add_argument(
+        "--cap", type=parse_bytes, default=parse_bytes("1.5GiB"), help="memory cap per process (default 1.5GiB)"
+    )
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
@@ -151,8 +154,11 @@ def run_capped(name: str, cap: int, argv: list[str], env: dict, count: int) -> t
     t0 = time.perf_counter()
     procs = []
     for r, c in enumerate(caps):
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
-                                      env={**env, "RANK": str(r)}, preexec_fn=c.join))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), *argv], env={**env, "RANK": str(r)}, preexec_fn=c.join
+            )
+        )
     codes = []
     for p in procs:
         codes.append(p.wait())
@@ -170,40 +176,65 @@ def launch(args) -> int:
     cfg = model_config(args)
     P = count_params(cfg)
     if 16 * P < 2 * args.cap and not args.allow_small:
-        raise SystemExit(f"16·P = {16 * P / GiB:.2f} GiB is less than twice the cap ({args.cap / GiB:.2f} GiB): "
-                         "raise --layers/--dim or lower --cap (or pass --allow-small)")
+        raise SystemExit(
+            f"16·P = {16 * P / GiB:.2f} GiB is less than twice the cap ({args.cap / GiB:.2f} GiB): "
+            "raise --layers/--dim or lower --cap (or pass --allow-small)"
+        )
     forwarded = [a for a in sys.argv[1:] if a not in ("--no-baseline",)]
     tag = f"flatshard-big-{os.getpid()}"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "figures.json"
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(args.world),
-               "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.world))}
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(args.world),
+            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.world)),
+        }
         # A hidden cost: glibc serves blocks under its mmap threshold from its heap, and raises that threshold
         # (up to 32 MiB) each time a larger block is freed. A unit's unsharded flat, freed and gathered again
         # every pass, then stays in a heap that fragments, and a rank's resident memory creeps up by hundreds
         # of MiB. A fixed threshold (which turns the raising off) returns every large block to the system.
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 * MiB))
-        codes, caps, wall = run_capped(tag, args.cap, [*forwarded, "--worker", "flatshard", "--out", str(out)], env, args.world)
+        codes, caps, wall = run_capped(
+            tag, args.cap, [*forwarded, "--worker", "flatshard", "--out", str(out)], env, args.world
+        )
         figures = json.loads(out.read_text()) if out.exists() else {"ranks": []}
-        figures.update(P=P, world=args.world, cap=args.cap, wall_s=wall, exit_codes=codes,
-                       cgroup_peak=[c.peak() for c in caps], oom_kills=[c.oom_kills() for c in caps])
+        figures.update(
+            P=P,
+            world=args.world,
+            cap=args.cap,
+            wall_s=wall,
+            exit_codes=codes,
+            cgroup_peak=[c.peak() for c in caps],
+            oom_kills=[c.oom_kills() for c in caps],
+        )
         for c in caps:
             c.remove()
         if not args.no_baseline:
             base_out = Path(tmp) / "baseline.json"
             env1 = {**env, "WORLD_SIZE": "1", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
-            bcodes, bcaps, bwall = run_capped(tag + "-baseline", args.cap,
-                                              [*forwarded, "--worker", "baseline", "--out", str(base_out)], env1, 1)
+            bcodes, bcaps, bwall = run_capped(
+                tag + "-baseline", args.cap, [*forwarded, "--worker", "baseline", "--out", str(base_out)], env1, 1
+            )
             reached = json.loads(base_out.read_text()) if base_out.exists() else {}
-            figures["baseline"] = {"exit_code": bcodes[0], "oom_kills": bcaps[0].oom_kills(), "cgroup_peak": bcaps[0].peak(),
-                                   "wall_s": bwall, **reached}
+            figures["baseline"] = {
+                "exit_code": bcodes[0],
+                "oom_kills": bcaps[0].oom_kills(),
+                "cgroup_peak": bcaps[0].peak(),
+                "wall_s": bwall,
+                **reached,
+            }
             bcaps[0].remove()
     print_figures(figures, cfg)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     if args.plot and figures["ranks"]:
-        plot_timelines(figures["ranks"], args.plot, f"one training step, {P / 1e6:.0f}M parameters, W={args.world}, "
-                                                    f"cap {args.cap / GiB:.2f} GiB per process")
+        plot_timelines(
+            figures["ranks"],
+            args.plot,
+            f"one training step, {P / 1e6:.0f}M parameters, W={args.world}, cap {args.cap / GiB:.2f} GiB per process",
+        )
         print(f"plot: {args.plot}")
     return 0 if all(c == 0 for c in codes) else 1
 
@@ -241,11 +272,12 @@ def rank_main(args) -> int:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from gpt import GPT, Block
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-    from flatshard import FullyShardedDataParallel as FSDP, param_groups
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import param_groups
     from flatshard.wrap import ModuleWrapPolicy
-    from gpt import GPT, Block
 
     dist.init_process_group("gloo")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -257,8 +289,9 @@ def rank_main(args) -> int:
         model = GPT(cfg)
     # Memory first: no backward prefetch, so one unit is gathered at a time beside the root (prefetch would
     # hold the next unit too, and keep full-size gradients while their reductions are in flight).
-    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), param_init_fn=gpt_init_fn(model, cfg),
-                 backward_prefetch=None)
+    model = FSDP(
+        model, auto_wrap_policy=ModuleWrapPolicy({Block}), param_init_fn=gpt_init_fn(model, cfg), backward_prefetch=None
+    )
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     init_s = time.perf_counter() - t0
     rss_after_init = peak_rss()
@@ -284,8 +317,17 @@ def rank_main(args) -> int:
             mem.sample()
             step_s.append(time.perf_counter() - t)
             losses.append(loss.item())
-    mine = {"rank": rank, "peak_rss": peak_rss(), "rss_after_init": rss_after_init, "init_s": init_s, "step_s": step_s,
-            "losses": losses, "peak": mem.peak, "peak_total": mem.peak_total, "timeline": mem.timeline}
+    mine = {
+        "rank": rank,
+        "peak_rss": peak_rss(),
+        "rss_after_init": rss_after_init,
+        "init_s": init_s,
+        "step_s": step_s,
+        "losses": losses,
+        "peak": mem.peak,
+        "peak_total": mem.peak_total,
+        "timeline": mem.timeline,
+    }
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -299,7 +341,6 @@ def baseline_main(args) -> int:
     """The same model, initialisation and step without flatshard, in one process: 16·P bytes needed."""
     import torch
     import torch.nn.functional as F
-
     from gpt import GPT
 
     cfg = model_config(args)
@@ -343,24 +384,38 @@ def peak_rss() -> int:
 # ---- figures --------------------------------------------------------------------------------------
 def print_figures(fig: dict, cfg) -> None:
     P, W, cap = fig["P"], fig["world"], fig["cap"]
-    print(f"model: GPT {cfg.layers} layers × {cfg.dim} wide, P = {P:,} parameters; 16·P = {16 * P / GiB:.2f} GiB "
-          f"= {16 * P / cap:.2f} × the cap")
-    print(f"flatshard: W = {W} ranks, each capped at {cap / GiB:.2f} GiB (cgroup); 16·P/W = {16 * P / W / GiB:.2f} GiB; "
-          f"exit codes {fig['exit_codes']}, OOM kills {fig['oom_kills']}")
+    print(
+        f"model: GPT {cfg.layers} layers × {cfg.dim} wide, P = {P:,} parameters; 16·P = {16 * P / GiB:.2f} GiB "
+        f"= {16 * P / cap:.2f} × the cap"
+    )
+    print(
+        f"flatshard: W = {W} ranks, each capped at {cap / GiB:.2f} GiB (cgroup); 16·P/W = {16 * P / W / GiB:.2f} GiB; "
+        f"exit codes {fig['exit_codes']}, OOM kills {fig['oom_kills']}"
+    )
     for r in fig["ranks"]:
         steps = r["step_s"][1:-1] or r["step_s"]  # not the first (allocations) nor the recorded one (tracing)
         pk = r["peak"]
-        print(f"  rank {r['rank']}: peak RSS {r['peak_rss'] / GiB:.2f} GiB ({r['peak_rss'] / cap:.0%} of cap), "
-              f"cgroup peak {fig['cgroup_peak'][r['rank']] / GiB:.2f} GiB; init {r['init_s']:.1f} s; "
-              f"{sum(steps) / len(steps):.1f} s/step; loss {' '.join(f'{v:.2f}' for v in r['losses'])}")
-        print("          peak by category (recorded step): " + ", ".join(
-            f"{c} {pk.get(c, 0) / MiB:.0f} MiB" for c in ("params", "grads", "optimizer", "gathered", "activations")))
+        print(
+            f"  rank {r['rank']}: peak RSS {r['peak_rss'] / GiB:.2f} GiB ({r['peak_rss'] / cap:.0%} of cap), "
+            f"cgroup peak {fig['cgroup_peak'][r['rank']] / GiB:.2f} GiB; init {r['init_s']:.1f} s; "
+            f"{sum(steps) / len(steps):.1f} s/step; loss {' '.join(f'{v:.2f}' for v in r['losses'])}"
+        )
+        print(
+            "          peak by category (recorded step): "
+            + ", ".join(
+                f"{c} {pk.get(c, 0) / MiB:.0f} MiB" for c in ("params", "grads", "optimizer", "gathered", "activations")
+            )
+        )
     base = fig.get("baseline")
     if base:
         code = base["exit_code"]
         how = "killed by the kernel (cgroup OOM)" if code in (-9, 137) or base["oom_kills"] > 0 else f"exit code {code}"
         last = base.get("reached", [])
-        got = f"; got as far as: {last[-1][0]} ({last[-1][1] / GiB:.2f} GiB RSS)" if last else "; before the parameters were initialised"
+        got = (
+            f"; got as far as: {last[-1][0]} ({last[-1][1] / GiB:.2f} GiB RSS)"
+            if last
+            else "; before the parameters were initialised"
+        )
         print(f"without flatshard, 1 process under the same cap: {how}{got}")
 
 

@@ -4,6 +4,7 @@ Pre-norm transformer blocks (causal self-attention, then a 4x MLP), learned posi
 embedding tied to the output head. ``Block`` is the class the training script wraps as one flatshard
 unit each; the embeddings, the final norm and the (tied) head stay in the root unit.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -85,8 +86,14 @@ class GPT(nn.Module):
 
 
 @torch.no_grad()
-def generate(model: nn.Module, idx: torch.Tensor, new_tokens: int, block_size: int,
-             temperature: float = 0.8, generator: torch.Generator | None = None) -> torch.Tensor:
+def generate(
+    model: nn.Module,
+    idx: torch.Tensor,
+    new_tokens: int,
+    block_size: int,
+    temperature: float = 0.8,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Sample ``new_tokens`` more tokens after ``idx`` (B, T), one forward per token.
 
     Under flatshard every rank must call this the same number of times with the same shapes: each

@@ -19,6 +19,7 @@ both ways of launching are the same code path in the ranks.
 Reads top to bottom: config → dist init → data → model → optimizer → loop → evaluation → summary.
 Rank 0 shows a progress bar while training and a table of figures at the end (``--json`` writes them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gpt import GPT, PRESETS, Block, generate
 
 import flatshard
-from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy, param_groups
-from gpt import GPT, PRESETS, Block, generate
+from flatshard import FullyShardedDataParallel as FSDP
+from flatshard import ShardingStrategy, param_groups
 from flatshard.wrap import ModuleWrapPolicy
 
 B_FP32 = 4  # bytes per element: parameters, gradients and AdamW's two moments are all fp32 here
@@ -47,11 +49,18 @@ B_FP32 = 4  # bytes per element: parameters, gradients and AdamW's two moments a
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="world size W when not under torchrun (default 2)")
-    p.add_argument("--strategy", default="FULL_SHARD",
-                   choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
-    p.add_argument("--sharding-factor", type=int, default=None,
-                   help="ranks F that share one copy of the model (a divisor of W); hybrid strategies default to "
-                        "the node size under torchrun")
+    p.add_argument(
+        "--strategy",
+        default="FULL_SHARD",
+        choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"],
+    )
+    p.add_argument(
+        "--sharding-factor",
+        type=int,
+        default=None,
+        help="ranks F that share one copy of the model (a divisor of W); hybrid strategies default to "
+        "the node size under torchrun",
+    )
     p.add_argument("--model", default="small", choices=sorted(PRESETS), help="size preset (see examples/gpt.py)")
     p.add_argument("--layers", type=int, help="override the preset's number of blocks")
     p.add_argument("--dim", type=int, help="override the preset's width")
@@ -72,7 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--nproc, --steps, --batch-size and --log-interval must be at least 1")
     cfg = model_config(args)
     if cfg.dim % cfg.heads:
-        p.error(f"the width ({cfg.dim}) must be a multiple of the number of heads ({cfg.heads}); change --dim or --heads")
+        p.error(
+            f"the width ({cfg.dim}) must be a multiple of the number of heads ({cfg.heads}); change --dim or --heads"
+        )
     return args
 
 
@@ -212,8 +223,12 @@ def main(argv=None) -> int:
 
     # model: the same seed on every rank gives identical initial weights before sharding
     torch.manual_seed(args.seed)
-    model = FSDP(GPT(cfg), sharding_strategy=ShardingStrategy[args.strategy], auto_wrap_policy=ModuleWrapPolicy({Block}),
-                 sharding_factor=args.sharding_factor)
+    model = FSDP(
+        GPT(cfg),
+        sharding_strategy=ShardingStrategy[args.strategy],
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        sharding_factor=args.sharding_factor,
+    )
     units = flatshard.units(model)  # one read-only UnitInfo per unit, root first
     n_params = sum(u.numel for u in units)
 
@@ -228,9 +243,12 @@ def main(argv=None) -> int:
     loss_sum, since_log = torch.zeros(()), 0
     progress = make_progress(args.quiet or not master)
     if master:
-        print(f"GPT of {n_params:,} parameters ({cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, context "
-              f"{cfg.block_size}) in {len(units)} units, {args.strategy} over W={world} ranks; "
-              f"{len(corpus):,} bytes of stdlib source, {len(val_data):,} held out", flush=True)
+        print(
+            f"GPT of {n_params:,} parameters ({cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, context "
+            f"{cfg.block_size}) in {len(units)} units, {args.strategy} over W={world} ranks; "
+            f"{len(corpus):,} bytes of stdlib source, {len(val_data):,} held out",
+            flush=True,
+        )
     task = progress.add_task("train", total=args.steps, loss=float("nan"), tps=0.0, mem="-", comm="-")
     with progress, model.record_comms() as rec, model.record_memory(opt) as mem:
         t0 = time.perf_counter()
@@ -254,8 +272,13 @@ def main(argv=None) -> int:
                 loss_sum.zero_()
                 since_log = 0
                 tps = tokens_per_step * (step + 1) / (time.perf_counter() - t0)
-                progress.update(task, loss=losses[-1][1], tps=tps, comm=fmt_bytes(rec.wire_bytes()),
-                                mem=fmt_bytes(steady["params"] + steady["grads"] + steady["optimizer"]))
+                progress.update(
+                    task,
+                    loss=losses[-1][1],
+                    tps=tps,
+                    comm=fmt_bytes(rec.wire_bytes()),
+                    mem=fmt_bytes(steady["params"] + steady["grads"] + steady["optimizer"]),
+                )
             opt.zero_grad(set_to_none=True)
             progress.advance(task)
         elapsed = time.perf_counter() - t0
@@ -265,12 +288,25 @@ def main(argv=None) -> int:
     sample = ""
     if args.sample_tokens > 0:
         prompt = torch.tensor([list(b"def ")])
-        out = generate(model, prompt, args.sample_tokens, cfg.block_size, generator=torch.Generator().manual_seed(args.seed))
+        out = generate(
+            model, prompt, args.sample_tokens, cfg.block_size, generator=torch.Generator().manual_seed(args.seed)
+        )
         sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
-    run = {"args": args, "cfg": cfg, "world": world, "units": units, "n_state": n_state, "losses": losses,
-           "elapsed": elapsed, "val_loss": val_loss, "sample": sample, "steady": steady, "peak": mem.peak_total}
-    figures = gather_figures(model, rec, run)  # collective: every rank takes part
+    run = {
+        "args": args,
+        "cfg": cfg,
+        "world": world,
+        "units": units,
+        "n_state": n_state,
+        "losses": losses,
+        "elapsed": elapsed,
+        "val_loss": val_loss,
+        "sample": sample,
+        "steady": steady,
+        "peak": mem.peak_total,
+    }
+    figures = gather_figures(rec, run)  # collective: every rank takes part
     if master:
         if args.json:
             args.json.write_text(json.dumps(figures, indent=1))
@@ -280,12 +316,22 @@ def main(argv=None) -> int:
     return 0
 
 
-def gather_figures(model, rec, run: dict) -> dict:
+def gather_figures(rec, run: dict) -> dict:
     """The run's figures as plain data: every rank's bytes (one all_gather), bytes sent per step, and
     the formulas each is checked against."""
     args, units, world, steady, n_state = run["args"], run["units"], run["world"], run["steady"], run["n_state"]
-    mine = torch.tensor([steady["params"], steady["grads"], steady["optimizer"], steady["gathered"],
-                         steady_formula(units, n_state), run["peak"], local_numel(units)], dtype=torch.int64)
+    mine = torch.tensor(
+        [
+            steady["params"],
+            steady["grads"],
+            steady["optimizer"],
+            steady["gathered"],
+            steady_formula(units, n_state),
+            run["peak"],
+            local_numel(units),
+        ],
+        dtype=torch.int64,
+    )
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     n_params = sum(u.numel for u in units)
@@ -297,12 +343,26 @@ def gather_figures(model, rec, run: dict) -> dict:
     tokens_per_step = world * args.batch_size * run["cfg"].block_size
     losses = run["losses"]
     return {
-        "strategy": args.strategy, "world": world, "sharding_factor": f, "replicas": r, "model": run["cfg"].__dict__, "units": len(units),
-        "steps": args.steps, "batch_size": args.batch_size, "tokens_per_step": tokens_per_step,
-        "P": n_params, "P_padded": padded, "root_padded": root.padded_numel,
-        "unit_shard_numel": [u.shard_numel for u in units], "n_state_params": n_state,
-        "losses": losses, "first_loss": losses[0][1], "last_loss": losses[-1][1], "val_loss": run["val_loss"],
-        "tokens_per_s": tokens_per_step * args.steps / run["elapsed"], "seconds": run["elapsed"],
+        "strategy": args.strategy,
+        "world": world,
+        "sharding_factor": f,
+        "replicas": r,
+        "model": run["cfg"].__dict__,
+        "units": len(units),
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "tokens_per_step": tokens_per_step,
+        "P": n_params,
+        "P_padded": padded,
+        "root_padded": root.padded_numel,
+        "unit_shard_numel": [u.shard_numel for u in units],
+        "n_state_params": n_state,
+        "losses": losses,
+        "first_loss": losses[0][1],
+        "last_loss": losses[-1][1],
+        "val_loss": run["val_loss"],
+        "tokens_per_s": tokens_per_step * args.steps / run["elapsed"],
+        "seconds": run["elapsed"],
         "memory": {
             "per_rank": [dict(zip(("params", "grads", "optimizer", "gathered"), t[:4].tolist())) for t in every],
             "steady_bytes": [int(t[:3].sum()) for t in every],
@@ -314,7 +374,8 @@ def gather_figures(model, rec, run: dict) -> dict:
         "comm_per_step": {k: v["wire_bytes"] / args.steps for k, v in summary.items()},
         "comm_count_per_step": {k: v["count"] / args.steps for k, v in summary.items()},
         "comm_formula": formula,
-        "comm_fsdp_per_step": sum(v["wire_bytes"] for k, v in summary.items() if not k.startswith("optimizer")) / args.steps,
+        "comm_fsdp_per_step": sum(v["wire_bytes"] for k, v in summary.items() if not k.startswith("optimizer"))
+        / args.steps,
         "comm_fsdp_formula": sum(v for k, v in formula.items() if not k.startswith("optimizer")),
         "sample": run["sample"],
     }
@@ -325,9 +386,12 @@ def make_progress(disable: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     return Progress(
-        BarColumn(bar_width=12), MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.3f} · {task.fields[tps]:,.0f} tok/s · {task.fields[mem]}/rank · "
-                   "sent {task.fields[comm]}/rank"),
+        BarColumn(bar_width=12),
+        MofNCompleteColumn(),
+        TextColumn(
+            "loss {task.fields[loss]:.3f} · {task.fields[tps]:,.0f} tok/s · {task.fields[mem]}/rank · "
+            "sent {task.fields[comm]}/rank"
+        ),
         disable=disable,
     )
 
@@ -344,7 +408,9 @@ def print_summary(fig: dict) -> None:
     val = "-" if fig["val_loss"] is None else f"{fig['val_loss']:.3f}"
     head.add_row("parameters P (padded)", f"{fig['P']:,} ({fig['P_padded']:,})")
     head.add_row("ranks W · units · steps", f"{n} · {fig['units']} · {fig['steps']}")
-    head.add_row("train loss, first → last", f"{fig['first_loss']:.3f} → {fig['last_loss']:.3f}  (ln 256 = {math.log(256):.3f})")
+    head.add_row(
+        "train loss, first → last", f"{fig['first_loss']:.3f} → {fig['last_loss']:.3f}  (ln 256 = {math.log(256):.3f})"
+    )
     head.add_row("validation loss", val)
     head.add_row("tokens/s, all ranks", f"{fig['tokens_per_s']:,.0f}  ({fig['seconds']:.1f} s)")
     head.add_row("peak bytes per rank, incl. gathered", fmt_bytes(max(mem["peak_bytes"])))
@@ -355,25 +421,53 @@ def print_summary(fig: dict) -> None:
     for col in ("rank", "params + grads", "AdamW state", "total", "per-unit formula", ideal):
         mt.add_column(col, justify="right")
     for r, held in enumerate(mem["per_rank"]):
-        mt.add_row(str(r), f"{held['params'] + held['grads']:,}", f"{held['optimizer']:,}", f"{mem['steady_bytes'][r]:,}",
-                   f"{mem['formula_bytes'][r]:,}", f"{mem['ideal_bytes']:,.0f}")
+        mt.add_row(
+            str(r),
+            f"{held['params'] + held['grads']:,}",
+            f"{held['optimizer']:,}",
+            f"{mem['steady_bytes'][r]:,}",
+            f"{mem['formula_bytes'][r]:,}",
+            f"{mem['ideal_bytes']:,.0f}",
+        )
     console.print(mt)
 
-    headline = {"FULL_SHARD": "3·P·b·(F−1)/F − root", "HYBRID_SHARD": "3·P·b·(F−1)/F − root + 2·(P/F)·b·(R−1)/R",
-                "SHARD_GRAD_OP": "2·P·b·(F−1)/F", "_HYBRID_SHARD_ZERO2": "2·P·b·(F−1)/F + 2·(P/F)·b·(R−1)/R",
-                "NO_SHARD": "2·P·b·(W−1)/W"}[strategy]
+    headline = {
+        "FULL_SHARD": "3·P·b·(F−1)/F − root",
+        "HYBRID_SHARD": "3·P·b·(F−1)/F − root + 2·(P/F)·b·(R−1)/R",
+        "SHARD_GRAD_OP": "2·P·b·(F−1)/F",
+        "_HYBRID_SHARD_ZERO2": "2·P·b·(F−1)/F + 2·(P/F)·b·(R−1)/R",
+        "NO_SHARD": "2·P·b·(W−1)/W",
+    }[strategy]
     ct = Table(title="bytes sent per rank per step (ring algorithm)")
-    for col, just in (("collective", "left"), ("phase", "left"), ("group", "left"), ("calls", "right"),
-                      ("measured", "right"), ("formula", "right")):
+    for col, just in (
+        ("collective", "left"),
+        ("phase", "left"),
+        ("group", "left"),
+        ("calls", "right"),
+        ("measured", "right"),
+        ("formula", "right"),
+    ):
         ct.add_column(col, justify=just)
     formula, measured = fig["comm_formula"], fig["comm_per_step"]
     order = {"forward": 0, "backward": 1, "optimizer": 2}
     for key in sorted(set(measured) | set(formula), key=lambda k: (order.get(k.split("/")[0], 3), k)):
         phase, kind, group = key.split("/")
-        ct.add_row(kind + (" (grad norm)" if phase == "optimizer" else ""), phase, group,
-                   f"{fig['comm_count_per_step'].get(key, 0):g}", f"{measured.get(key, 0.0):,.0f}", f"{formula.get(key, 0.0):,.0f}")
-    ct.add_row(f"[bold]params + grads: {headline}", "", "", "", f"[bold]{fig['comm_fsdp_per_step']:,.0f}",
-               f"[bold]{fig['comm_fsdp_formula']:,.0f}")
+        ct.add_row(
+            kind + (" (grad norm)" if phase == "optimizer" else ""),
+            phase,
+            group,
+            f"{fig['comm_count_per_step'].get(key, 0):g}",
+            f"{measured.get(key, 0.0):,.0f}",
+            f"{formula.get(key, 0.0):,.0f}",
+        )
+    ct.add_row(
+        f"[bold]params + grads: {headline}",
+        "",
+        "",
+        "",
+        f"[bold]{fig['comm_fsdp_per_step']:,.0f}",
+        f"[bold]{fig['comm_fsdp_formula']:,.0f}",
+    )
     console.print(ct)
     if fig["sample"]:
         console.print("[bold]sample[/bold] (prompt 'def '):")

@@ -6,11 +6,13 @@ neither returns nor fails within ``timeout`` seconds fails the test and every pr
 killed: a hang is a failure, never a wait. Processes are kept per world size across tests
 (dist_pool.py) and replaced after any failure.
 """
+
 from __future__ import annotations
 
 import os
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tests import dist_pool
 
@@ -42,8 +44,9 @@ def run_launcher(cmd: list[str], cwd, timeout: float, what: str) -> str:
 
     import pytest
 
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

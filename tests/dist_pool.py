@@ -7,9 +7,10 @@ a test may change in its process: the RNG states, the default dtype, grad mode, 
 the ``flatshard`` logger's handlers and level; and it collects garbage.
 
 A pool that fails is never reused: on any rank's error, on a timeout, or when a rank dies, every process
-of the pool is killed and the next test of that world size starts a fresh pool. So a test that breaks a collective can never leave
-the next test waiting on it. At the end of the session every pool meets at a barrier before its group
-is destroyed (a rank that tears its group down early would break a peer still connecting).
+of the pool is killed and the next test of that world size starts a fresh pool. So a test that breaks a
+collective can never leave the next test waiting on it. At the end of the session every pool meets at a
+barrier before its group is destroyed (a rank that tears its group down early would break a peer still
+connecting).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import pickle
 import queue
 import tempfile
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _SHUTDOWN = None
 
@@ -76,8 +78,10 @@ class Pool:
         store = os.path.join(self._tmp.name, "store")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_serve, args=(r, world_size, store, self._tasks[r], self._results),
-                                   daemon=True) for r in range(world_size)]
+        self._procs = [
+            ctx.Process(target=_serve, args=(r, world_size, store, self._tasks[r], self._results), daemon=True)
+            for r in range(world_size)
+        ]
         for p in self._procs:
             p.start()
         self._next_id = 0

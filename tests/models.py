@@ -1,4 +1,5 @@
 """Small models for the tests: odd shapes (padding), tied weights, frozen parts, buffers, reuse."""
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ extra all-gather for the recomputation, and the activation memory it saves, meas
 * ``after``: wrapping then ``apply_activation_checkpointing``: the checkpoint sits inside the unit.
 * ``inside``: the model's forward calls ``torch.utils.checkpoint.checkpoint`` on each block.
 SGD-momentum for every (mode, strategy), AdamW under FULL_SHARD. One spawn of 2 processes runs every case."""
+
 from __future__ import annotations
 
 import functools
@@ -47,7 +48,8 @@ def build(mode, strategy: str, prefetch="default", **sizes):
     ``prefetch``: the backward_prefetch keyword, or "default" to leave it out."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-    from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import ShardingStrategy
     from flatshard.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
@@ -55,7 +57,9 @@ def build(mode, strategy: str, prefetch="default", **sizes):
     torch.manual_seed(0)
     model = (CheckpointedGPT if mode == "inside" else TinyGPT)(**sizes)
     keywords = {} if prefetch == "default" else {"backward_prefetch": prefetch}
-    wrap = functools.partial(FSDP, sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}), **keywords)
+    wrap = functools.partial(
+        FSDP, sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}), **keywords
+    )
     if mode == "before":
         apply_activation_checkpointing(model, check_fn=is_block)
     model = wrap(model)
@@ -76,7 +80,8 @@ def batch(step: int, n: int, vocab: int = 37, length: int = 8):
 
 
 def run_case(rank: int, world: int, mode: str, strategy: str, opt_kind: str) -> dict:
-    from flatshard import testing, units as unit_infos
+    from flatshard import testing
+    from flatshard import units as unit_infos
 
     ref, model = build(mode, strategy)
     units = unit_infos(model)
@@ -118,7 +123,7 @@ def activation_peaks(mode, strategy: str, prefetch="default") -> dict:
     units = unit_infos(model)
     x, y = batch(0, 8, length=64)
     with model.record_memory(opt) as mem:
-        for step in range(2):  # the second step, with optimizer state, is the one measured
+        for _ in range(2):  # the second step, with optimizer state, is the one measured
             mem.reset_peak()
             with mem.tracking_activations():
                 F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
@@ -130,7 +135,10 @@ def activation_peaks(mode, strategy: str, prefetch="default") -> dict:
 
 def worker(rank: int, world: int) -> dict:
     out = {"cases": {}, "peaks": {}}
-    cases = [*itertools.product(MODES, STRATEGIES, ["sgd_momentum"]), *itertools.product(MODES, ["FULL_SHARD"], ["adamw"])]
+    cases = [
+        *itertools.product(MODES, STRATEGIES, ["sgd_momentum"]),
+        *itertools.product(MODES, ["FULL_SHARD"], ["adamw"]),
+    ]
     for mode, strategy, opt_kind in cases:
         out["cases"][(mode, strategy, opt_kind)] = run_case(rank, world, mode, strategy, opt_kind)
     for strategy in STRATEGIES:
@@ -145,7 +153,7 @@ def test_activation_checkpointing_parity_and_memory():
     world = 2
     results = run_distributed(worker, world, timeout=300)
     for rank, out in enumerate(results):
-        for (mode, strategy, opt_kind), case in out["cases"].items():
+        for (mode, strategy, _opt_kind), case in out["cases"].items():
             M = case["units"]
             for gathers, reduces in case["counts"]:
                 assert reduces == M, f"{mode}/{strategy}: {reduces} reduce-scatters in one backward for {M} units"
@@ -158,9 +166,11 @@ def test_activation_checkpointing_parity_and_memory():
             base = out["peaks"][(None, strategy, prefetch)]
             saved = 1 - with_ac["activations"] / base["activations"]
             if rank == 0:
-                print(f"{strategy} backward_prefetch={prefetch} checkpointing {mode} wrapping: peak activations "
-                      f"{with_ac['activations']} B vs {base['activations']} B without ({saved:.0%} saved); "
-                      f"peak gathered {with_ac['gathered']} B vs {base['gathered']} B")
+                print(
+                    f"{strategy} backward_prefetch={prefetch} checkpointing {mode} wrapping: peak activations "
+                    f"{with_ac['activations']} B vs {base['activations']} B without ({saved:.0%} saved); "
+                    f"peak gathered {with_ac['gathered']} B vs {base['gathered']} B"
+                )
             assert saved > 0.4, (strategy, mode, prefetch, with_ac, base)
             # the recomputation gathers nothing that the un-checkpointed backward does not
             assert with_ac["gathered"] == base["gathered"], (strategy, mode, prefetch, with_ac, base)

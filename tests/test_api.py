@@ -1,5 +1,6 @@
 """The FSDP-compatible surface: keywords, names, wrap policies, errors on every rank, buffers,
 ignored modules, summon_full_params, and the decay/no-decay helper."""
+
 from __future__ import annotations
 
 import functools
@@ -48,13 +49,26 @@ def errors_worker(rank: int, world: int) -> dict:
     out["old_optim_api"] = _raises(lambda: FSDP.full_optim_state_dict(FSDP(OddMLP()), None))
     out["comm_hook"] = _raises(lambda: FSDP(OddMLP()).register_comm_hook(None, None))
     # accepted: the defaults spelled out, a 1-D mesh, use_orig_params either way, a no-op MixedPrecision
-    ok = FSDP(OddMLP(), device_mesh=init_device_mesh("cpu", (world,)), use_orig_params=True,
-              limit_all_gathers=True, cpu_offload=CPUOffload(offload_params=False), mixed_precision=MixedPrecision())
+    ok = FSDP(
+        OddMLP(),
+        device_mesh=init_device_mesh("cpu", (world,)),
+        use_orig_params=True,
+        limit_all_gathers=True,
+        cpu_offload=CPUOffload(offload_params=False),
+        mixed_precision=MixedPrecision(),
+    )
     out["accepted"] = [n for n, _ in ok.named_parameters()]
     # the attributes PyTorch FSDP exposes
-    out["attributes"] = (ok.sharding_strategy.name, ok.mixed_precision.param_dtype, ok.cpu_offload.offload_params,
-                         ok.rank, ok.world_size, ok.compute_device.type, ok.check_is_root(),
-                         type(FSDP.get_state_dict_type(ok)).__name__)
+    out["attributes"] = (
+        ok.sharding_strategy.name,
+        ok.mixed_precision.param_dtype,
+        ok.cpu_offload.offload_params,
+        ok.rank,
+        ok.world_size,
+        ok.compute_device.type,
+        ok.check_is_root(),
+        type(FSDP.get_state_dict_type(ok)).__name__,
+    )
     return out
 
 
@@ -71,19 +85,23 @@ def test_unbuilt_keywords_and_bad_input_raise_on_every_rank():
         "wrapped_twice": "ValueError: this module is already wrapped",
         "mixed_dtypes": "TypeError: unit '<root>' holds parameters of several dtypes",
         "bad_policy": "TypeError: auto_wrap_policy must be a policy object",
-        "meta": "ValueError: the model is on the meta device, but these modules hold parameters or buffers of their own and have no reset_parameters()",
+        "meta": "ValueError: the model is on the meta device, but these modules hold parameters or buffers of "
+        "their own and have no reset_parameters()",
         "tie_into_hand_wrapped": "ValueError: a parameter flattened into the unit",
     }
     for rank, out in enumerate(results):
         for key, prefix in expected.items():
             assert out[key].startswith(prefix), f"rank {rank}, {key}: {out[key]}"
         assert out["accepted"] == [n for n, _ in OddMLP().named_parameters()]
-        assert out["attributes"] == ("FULL_SHARD", None, False, rank, 2, "cpu", True, "StateDictSettings"), out["attributes"]
+        assert out["attributes"] == ("FULL_SHARD", None, False, rank, 2, "cpu", True, "StateDictSettings"), out[
+            "attributes"
+        ]
     assert "common ancestor" in results[0]["tie_into_hand_wrapped"], "the error says how to wrap instead"
 
 
 def surface_worker(rank: int, world: int) -> dict:
-    from flatshard import FullyShardedDataParallel as FSDP, param_groups
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import param_groups
     from flatshard.wrap import (
         ModuleWrapPolicy,
         lambda_auto_wrap_policy,
@@ -95,7 +113,9 @@ def surface_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     ref = TinyGPT()
     torch.manual_seed(0)
-    model = FSDP(TinyGPT(), auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}))
+    model = FSDP(
+        TinyGPT(), auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    )
     out["names"] = [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
     out["units"] = [type(m.module).__name__ for m in FSDP.fsdp_modules(model)]
     out["block_is_fsdp"] = isinstance(model.blocks[0], FSDP)
@@ -107,7 +127,10 @@ def surface_worker(rank: int, world: int) -> dict:
     out["getattr_forwarding"] = isinstance(model.wte, nn.Embedding)
     sized = FSDP(TinyGPT(), auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=1000))
     out["size_units"] = sorted(type(m.module).__name__ for m in FSDP.fsdp_modules(sized))
-    lam = FSDP(TinyGPT(), auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.LayerNorm)))
+    lam = FSDP(
+        TinyGPT(),
+        auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.LayerNorm)),
+    )
     out["lambda_units"] = len(FSDP.fsdp_modules(lam))
     pol = FSDP(TinyGPT(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=False)
     out["policy_units"] = len(FSDP.fsdp_modules(pol))
@@ -134,6 +157,7 @@ def surface_worker(rank: int, world: int) -> dict:
         if isinstance(m, nn.Linear):
             with torch.no_grad():
                 m.weight.copy_(torch.arange(m.weight.numel(), dtype=torch.float32).reshape(m.weight.shape) / 100)
+
     assert model.apply(init) is model
     ref.apply(init)
     with torch.no_grad():
@@ -143,7 +167,7 @@ def surface_worker(rank: int, world: int) -> dict:
 
 def test_fsdp_surface():
     for world in (2, 3):
-        for rank, out in enumerate(run_distributed(surface_worker, world, timeout=120)):
+        for out in run_distributed(surface_worker, world, timeout=120):
             assert out["names"] and out["orig_shapes"] and out["views_1d"], out
             assert out["units"] == ["TinyGPT", "Block", "Block"], out["units"]
             assert out["block_is_fsdp"] and out["getattr_forwarding"]
@@ -184,7 +208,9 @@ def buffers_ignored_worker(rank: int, world: int) -> dict:
     ignored = FSDP(inner, ignored_modules=[inner.out])
     out["ignored_param_whole"] = ignored.out.weight.shape == (1, 10) and ignored.out.weight is inner.out.weight
     out["ignored_not_view"] = not hasattr(inner.out.weight, "orig_shape")
-    out["managed_are_views"] = all(hasattr(p, "orig_shape") for n, p in ignored.named_parameters() if not n.startswith("out."))
+    out["managed_are_views"] = all(
+        hasattr(p, "orig_shape") for n, p in ignored.named_parameters() if not n.startswith("out.")
+    )
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 + rank))
     ignored(x).sum().backward()
     out["ignored_grad"] = inner.out.weight.grad.clone()
@@ -211,7 +237,9 @@ def test_buffers_and_ignored_modules():
     for out in results:
         assert out["buffer_names"] and out["batches_tracked"] == 3 and out["calls"] == 3
         assert out["ignored_param_whole"] and out["ignored_not_view"] and out["managed_are_views"]
-        assert out["param_whole"] and out["others_views"] and out["param_local_grad"] and out["param_in_state_dict"], out
+        assert out["param_whole"] and out["others_views"] and out["param_local_grad"] and out["param_in_state_dict"], (
+            out
+        )
         assert out["mixed_states"].startswith("ValueError: ignored_states must hold only"), out["mixed_states"]
     # ignored parameters keep each rank's local gradient (not averaged across ranks)
     assert not torch.equal(results[0]["ignored_grad"], results[1]["ignored_grad"])

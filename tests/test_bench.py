@@ -3,6 +3,7 @@ steps per system, fp32 and bf16, and a tiny ablation. Checks the JSON, not the s
 there for every system, the peaks and bytes are positive, flatshard's collectives counted by the
 benchmark's tracker equal its own recorder's, bf16 halves the all-gather bytes, and the three systems'
 losses agree."""
+
 from __future__ import annotations
 
 import json
@@ -15,14 +16,38 @@ from tests.dist import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120  # ~20 s on two cores; a hang must fail, not wait
-SYSTEM_FIELDS = {"step_s_median", "step_s", "losses_per_rank", "peak_bytes_per_rank", "comm_per_step",
-                 "bytes_per_step", "recorder_bytes_per_step"}
+SYSTEM_FIELDS = {
+    "step_s_median",
+    "step_s",
+    "losses_per_rank",
+    "peak_bytes_per_rank",
+    "comm_per_step",
+    "bytes_per_step",
+    "recorder_bytes_per_step",
+}
 
 
 def test_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "compare.py"), "--sizes", "tiny", "--world", "2", "--dtypes", "fp32", "bf16",
-           "--steps", "2", "--warmup", "0", "--ablation-size", "tiny", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "compare.py"),
+        "--sizes",
+        "tiny",
+        "--world",
+        "2",
+        "--dtypes",
+        "fp32",
+        "bf16",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--ablation-size",
+        "tiny",
+        "--json",
+        str(out),
+    ]
     run_launcher(cmd, ROOT, TIMEOUT_S, "the benchmark")
     report = json.loads(out.read_text())
     assert {"command", "torch", "cpus", "load_average_before", "load_average_after", "results"} <= set(report)
@@ -35,7 +60,9 @@ def test_bench_smoke(tmp_path):
         for name, fig in r["systems"].items():
             assert SYSTEM_FIELDS <= set(fig), name
             assert len(fig["step_s"]) == 2 and fig["step_s_median"] > 0
-            assert len(fig["losses_per_rank"]) == 2 and all(len(ls) == 3 for ls in fig["losses_per_rank"])  # 2 + tracked
+            assert len(fig["losses_per_rank"]) == 2 and all(
+                len(ls) == 3 for ls in fig["losses_per_rank"]
+            )  # 2 + tracked
             assert len(fig["peak_bytes_per_rank"]) == 2 and min(fig["peak_bytes_per_rank"]) > 0
             assert fig["bytes_per_step"] > 0
         assert all(a["agree"] for a in r["agree"].values()), r["agree"]
@@ -48,7 +75,11 @@ def test_bench_smoke(tmp_path):
     assert bf16 == fp32 / 2
 
     (ablation,) = [r for r in report["results"] if r["kind"] == "ablation"]
-    assert len(ablation["systems"]) >= 6 and ablation["FULL_SHARD/NO_SHARD"] > 0 and all(a["agree"] for a in ablation["agree"].values())
+    assert (
+        len(ablation["systems"]) >= 6
+        and ablation["FULL_SHARD/NO_SHARD"] > 0
+        and all(a["agree"] for a in ablation["agree"].values())
+    )
     # fp32: the prefetch settings change when collectives run, never the numbers
     losses = [fig["losses_per_rank"] for name, fig in ablation["systems"].items() if name != "NO_SHARD"]
     assert all(ls == losses[0] for ls in losses)

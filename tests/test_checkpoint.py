@@ -5,14 +5,15 @@ Two savers are first killed (SIGKILL) while writing and just before commit. Then
 with NO_SHARD, and at W = 1, 2, 3 (subgroups of the same processes), losses following the
 uninterrupted run; loads what the killed savers left; and meets every corruption with its named
 error on every rank. Last, the command line consolidates and inspects what it saved."""
+
 from __future__ import annotations
 
 import json
 import os
 import pickle
 import random
-import shutil
 import select
+import shutil
 import subprocess
 import sys
 
@@ -117,8 +118,9 @@ def worker(rank: int, world: int, tmp: str) -> dict:
 def test_checkpoints(tmp_path, capsys):
     """Crash leftovers first (killed savers), then one W = 4 spawn: reshard and resume, then what the
     killed savers left and every corruption; then the command line on what it saved."""
-    from flatshard.cli import main
     from safetensors.torch import load_file
+
+    from flatshard.cli import main
 
     kill_savers(str(tmp_path))
     assert not os.path.exists(tmp_path / "writing-next"), "a killed save left a loadable directory"
@@ -270,7 +272,9 @@ def corrupt_worker(rank: int, world: int, tmp: str) -> list[str]:
     for name, (damage, expected) in cases.items():
         messages.append(_error(lambda: checkpoint.load(broken(name, damage), model, opt)))
         assert expected in messages[-1], f"{name}: {messages[-1]}"
-    pickled = broken("pickle_shard", lambda d: plant_pickle(d) or shutil.copy(f"{tmp}/good/manifest.json", f"{d}/manifest.json"))
+    pickled = broken(
+        "pickle_shard", lambda d: plant_pickle(d) or shutil.copy(f"{tmp}/good/manifest.json", f"{d}/manifest.json")
+    )
     messages.append(_error(lambda: checkpoint.load(pickled, model, opt)))
     assert f"{f1} is not a safetensors file" in messages[-1], messages[-1]
     assert not os.path.exists(f"{tmp}/UNPICKLED"), "a pickle payload was executed"
@@ -280,7 +284,8 @@ def corrupt_worker(rank: int, world: int, tmp: str) -> list[str]:
 
 def mismatch_worker(tmp: str) -> list[str]:
     """A checkpoint of another model: names, then shapes."""
-    from flatshard import FullyShardedDataParallel as FSDP, checkpoint
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import checkpoint
     from flatshard.wrap import ModuleWrapPolicy
     from tests.models import Block
 

@@ -5,6 +5,7 @@ FULL_SHARD moves 3·P·b·(N−1)/N less the root unit's backward all-gather (th
 from forward to backward); SHARD_GRAD_OP and NO_SHARD move 2·P·b·(N−1)/N. Steady state (after the
 optimizer step) holds parameters + gradients + AdamW state = 16·P/N bytes, plus padding and AdamW's
 4-byte step counter per parameter."""
+
 from __future__ import annotations
 
 import torch
@@ -17,11 +18,14 @@ B = 4  # bytes per fp32 element
 
 
 def _model(strategy: str, **kw):
-    from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import ShardingStrategy
     from flatshard.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
-    return FSDP(TinyGPT(), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
+    return FSDP(
+        TinyGPT(), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}), **kw
+    )
 
 
 def _step(model, opt, world: int, seed: int) -> None:
@@ -66,6 +70,7 @@ def comms_worker(rank: int, world: int) -> dict:
         total = rec.wire_bytes() / steps
         assert abs(total - expected) < 1e-6 * max(expected, 1), (strategy, total, expected)
         if strategy != "NO_SHARD" and n > 1:  # each collective moves exactly one unit's shard
+
             def per_unit(us):
                 return sorted(float((n - 1) * u.shard_numel * B) for u in us for _ in range(steps))
 
@@ -87,7 +92,8 @@ def test_collective_counts_and_bytes_match_formulas():
 
 
 def memory_worker(rank: int, world: int) -> dict:
-    from flatshard import testing, units as unit_infos
+    from flatshard import testing
+    from flatshard import units as unit_infos
 
     out = {}
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):

@@ -7,6 +7,7 @@ boxes hold its own elements; a ShardedTensor sharded by columns is refused on ev
 Then the same checkpoint loads, in this process without
 torch.distributed, into a plain unwrapped model's state dict of full tensors.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -23,7 +24,8 @@ CASES = {"odd_mlp": "SHARD_GRAD_OP", "gpt_tie_across_units": "NO_SHARD"}  # mode
 
 
 def sharded(model, opt):
-    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import StateDictType
 
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
@@ -91,7 +93,8 @@ def load_worker(rank, world, root, saved):
         dcp.load(sd, checkpoint_id=f"{root}/{kind}")
         # the local boxes are views of the flat shards: DCP has written the parameters already
         in_place[kind] = all(torch.equal(a, want[k]) for k, a in full_sd(model).items())
-        from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+        from flatshard import FullyShardedDataParallel as FSDP
+        from flatshard import StateDictType
 
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             model.load_state_dict(sd["model"])
@@ -105,17 +108,24 @@ def load_worker(rank, world, root, saved):
 def column_sharded_error(rank, model) -> str:
     """A ShardedTensor sharded by columns (on rank 1 only) cannot become flat ranges: every rank raises."""
     from torch.distributed._shard.sharded_tensor import (
-        Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata, TensorProperties,
+        Shard,
+        ShardedTensor,
+        ShardedTensorMetadata,
+        ShardMetadata,
+        TensorProperties,
     )
 
-    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import StateDictType
 
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sd = model.state_dict()
         if rank == 1:
             metas = [ShardMetadata([0, 0], [15, 3], "rank:1/cpu"), ShardMetadata([0, 3], [15, 4], "rank:0/cpu")]
             sd["fc1.weight"] = ShardedTensor._init_from_local_shards_and_global_metadata(
-                [Shard(torch.zeros(15, 3), metas[0])], ShardedTensorMetadata(metas, torch.Size([15, 7]), TensorProperties()))
+                [Shard(torch.zeros(15, 3), metas[0])],
+                ShardedTensorMetadata(metas, torch.Size([15, 7]), TensorProperties()),
+            )
         try:
             model.load_state_dict(sd)
         except RuntimeError as exc:
@@ -149,7 +159,8 @@ def zero_dim_worker(rank, world, root):
     import torch.distributed.checkpoint as dcp
     from torch import nn
 
-    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import StateDictType
 
     class Scaled(nn.Module):
         def __init__(self):

@@ -8,8 +8,8 @@ initialises; the model then trains like the reference. ``sync_module_states=True
 built the model differently (other seeds, other buffers) equal to rank 0. Errors are raised on every
 rank and say how to fix them. One spawn of 4 processes runs every case, at W = 4 and on sub-groups of
 2 and 1 ranks (``process_group=``)."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +110,8 @@ def full_numel_alive(model: nn.Module) -> int:
 
 
 def check_meta_matches_reference(group, init_name: str, policy_name: str) -> dict:
-    from flatshard import FullyShardedDataParallel as FSDP, units as unit_infos
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import units as unit_infos
 
     init = INITS[init_name]
     # to_empty + reset_parameters inside the function draws what reset_parameters alone draws
@@ -209,8 +210,12 @@ def errors(rank: int) -> dict:
     return {
         "no_reset": raised(lambda: FSDP(meta(Scaled))),
         "not_callable": raised(lambda: FSDP(meta(Scaled), param_init_fn="normal")),
-        "left_on_meta": raised(lambda: FSDP(meta(Scaled), param_init_fn=lambda m: m.to_empty(device="meta", recurse=False))),
-        "custom_fn_ok": raised(lambda: FSDP(meta(Scaled), param_init_fn=lambda m: [nn.init.ones_(p) for p in m.parameters(recurse=False)])),
+        "left_on_meta": raised(
+            lambda: FSDP(meta(Scaled), param_init_fn=lambda m: m.to_empty(device="meta", recurse=False))
+        ),
+        "custom_fn_ok": raised(
+            lambda: FSDP(meta(Scaled), param_init_fn=lambda m: [nn.init.ones_(p) for p in m.parameters(recurse=False)])
+        ),
     }
 
 
@@ -227,7 +232,9 @@ def worker(rank: int, world: int) -> dict:
     for size, group in groups.items():
         for init_name in INITS:
             for policy_name in ("blocks", "per_layer") if size != 2 else ("blocks", "per_layer", "size"):
-                out["cases"][(size, init_name, policy_name)] = check_meta_matches_reference(group, init_name, policy_name)
+                out["cases"][(size, init_name, policy_name)] = check_meta_matches_reference(
+                    group, init_name, policy_name
+                )
         check_trains_like_reference(group)
     out["sync"] = check_sync_module_states(rank)
     out["errors"] = errors(rank)
@@ -248,5 +255,7 @@ def test_meta_model_equals_reference_and_trains():
         assert e["left_on_meta"].startswith("RuntimeError: after initialising module"), e["left_on_meta"]
         assert "still on the meta device" in e["left_on_meta"], e["left_on_meta"]
         assert e["custom_fn_ok"] == "no error", e["custom_fn_ok"]
-        assert out["sync"]["differed_before"] == (rank != 0), "ranks must start different for the sync check to mean anything"
+        assert out["sync"]["differed_before"] == (rank != 0), (
+            "ranks must start different for the sync check to mean anything"
+        )
         assert out["sync"]["unsynced_equal"] == (rank == 0), "without sync_module_states ranks keep their own values"

@@ -8,6 +8,7 @@ owned element and one fp32 step per parameter) and within padding of 16·P/F; an
 equal to the strategy's formula, collective by collective. The formulas are recomputed here from the
 layout figures, not read back from the script.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,33 @@ WORLD = 2
 
 def run_example(tmp_path: Path, strategy: str) -> dict:
     out = tmp_path / "out.json"
-    cmd = [sys.executable, str(SCRIPT), "--nproc", str(WORLD), "--strategy", strategy, "--model", "tiny",
-           "--dim", "33", "--heads", "3", "--steps", "20", "--batch-size", "8", "--log-interval", "5",
-           "--eval-batches", "2", "--sample-tokens", "8", "--quiet", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--nproc",
+        str(WORLD),
+        "--strategy",
+        strategy,
+        "--model",
+        "tiny",
+        "--dim",
+        "33",
+        "--heads",
+        "3",
+        "--steps",
+        "20",
+        "--batch-size",
+        "8",
+        "--log-interval",
+        "5",
+        "--eval-batches",
+        "2",
+        "--sample-tokens",
+        "8",
+        "--quiet",
+        "--json",
+        str(out),
+    ]
     log = run_launcher(cmd, ROOT, TIMEOUT_S, "train_gpt.py")
     assert out.exists(), f"no JSON written:\n{log[-4000:]}"
     return json.loads(out.read_text())
@@ -65,7 +90,11 @@ def test_train_gpt_figures(tmp_path, strategy):
         assert held["params"] == held["grads"] == B * sum(S), (r, held)
         assert held["gathered"] == 0, (r, held)  # every unit resharded after the step
         expected = 2 * B * sum(S) + 2 * B * mem["local_numel"][r] + B * n_state
-        assert held["params"] + held["grads"] + held["optimizer"] == mem["steady_bytes"][r] == expected, (r, held, expected)
+        assert held["params"] + held["grads"] + held["optimizer"] == mem["steady_bytes"][r] == expected, (
+            r,
+            held,
+            expected,
+        )
         assert mem["formula_bytes"][r] == expected  # what the table prints beside it
         assert abs(expected - 16 * P / F) <= 2 * B * (padded - P) + B * n_state
         assert mem["peak_bytes"][r] >= expected
@@ -74,10 +103,12 @@ def test_train_gpt_figures(tmp_path, strategy):
     ring = (WORLD - 1) / WORLD
     root = fig["root_padded"]
     if strategy == "FULL_SHARD":
-        want = {"forward/all_gather/shard": (padded * B * ring, M),
-                "backward/all_gather/shard": ((padded - root) * B * ring, M - 1),  # the root stays gathered
-                "backward/reduce_scatter/shard": (padded * B * ring, M),
-                "optimizer/all_reduce/shard": (2 * B * ring, 1)}  # clip_grad_norm_: one fp32 scalar
+        want = {
+            "forward/all_gather/shard": (padded * B * ring, M),
+            "backward/all_gather/shard": ((padded - root) * B * ring, M - 1),  # the root stays gathered
+            "backward/reduce_scatter/shard": (padded * B * ring, M),
+            "optimizer/all_reduce/shard": (2 * B * ring, 1),
+        }  # clip_grad_norm_: one fp32 scalar
         headline = 3 * padded * B * ring - root * B * ring
     else:
         want = {"backward/all_reduce/replicate": (2 * P * B * ring, M)}

@@ -1,5 +1,6 @@
 """bench/gpu_check.sh --cpu, the GPU check's dry run: launched as on the GPU machine (torchrun, here 2 gloo
 ranks), it passes every check that runs on CPU and reports the CUDA-only ones as not run, never passed."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,14 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
     log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/gpu_check.sh --cpu")
     report = json.loads(out.read_text())
     status = {c["name"]: c["status"] for c in report["checks"]}
-    assert status == {"parity_fp32": "PASS", "parity_bf16": "PASS", "offload_error": "PASS", "all_gather_bw": "PASS",
-                      "cpu_offload": "NOT RUN", "cpu_offload_state_dict": "NOT RUN"}, log[-4000:]
+    assert status == {
+        "parity_fp32": "PASS",
+        "parity_bf16": "PASS",
+        "offload_error": "PASS",
+        "all_gather_bw": "PASS",
+        "cpu_offload": "NOT RUN",
+        "cpu_offload_state_dict": "NOT RUN",
+    }, log[-4000:]
     assert report["passed"] and report["mode"] == "cpu" and report["environment"]["world_size"] == 2
     assert all(c["summary"] == "needs CUDA" for c in report["checks"] if c["status"] == "NOT RUN")
     bw = next(c for c in report["checks"] if c["name"] == "all_gather_bw")["figures"]

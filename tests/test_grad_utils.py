@@ -1,4 +1,5 @@
 """clip_grad_norm_ and no_sync at parity with the unwrapped model."""
+
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """A Hugging Face model trained under flatshard, checkpointed, consolidated into one safetensors file,
 and loaded back by ``transformers``' own ``from_pretrained`` (offline, from a local directory)."""
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,8 @@ def train_and_save(rank: int, world: int, ckpt: str) -> dict:
     from transformers import GPT2LMHeadModel
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    from flatshard import FullyShardedDataParallel as FSDP, checkpoint
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import checkpoint
     from flatshard.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)

@@ -14,8 +14,15 @@ from tests.dist import run_distributed
 from tests.models import Block, TinyGPT
 
 UNITS = ("<root>", "blocks.0", "blocks.1")
-PER_UNIT = ("pre_forward", "post_forward", "pre_backward", "post_backward", "post_backward_reduce",
-            "all_gather", "reduce_scatter")
+PER_UNIT = (
+    "pre_forward",
+    "post_forward",
+    "pre_backward",
+    "post_backward",
+    "post_backward_reduce",
+    "all_gather",
+    "reduce_scatter",
+)
 
 
 def _model():
@@ -56,14 +63,20 @@ def test_a_profiler_trace_names_every_hook_of_every_unit():
                     continue  # the root's backward reuses its forward gather; its forward one is labelled:
                 assert f"flatshard::{hook} ({unit})" in names, (hook, unit, names)
         assert "flatshard::all_gather (<root>)" in names  # from the forward
-        for entry in ("end_of_backward", "split_backward (blocks.0)", "clip_grad_norm_", "summon_full_params",
-                      "state_dict"):
+        for entry in (
+            "end_of_backward",
+            "split_backward (blocks.0)",
+            "clip_grad_norm_",
+            "summon_full_params",
+            "state_dict",
+        ):
             assert f"flatshard::{entry}" in names, (entry, names)
 
 
 def views_worker(rank: int, world: int, tmp: str) -> dict:
     import flatshard
-    from flatshard import FullyShardedDataParallel as FSDP, checkpoint
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import checkpoint
 
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -1,12 +1,12 @@
 """Hybrid sharding at W = 4: the sharding factor F named three ways, parity with the reference,
 F = 4 bitwise FULL_SHARD and F = 1 bitwise NO_SHARD, collectives per group, memory 16·P/F."""
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 import flatshard
-
 from tests.dist import run_distributed
 from tests.test_parity import PER_RANK, build, make_optimizer, run_case
 
@@ -20,7 +20,9 @@ def groups_for(way: str, factor: int, world: int) -> dict:
     if way == "device_mesh":
         from torch.distributed.device_mesh import init_device_mesh
 
-        return {"device_mesh": init_device_mesh("cpu", (world // factor, factor), mesh_dim_names=("replicate", "shard"))}
+        return {
+            "device_mesh": init_device_mesh("cpu", (world // factor, factor), mesh_dim_names=("replicate", "shard"))
+        }
     rank = dist.get_rank()
     shard = replicate = None
     for r in range(world // factor):  # every rank creates every group, in the same order
@@ -46,10 +48,14 @@ def hybrid_parity_worker(rank: int, world: int) -> dict:
             finals[(strategy, factor, way, opt_kind)] = [p.detach().clone() for p in model.parameters()]
     # the endpoints of the F axis are the plain strategies, to the bit
     for opt_kind in ("sgd_momentum", "adamw"):
-        full = [p.detach().clone() for p in run_case(rank, world, "gpt_tie_in_root", "FULL_SHARD", opt_kind).parameters()]
+        full = [
+            p.detach().clone() for p in run_case(rank, world, "gpt_tie_in_root", "FULL_SHARD", opt_kind).parameters()
+        ]
         none = [p.detach().clone() for p in run_case(rank, world, "gpt_tie_in_root", "NO_SHARD", opt_kind).parameters()]
         for way in ("sharding_factor", "device_mesh", "process_group"):
-            assert all(map(torch.equal, finals[("HYBRID_SHARD", 4, way, opt_kind)], full)), f"F=4 via {way} != FULL_SHARD"
+            assert all(map(torch.equal, finals[("HYBRID_SHARD", 4, way, opt_kind)], full)), (
+                f"F=4 via {way} != FULL_SHARD"
+            )
             assert all(map(torch.equal, finals[("HYBRID_SHARD", 1, way, opt_kind)], none)), f"F=1 via {way} != NO_SHARD"
     return {"cases": len(finals)}
 
@@ -60,7 +66,6 @@ def test_hybrid_parity_and_endpoints():
 
 
 def hybrid_comms_worker(rank: int, world: int) -> dict:
-    from flatshard import FullyShardedDataParallel as FSDP
 
     out = {}
     for strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
@@ -79,7 +84,10 @@ def hybrid_comms_worker(rank: int, world: int) -> dict:
             S = sum(u.shard_numel for u in units)
             intra = rec.wire_bytes(group="shard")
             inter = rec.wire_bytes(group="replicate")
-            assert rec.count(kind="all_gather", group="replicate") == 0 and rec.count(kind="reduce_scatter", group="replicate") == 0
+            assert (
+                rec.count(kind="all_gather", group="replicate") == 0
+                and rec.count(kind="reduce_scatter", group="replicate") == 0
+            )
             assert rec.count(kind="all_reduce", group="shard") == 0
             assert rec.count(kind="all_reduce", group="replicate") == (M if R > 1 else 0), "one all-reduce per unit"
             if factor > 1:
@@ -91,14 +99,28 @@ def hybrid_comms_worker(rank: int, world: int) -> dict:
             if strategy == "HYBRID_SHARD":
                 expected_intra -= root.padded_numel * B * (factor - 1) / factor  # the root stays gathered
             expected_inter = 2 * S * B * (R - 1) / R  # all-reduce of each unit's shard across replicas
-            assert abs(intra - expected_intra) < 1e-6 * max(1, expected_intra), (strategy, factor, intra, expected_intra)
-            assert abs(inter - expected_inter) < 1e-6 * max(1, expected_inter), (strategy, factor, inter, expected_inter)
+            assert abs(intra - expected_intra) < 1e-6 * max(1, expected_intra), (
+                strategy,
+                factor,
+                intra,
+                expected_intra,
+            )
+            assert abs(inter - expected_inter) < 1e-6 * max(1, expected_inter), (
+                strategy,
+                factor,
+                inter,
+                expected_inter,
+            )
             now = model.memory_bytes(opt)
             P = sum(u.numel for u in units)
             steady = now["params"] + now["grads"] + now["optimizer"]
             n_params = sum(len(u.param_names) for u in units)
             pad = sum(u.padding for u in units)
-            assert 16 * P / factor <= steady <= 16 * (P + pad) / factor + 4 * n_params, (factor, steady, 16 * P / factor)
+            assert 16 * P / factor <= steady <= 16 * (P + pad) / factor + 4 * n_params, (
+                factor,
+                steady,
+                16 * P / factor,
+            )
             out[(strategy, factor)] = (intra, inter, steady, P)
     return out
 
@@ -153,7 +175,8 @@ def test_hybrid_clip_and_no_sync():
 def bad_groups_worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import ShardingStrategy
     from tests.models import OddMLP
 
     def err(fn):
@@ -169,20 +192,31 @@ def bad_groups_worker(rank: int, world: int) -> dict:
     return {
         "not_divisor": err(lambda: FSDP(OddMLP(), sharding_strategy=hybrid, sharding_factor=3)),
         "no_groups": err(lambda: FSDP(OddMLP(), sharding_strategy=hybrid)),
-        "pair_wrong_size": err(lambda: FSDP(OddMLP(), sharding_strategy=hybrid, process_group=(dist.group.WORLD, mine))),
+        "pair_wrong_size": err(
+            lambda: FSDP(OddMLP(), sharding_strategy=hybrid, process_group=(dist.group.WORLD, mine))
+        ),
         "mesh_for_full_shard": err(lambda: FSDP(OddMLP(), device_mesh=init_device_mesh("cpu", (2, 2)))),
         "no_shard_factor": err(lambda: FSDP(OddMLP(), sharding_strategy=ShardingStrategy.NO_SHARD, sharding_factor=2)),
-        "two_ways": err(lambda: FSDP(OddMLP(), sharding_strategy=hybrid, sharding_factor=2,
-                                     device_mesh=init_device_mesh("cpu", (2, 2)))),
+        "two_ways": err(
+            lambda: FSDP(
+                OddMLP(), sharding_strategy=hybrid, sharding_factor=2, device_mesh=init_device_mesh("cpu", (2, 2))
+            )
+        ),
     }
 
 
 def test_bad_sharding_factor_is_a_clear_error_on_every_rank():
     results = run_distributed(bad_groups_worker, 4, timeout=120)
     for out in results:
-        assert out["not_divisor"].startswith("ValueError: sharding_factor=3 does not divide the world size 4; choose one of [1, 2, 4]")
+        assert out["not_divisor"].startswith(
+            "ValueError: sharding_factor=3 does not divide the world size 4; choose one of [1, 2, 4]"
+        )
         assert out["no_groups"].startswith("ValueError: HYBRID_SHARD needs its shard groups")
-        assert out["pair_wrong_size"].startswith("ValueError: process_group=(shard_group, replicate_group) describes 2 replicas × 4 shards = 8 ranks")
-        assert out["mesh_for_full_shard"].startswith("ValueError: a 2-D device_mesh (replicate, shard) is for HYBRID_SHARD")
+        assert out["pair_wrong_size"].startswith(
+            "ValueError: process_group=(shard_group, replicate_group) describes 2 replicas × 4 shards = 8 ranks"
+        )
+        assert out["mesh_for_full_shard"].startswith(
+            "ValueError: a 2-D device_mesh (replicate, shard) is for HYBRID_SHARD"
+        )
         assert out["no_shard_factor"].startswith("ValueError: NO_SHARD means sharding_factor=1")
         assert out["two_ways"].startswith("ValueError: name the shard and replicate groups one way only")

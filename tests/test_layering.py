@@ -85,7 +85,9 @@ def imports(module: str) -> list[tuple[str, bool, int]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
         for t in targets:
             if t == "flatshard" or t.startswith("flatshard."):
@@ -130,9 +132,16 @@ def test_no_import_cycle():
 
 
 def test_no_function_local_import_of_the_package():
-    found = [f"{MODULES[m].relative_to(SRC.parent)}:{line} imports {t}"
-             for m, edges in GRAPH.items() if m not in ALLOWED_LOCAL for t, local, line in edges if local]
-    assert found == [], "function-local imports of flatshard (import at the top; a cycle means a layer is wrong):\n" + "\n".join(found)
+    found = [
+        f"{MODULES[m].relative_to(SRC.parent)}:{line} imports {t}"
+        for m, edges in GRAPH.items()
+        if m not in ALLOWED_LOCAL
+        for t, local, line in edges
+        if local
+    ]
+    assert found == [], (
+        "function-local imports of flatshard (import at the top; a cycle means a layer is wrong):\n" + "\n".join(found)
+    )
 
 
 def test_imports_point_downwards():
@@ -168,7 +177,7 @@ def test_files_stay_small():
 
 def test_the_note_index_is_complete():
     defined, cited = {}, set()
-    for m, path in MODULES.items():
+    for path in MODULES.values():
         for line in path.read_text().splitlines():
             for name in re.findall(r"\[Note: ([^\]]+)\]", line):
                 cited.add(name)
@@ -176,6 +185,8 @@ def test_the_note_index_is_complete():
                     defined.setdefault(name, str(path.relative_to(SRC)))
     index = MODULES["flatshard.runtime"].read_text()
     listed = dict(re.findall(r"^  (\S[^.\n]*?) \.+ (\S+)$", index, re.M))
-    assert listed == defined, f"the Note index in runtime/__init__.py differs from the code:\nlisted {listed}\ndefined {defined}"
+    assert listed == defined, (
+        f"the Note index in runtime/__init__.py differs from the code:\nlisted {listed}\ndefined {defined}"
+    )
     undefined = sorted(cited - set(defined) - {"..."})
     assert undefined == [], f"Notes cited but never defined: {undefined}"

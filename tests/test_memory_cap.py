@@ -5,6 +5,7 @@ A scaled-down run of examples/big_model.py (W = 2, 16·P ≈ 1.05 × the cap, on
 test budget; the example's default run (W = 4, 16·P = 2 × a 1.5 GiB cap) is the full proof, with its
 figures in docs/big_models.md. Skipped only where memory cgroups cannot be created (no controller
 mounted, or not root), with the reason."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -33,15 +34,36 @@ def test_capped_run_trains_where_the_unsharded_model_is_killed(tmp_path):
     if reason:
         pytest.skip(f"memory cgroups unavailable: {reason}")
     cap = 1.3
-    argv = ["--world", "2", "--cap", f"{cap}GiB", "--layers", "13", "--dim", "768", "--heads", "12",
-            "--block-size", "8", "--steps", "1", "--allow-small", "--json", str(tmp_path / "fig.json")]
+    argv = [
+        "--world",
+        "2",
+        "--cap",
+        f"{cap}GiB",
+        "--layers",
+        "13",
+        "--dim",
+        "768",
+        "--heads",
+        "12",
+        "--block-size",
+        "8",
+        "--steps",
+        "1",
+        "--allow-small",
+        "--json",
+        str(tmp_path / "fig.json"),
+    ]
     run = subprocess.run([sys.executable, str(EXAMPLE), *argv], capture_output=True, text=True, timeout=240)
     assert (tmp_path / "fig.json").exists(), f"no figures; exit {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
     fig = json.loads((tmp_path / "fig.json").read_text())
     P, W, cap_bytes = fig["P"], fig["world"], fig["cap"]
     assert cap_bytes == int(cap * GiB) and W == 2
     assert 16 * P > cap_bytes, "one process cannot hold the training state"
-    assert fig["exit_codes"] == [0, 0] and all(k <= 0 for k in fig["oom_kills"]), (fig["exit_codes"], fig["oom_kills"], run.stderr[-3000:])
+    assert fig["exit_codes"] == [0, 0] and all(k <= 0 for k in fig["oom_kills"]), (
+        fig["exit_codes"],
+        fig["oom_kills"],
+        run.stderr[-3000:],
+    )
     assert len(fig["ranks"]) == W
     for r in fig["ranks"]:
         assert all(math.isfinite(v) for v in r["losses"]), r["losses"]

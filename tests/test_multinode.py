@@ -1,5 +1,6 @@
 """Two "nodes" × two processes on this machine over loopback, started by two torchrun invocations
 with c10d rendezvous, as on a real cluster: HYBRID_SHARD's default shard groups are the nodes."""
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,17 @@ def test_two_node_torchrun_hybrid(tmp_path):
     nodes = []
     for node in range(2):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes=2", "--nproc-per-node=2", f"--node-rank={node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
-            os.path.join(HERE, "torchrun_hybrid.py"), str(tmp_path),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=2",
+            f"--node-rank={node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={run_id}",
+            os.path.join(HERE, "torchrun_hybrid.py"),
+            str(tmp_path),
         ]
         log = open(tmp_path / f"node{node}.log", "w")
         # a session of its own: on a timeout the agent and every rank it started are killed together

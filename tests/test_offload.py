@@ -5,6 +5,7 @@ This machine has no accelerator, so the offload path runs here with CPU as the c
 gather and copied back after every reduction, exactly as with a CUDA compute device, where they are
 also pinned. Results must be bitwise those of the same run without offload, at F = W and at F = 1
 (where without offload the flat shard is used in place). bench/gpu_check.sh checks the CUDA case."""
+
 from __future__ import annotations
 
 import torch
@@ -25,13 +26,18 @@ def offload_worker(rank: int, world: int) -> dict:
         for offload in (False, True):
             torch.manual_seed(0)
             with testing.offload_on_cpu():
-                model = FSDP(TinyGPT(vocab=37, dim=20, heads=2, layers=2, block=8),
-                             auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy],
-                             cpu_offload=CPUOffload(offload_params=offload))
+                model = FSDP(
+                    TinyGPT(vocab=37, dim=20, heads=2, layers=2, block=8),
+                    auto_wrap_policy=ModuleWrapPolicy({Block}),
+                    sharding_strategy=ShardingStrategy[strategy],
+                    cpu_offload=CPUOffload(offload_params=offload),
+                )
             units = testing.engine_units(model)
             if offload:  # the shard is its own tensor, never the memory the unit computes with
                 assert all(u.offload and not u.plan.aliased for u in units)
-                assert all(u.flat_shard.untyped_storage().data_ptr() != u.unsharded.untyped_storage().data_ptr() for u in units)
+                assert all(
+                    u.flat_shard.untyped_storage().data_ptr() != u.unsharded.untyped_storage().data_ptr() for u in units
+                )
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             g = torch.Generator().manual_seed(rank)
             losses = []

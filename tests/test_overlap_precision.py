@@ -4,11 +4,11 @@ fp32 results do not depend on the prefetch settings (bitwise); prefetch changes 
 are issued, never how many or how large; the limiter keeps at most two units (besides the root)
 gathered; a changed forward order is noticed; bf16 gathers move half the bytes and train at parity
 with a reference that applies the same casts (PyTorch's bf16 tolerances)."""
+
 from __future__ import annotations
 
 import copy
 import itertools
-import logging
 
 import pytest
 import torch
@@ -18,7 +18,10 @@ from tests.models import Block, TinyGPT
 from tests.test_parity import PER_RANK, build, run_case
 from tests.util import captured_logs
 
-SETTINGS = [*itertools.product((None, "BACKWARD_PRE", "BACKWARD_POST"), (False, True), (True,)), ("BACKWARD_PRE", True, False)]
+SETTINGS = [
+    *itertools.product((None, "BACKWARD_PRE", "BACKWARD_POST"), (False, True), (True,)),
+    ("BACKWARD_PRE", True, False),
+]
 
 
 def prefetch_worker(rank: int, world: int) -> dict:
@@ -26,7 +29,11 @@ def prefetch_worker(rank: int, world: int) -> dict:
 
     finals = {}
     for bwd, fwd, limit in SETTINGS:
-        kw = {"backward_prefetch": BackwardPrefetch[bwd] if bwd else None, "forward_prefetch": fwd, "limit_all_gathers": limit}
+        kw = {
+            "backward_prefetch": BackwardPrefetch[bwd] if bwd else None,
+            "forward_prefetch": fwd,
+            "limit_all_gathers": limit,
+        }
         model = run_case(rank, world, "gpt_tie_across_units", "FULL_SHARD", "adamw", **kw)  # parity every step
         finals[(bwd, fwd, limit)] = [p.detach().clone() for p in model.parameters()]
     base = finals[(None, False, True)]
@@ -46,8 +53,12 @@ def schedule_worker(rank: int, world: int) -> dict:
     out = {}
     for bwd in (None, "BACKWARD_PRE", "BACKWARD_POST"):
         for fwd in (False, True):
-            _, model, batch, loss_fn = build("gpt_tie_in_root", "FULL_SHARD", forward_prefetch=fwd,
-                                             backward_prefetch=BackwardPrefetch[bwd] if bwd else None)
+            _, model, batch, loss_fn = build(
+                "gpt_tie_in_root",
+                "FULL_SHARD",
+                forward_prefetch=fwd,
+                backward_prefetch=BackwardPrefetch[bwd] if bwd else None,
+            )
             wrappers = FSDP.fsdp_modules(model)
             ready = []  # whether each block unit was already gathered when its forward began
             for w in wrappers[1:]:
@@ -63,8 +74,12 @@ def schedule_worker(rank: int, world: int) -> dict:
                 with model.record_comms() as rec, testing.on_transition(model, count):
                     loss_fn(model(x), y).backward()
             names = [(e.kind, e.unit) for e in rec.events if e.phase == "backward"]
-            out[(bwd, fwd)] = {"events": names, "ready": list(ready), "most_gathered": most[0],
-                               "counts": {k: v["count"] for k, v in rec.summary().items()}}
+            out[(bwd, fwd)] = {
+                "events": names,
+                "ready": list(ready),
+                "most_gathered": most[0],
+                "counts": {k: v["count"] for k, v in rec.summary().items()},
+            }
     return out
 
 
@@ -75,12 +90,22 @@ def test_prefetch_moves_collectives_not_their_number():
         assert all(c == counts[(None, False)] for c in counts.values()), counts  # same collectives, same number
         b0, b1 = "blocks.0", "blocks.1"
         plain = out[(None, False)]["events"]
-        assert plain == [("all_gather", b1), ("reduce_scatter", b1), ("all_gather", b0), ("reduce_scatter", b0),
-                         ("reduce_scatter", "<root>")], plain
+        assert plain == [
+            ("all_gather", b1),
+            ("reduce_scatter", b1),
+            ("all_gather", b0),
+            ("reduce_scatter", b0),
+            ("reduce_scatter", "<root>"),
+        ], plain
         for key in (("BACKWARD_PRE", False), ("BACKWARD_POST", False)):
             # the next unit's all-gather is issued before this unit's reduce-scatter
-            assert out[key]["events"] == [("all_gather", b1), ("all_gather", b0), ("reduce_scatter", b1),
-                                          ("reduce_scatter", b0), ("reduce_scatter", "<root>")], out[key]["events"]
+            assert out[key]["events"] == [
+                ("all_gather", b1),
+                ("all_gather", b0),
+                ("reduce_scatter", b1),
+                ("reduce_scatter", b0),
+                ("reduce_scatter", "<root>"),
+            ], out[key]["events"]
         # forward prefetch (from the second step, once the order is recorded): each block is already
         # gathered when its forward begins (the root prefetches blocks.0, blocks.0 prefetches blocks.1)
         assert out[(None, True)]["ready"] == [True, True], out[(None, True)]["ready"]
@@ -97,7 +122,7 @@ class SwappingGPT(TinyGPT):
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
-        for b in (reversed(self.blocks) if self.swap else self.blocks):
+        for b in reversed(self.blocks) if self.swap else self.blocks:
             x = b(x)
         return self.head(self.ln_f(x))
 
@@ -135,24 +160,35 @@ class TwoPart(torch.nn.Module):
 
 
 def precision_worker(rank: int, world: int) -> dict:
-    from flatshard import FullyShardedDataParallel as FSDP, MixedPrecision, units
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import MixedPrecision, units
 
     bf16 = torch.bfloat16
     out = {}
     # bytes: a bf16 gather moves half of an fp32 gather; reduce in fp32 keeps reduce-scatter bytes
-    for name, mp in (("fp32", None), ("bf16", MixedPrecision(param_dtype=bf16)),
-                     ("bf16_reduce_fp32", MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32))):
+    for name, mp in (
+        ("fp32", None),
+        ("bf16", MixedPrecision(param_dtype=bf16)),
+        ("bf16_reduce_fp32", MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32)),
+    ):
         _, model, batch, loss_fn = build("gpt_tie_in_root", "FULL_SHARD", mixed_precision=mp)
         x, y = batch(0, PER_RANK)
         with model.record_comms() as rec:
             logits = model(x)
             loss_fn(logits.float(), y).backward()
-        out[name] = (rec.wire_bytes("all_gather"), rec.wire_bytes("reduce_scatter"), logits.dtype,
-                     {p.grad.dtype for p in model.parameters()}, {p.dtype for p in model.parameters()})
+        out[name] = (
+            rec.wire_bytes("all_gather"),
+            rec.wire_bytes("reduce_scatter"),
+            logits.dtype,
+            {p.grad.dtype for p in model.parameters()},
+            {p.dtype for p in model.parameters()},
+        )
     # parity with a reference that applies the same casts: a bf16 copy computes, fp32 masters step.
     # Each step starts the reference from flatshard's parameters, so bf16 rounding does not compound
     # over the 10 steps and every step is checked on its own.
-    ref, model, batch, loss_fn = build("gpt_tie_in_root", "FULL_SHARD", mixed_precision=MixedPrecision(param_dtype=bf16))
+    ref, model, batch, loss_fn = build(
+        "gpt_tie_in_root", "FULL_SHARD", mixed_precision=MixedPrecision(param_dtype=bf16)
+    )
     lr = 0.05
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -177,8 +213,12 @@ def precision_worker(rank: int, world: int) -> dict:
         # checked at 2.5x bf16's tolerance; the fp32 masters they update at bf16's relative tolerance,
         # with an absolute one of lr times the gradients'.
         for name, p, ref_val, ref_grad in pairs(model, ref):
-            torch.testing.assert_close(p.grad, ref_grad, rtol=4e-2, atol=5e-3, msg=lambda m: f"bf16 step {step} grad {name}: {m}")
-            torch.testing.assert_close(p.detach(), ref_val, rtol=1.6e-2, atol=lr * 5e-3, msg=lambda m: f"bf16 step {step} {name}: {m}")
+            torch.testing.assert_close(
+                p.grad, ref_grad, rtol=4e-2, atol=5e-3, msg=lambda m: f"bf16 step {step} grad {name}: {m}"
+            )
+            torch.testing.assert_close(
+                p.detach(), ref_val, rtol=1.6e-2, atol=lr * 5e-3, msg=lambda m: f"bf16 step {step} {name}: {m}"
+            )
         opt.zero_grad()
         ref.zero_grad()
     # a unit wrapped by hand with its own policy (bf16) inside an fp32 root
@@ -191,10 +231,16 @@ def precision_worker(rank: int, world: int) -> dict:
     with model.record_comms() as rec:
         out_fp32 = model(torch.randn(3, 5))
         out_fp32.sum().backward()
-    inner_gather = [e.wire_bytes for e in rec.events if e.kind == "all_gather" and e.unit == "inner" and e.phase == "forward"]
+    inner_gather = [
+        e.wire_bytes for e in rec.events if e.kind == "all_gather" and e.unit == "inner" and e.phase == "forward"
+    ]
     expected = [(world - 1) * units(m.inner)[0].shard_numel * 2.0]  # bf16: 2 bytes per element
-    out["per_unit"] = (seen, out_fp32.dtype, all(p.grad is not None and p.grad.dtype == torch.float32
-                                                 for p in model.parameters()), inner_gather == expected)
+    out["per_unit"] = (
+        seen,
+        out_fp32.dtype,
+        all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters()),
+        inner_gather == expected,
+    )
     return out
 
 
@@ -210,7 +256,8 @@ def test_mixed_precision_bytes_and_parity():
 
 
 def offload_worker(rank: int, world: int) -> str:
-    from flatshard import CPUOffload, FullyShardedDataParallel as FSDP
+    from flatshard import CPUOffload
+    from flatshard import FullyShardedDataParallel as FSDP
 
     try:
         FSDP(TinyGPT(), cpu_offload=CPUOffload(offload_params=True))
@@ -231,8 +278,12 @@ def bounded_worker(rank: int, world: int) -> dict:
     from flatshard.wrap import ModuleWrapPolicy
 
     out, grads = {}, {}
-    cases = [(None, False), (BackwardPrefetch.BACKWARD_PRE, False), (BackwardPrefetch.BACKWARD_POST, False),
-             (BackwardPrefetch.BACKWARD_PRE, True)]  # the last: reductions left in flight, as on accelerators
+    cases = [
+        (None, False),
+        (BackwardPrefetch.BACKWARD_PRE, False),
+        (BackwardPrefetch.BACKWARD_POST, False),
+        (BackwardPrefetch.BACKWARD_PRE, True),
+    ]  # the last: reductions left in flight, as on accelerators
     for bp, in_flight in cases:
         torch.manual_seed(0)
         model = FSDP(TinyGPT(layers=6, dim=24), auto_wrap_policy=ModuleWrapPolicy({Block}), backward_prefetch=bp)
@@ -258,16 +309,21 @@ def test_prefetch_keeps_gathered_memory_bounded():
     for out in run_distributed(bounded_worker, 2, timeout=120):
         for (key, in_flight), (peak, sizes) in out.items():
             root, (unit, unpadded) = sizes[0][0], max(sizes[1:])  # the per-parameter gradients have no padding
-            expected = root + {  # the largest moment of each schedule
-                "None": unit + unpadded,  # end of a unit's backward: its parameters and gradients
-                "BackwardPrefetch.BACKWARD_PRE": 2 * unit + unpadded,  # ... and the next unit, prefetched
-                "BackwardPrefetch.BACKWARD_POST": 2 * unit,  # post-backward: flat gradient and the next unit
-            }[key] + (unit if in_flight else 0)  # ... and the previous unit's gradient, still being reduced
+            expected = (
+                root
+                + {  # the largest moment of each schedule
+                    "None": unit + unpadded,  # end of a unit's backward: its parameters and gradients
+                    "BackwardPrefetch.BACKWARD_PRE": 2 * unit + unpadded,  # ... and the next unit, prefetched
+                    "BackwardPrefetch.BACKWARD_POST": 2 * unit,  # post-backward: flat gradient and the next unit
+                }[key]
+                + (unit if in_flight else 0)
+            )  # ... and the previous unit's gradient, still being reduced
             assert peak == expected, (key, in_flight, peak, expected)
 
 
 def low_precision_grads_worker(rank: int, world: int) -> dict:
-    from flatshard import FullyShardedDataParallel as FSDP, MixedPrecision
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import MixedPrecision
     from flatshard.wrap import ModuleWrapPolicy
 
     bf16 = torch.bfloat16
@@ -275,8 +331,11 @@ def low_precision_grads_worker(rank: int, world: int) -> dict:
     seen = {}
     for keep in (False, True):
         torch.manual_seed(0)
-        model = FSDP(TinyGPT(), auto_wrap_policy=ModuleWrapPolicy({Block}),
-                     mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, keep_low_precision_grads=keep))
+        model = FSDP(
+            TinyGPT(),
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, keep_low_precision_grads=keep),
+        )
         grads = []
         with model.record_memory() as mem:
             for _ in range(2):
@@ -308,4 +367,3 @@ def test_keep_low_precision_grads_hands_the_optimizer_reduce_dtype_gradients():
     passes in that dtype; clip_grad_norm_ and an optimizer step work on them."""
     results = run_distributed(low_precision_grads_worker, 2, timeout=120)
     assert results[0] == results[1]
-

@@ -4,6 +4,7 @@ One spawn per world size runs every (model, strategy, optimizer) case: the forwa
 local micro-batch, every gradient after backward and every parameter after the step must equal the
 unwrapped model's (PyTorch's default fp32 tolerances), for 10 steps. World size 3 exercises padding
 (odd element counts everywhere)."""
+
 from __future__ import annotations
 
 import functools
@@ -29,7 +30,8 @@ def build(kind: str, strategy: str, **fsdp_kwargs):
     """(reference, wrapped, batch(step, global_size) -> (inputs, targets), loss_fn).
 
     ``fsdp_kwargs`` go to every FullyShardedDataParallel call (groups, sharding_factor, ...)."""
-    from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import ShardingStrategy
     from flatshard.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy
 
     strat = ShardingStrategy[strategy]
@@ -46,7 +48,9 @@ def build(kind: str, strategy: str, **fsdp_kwargs):
         wrapped = FSDP(model, sharding_strategy=strat, auto_wrap_policy=ModuleWrapPolicy({Block}))
     elif kind == "gpt_tie_across_units":
         # the embedding and the head become units of their own: their shared weight goes to the root
-        wrapped = FSDP(model, sharding_strategy=strat, auto_wrap_policy=ModuleWrapPolicy({Block, nn.Embedding, nn.Linear}))
+        wrapped = FSDP(
+            model, sharding_strategy=strat, auto_wrap_policy=ModuleWrapPolicy({Block, nn.Embedding, nn.Linear})
+        )
     else:  # manual nested wrapping: a frozen unit, and a unit whose module runs twice per forward
         model.trunk = FSDP(model.trunk, sharding_strategy=strat)
         model.shared = FSDP(model.shared, sharding_strategy=strat)

@@ -2,6 +2,7 @@
 
 Pure arithmetic: no processes, no torch.distributed. Sizes in the documents are decimal (GB = 1e9).
 """
+
 from __future__ import annotations
 
 import ast
@@ -12,9 +13,24 @@ from fractions import Fraction
 import pytest
 
 from flatshard.planner import (
-    BF16_MIXED, FP32, Links, ModelShape, PlanError, PlanInputs, Strategy, activation_bytes,
-    choose_sharding_factor, group_link, layout_from_module, parse_bandwidth, parse_bytes, parse_count,
-    plan, plan_strategy, preset, to_json_dict,
+    BF16_MIXED,
+    FP32,
+    Links,
+    ModelShape,
+    PlanError,
+    PlanInputs,
+    Strategy,
+    activation_bytes,
+    choose_sharding_factor,
+    group_link,
+    layout_from_module,
+    parse_bandwidth,
+    parse_bytes,
+    parse_count,
+    plan,
+    plan_strategy,
+    preset,
+    to_json_dict,
 )
 from flatshard.planner.cli import main as plan_main
 
@@ -141,23 +157,51 @@ def test_70b_on_8_gpus_communication():
     fs = r.plan_for(FULL).comm
     assert (fs.all_gather, fs.reduce_scatter, fs.total) == (490 * GB, 245 * GB, 735 * GB)
     assert r.plan_for(NO).comm.total == r.plan_for(SGO).comm.total == 490 * GB
-    assert (fs.counts.all_gather_forward, fs.counts.all_gather_backward, fs.counts.reduce_scatter_backward) == (80, 80, 80)
+    assert (fs.counts.all_gather_forward, fs.counts.all_gather_backward, fs.counts.reduce_scatter_backward) == (
+        80,
+        80,
+        80,
+    )
 
 
 DOC_FIGURES = [  # (argv, strategy, F, key, value): the commands docs/planner.md prints
     (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "NO_SHARD", 1, "steady", 112 * GB),
     (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "steady", 14 * GB),
-    (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "gather_buffer", 875_000_000),
+    (
+        ["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"],
+        "FULL_SHARD",
+        8,
+        "gather_buffer",
+        875_000_000,
+    ),
     (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "peak", 15_750_000_000),
-    (["--params", "7B", "--units", "32", "--world", "8", "--precision", "bf16-mixed"], "FULL_SHARD", 8, "peak", 14_875_000_000),
+    (
+        ["--params", "7B", "--units", "32", "--world", "8", "--precision", "bf16-mixed"],
+        "FULL_SHARD",
+        8,
+        "peak",
+        14_875_000_000,
+    ),
     (["--params", "13B", "--units", "40", "--world", "8", "--gpu-mem", "40GB"], "NO_SHARD", 1, "steady", 208 * GB),
     (["--params", "13B", "--units", "40", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "steady", 26 * GB),
     (["--params", "70B", "--units", "80", "--world", "8"], "NO_SHARD", 1, "steady", 1120 * GB),
     (["--params", "70B", "--units", "80", "--world", "8"], "FULL_SHARD", 8, "steady", 140 * GB),
     (["--params", "70B", "--units", "80", "--world", "32"], "FULL_SHARD", 32, "steady", 35 * GB),
     (["--params", "70B", "--units", "80", "--world", "32"], "HYBRID_SHARD", 8, "steady", 140 * GB),
-    (["--params", "70B", "--units", "80", "--world", "64", "--precision", "bf16-mixed"], "FULL_SHARD", 64, "steady", 17_500_000_000),
-    (["--params", "70B", "--units", "80", "--world", "64", "--precision", "bf16-mixed"], "SHARD_GRAD_OP", 64, "gather_buffer", 140 * GB),
+    (
+        ["--params", "70B", "--units", "80", "--world", "64", "--precision", "bf16-mixed"],
+        "FULL_SHARD",
+        64,
+        "steady",
+        17_500_000_000,
+    ),
+    (
+        ["--params", "70B", "--units", "80", "--world", "64", "--precision", "bf16-mixed"],
+        "SHARD_GRAD_OP",
+        64,
+        "gather_buffer",
+        140 * GB,
+    ),
     (["--params", "175B", "--units", "96", "--world", "64"], "FULL_SHARD", 64, "steady", 43_750_000_128),
     (["--params", "175B", "--units", "100", "--world", "64"], "FULL_SHARD", 64, "steady", 43_750_000_000),
     (["--params", "175B", "--units", "100", "--world", "64"], "NO_SHARD", 1, "steady", 2800 * GB),
@@ -169,8 +213,20 @@ DOC_FIGURES = [  # (argv, strategy, F, key, value): the commands docs/planner.md
     (["--params", "70B", "--units", "80", "--world", "8"], "SHARD_GRAD_OP", 8, "total", 490 * GB),
     (["--params", "64B", "--units", "64", "--world", "64"], "NO_SHARD", 1, "steady", 1024 * GB),
     (["--params", "64B", "--units", "64", "--world", "64"], "FULL_SHARD", 64, "steady", 16 * GB),
-    (["--params", "70B", "--units", "80", "--world", "64", "--precision", "bf16-mixed"], "SHARD_GRAD_OP", 64, "steady", 17_500_000_000),
-    (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "params", 3_500_000_000),
+    (
+        ["--params", "70B", "--units", "80", "--world", "64", "--precision", "bf16-mixed"],
+        "SHARD_GRAD_OP",
+        64,
+        "steady",
+        17_500_000_000,
+    ),
+    (
+        ["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"],
+        "FULL_SHARD",
+        8,
+        "params",
+        3_500_000_000,
+    ),
     (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "grads", 3_500_000_000),
     (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], "FULL_SHARD", 8, "optimizer", 7 * GB),
     (["--params", "7B", "--units", "32", "--world", "8"], "FULL_SHARD", 8, "total", 73_500_000_000),
@@ -191,17 +247,23 @@ def test_cli_ratios_and_fits(capsys):
     assert Fraction(fs["total"], ddp["total"]) == Fraction(3, 2)
     doc = cli_json(["--params", "175B", "--units", "96", "--world", "64", "--gpu-mem", "80GB"], capsys)
     assert cli_plan(doc, "FULL_SHARD")["fits"] is True
-    assert doc["recommendation"] == {"strategy": "FULL_SHARD", "sharding_factor": 64,
-                                      "why": doc["recommendation"]["why"]}
+    assert doc["recommendation"] == {
+        "strategy": "FULL_SHARD",
+        "sharding_factor": 64,
+        "why": doc["recommendation"]["why"],
+    }
 
 
-@pytest.mark.parametrize("argv,fits,recommended", [
-    (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], True, ("HYBRID_SHARD", 4)),
-    (["--params", "13B", "--units", "40", "--world", "8", "--gpu-mem", "40GB"], True, ("FULL_SHARD", 8)),
-    (["--params", "70B", "--units", "80", "--world", "8"], False, (None, None)),
-    (["--params", "70B", "--units", "80", "--world", "32"], True, ("FULL_SHARD", 32)),
-    (["--params", "175B", "--units", "96", "--world", "64"], True, ("FULL_SHARD", 64)),
-])
+@pytest.mark.parametrize(
+    "argv,fits,recommended",
+    [
+        (["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"], True, ("HYBRID_SHARD", 4)),
+        (["--params", "13B", "--units", "40", "--world", "8", "--gpu-mem", "40GB"], True, ("FULL_SHARD", 8)),
+        (["--params", "70B", "--units", "80", "--world", "8"], False, (None, None)),
+        (["--params", "70B", "--units", "80", "--world", "32"], True, ("FULL_SHARD", 32)),
+        (["--params", "175B", "--units", "96", "--world", "64"], True, ("FULL_SHARD", 64)),
+    ],
+)
 def test_document_fits_through_cli_json(argv, fits, recommended, capsys):
     doc = cli_json(argv, capsys)
     full = [p for p in doc["plans"] if p["strategy"] == "FULL_SHARD"][0]
@@ -225,19 +287,48 @@ def test_json_schema_keys_exactly(capsys):
     assert set(doc) == {"inputs", "plans", "recommendation"}
     assert set(doc["recommendation"]) == {"strategy", "sharding_factor", "why"}
     for p in doc["plans"]:
-        assert set(p) == {"strategy", "sharding_factor", "replicas", "memory_bytes", "fits",
-                          "comm_bytes_per_step", "step_time_s"}
-        assert set(p["memory_bytes"]) == {"params", "grads", "optimizer", "gather_buffer", "activations",
-                                          "steady", "peak"}
-        assert set(p["comm_bytes_per_step"]) == {"all_gather", "reduce_scatter", "all_reduce", "intra_node",
-                                                 "inter_node", "total"}
+        assert set(p) == {
+            "strategy",
+            "sharding_factor",
+            "replicas",
+            "memory_bytes",
+            "fits",
+            "comm_bytes_per_step",
+            "step_time_s",
+        }
+        assert set(p["memory_bytes"]) == {
+            "params",
+            "grads",
+            "optimizer",
+            "gather_buffer",
+            "activations",
+            "steady",
+            "peak",
+        }
+        assert set(p["comm_bytes_per_step"]) == {
+            "all_gather",
+            "reduce_scatter",
+            "all_reduce",
+            "intra_node",
+            "inter_node",
+            "total",
+        }
         c = p["comm_bytes_per_step"]
-        assert c["intra_node"] + c["inter_node"] == c["total"] == c["all_gather"] + c["reduce_scatter"] + c["all_reduce"]
+        assert (
+            c["intra_node"] + c["inter_node"] == c["total"] == c["all_gather"] + c["reduce_scatter"] + c["all_reduce"]
+        )
         assert p["replicas"] * p["sharding_factor"] == 16
     assert [(p["strategy"], p["sharding_factor"]) for p in doc["plans"]] == [
-        ("NO_SHARD", 1), ("HYBRID_SHARD", 2), ("_HYBRID_SHARD_ZERO2", 2), ("HYBRID_SHARD", 4),
-        ("_HYBRID_SHARD_ZERO2", 4), ("HYBRID_SHARD", 8), ("_HYBRID_SHARD_ZERO2", 8),
-        ("FULL_SHARD", 16), ("SHARD_GRAD_OP", 16)]
+        ("NO_SHARD", 1),
+        ("HYBRID_SHARD", 2),
+        ("_HYBRID_SHARD_ZERO2", 2),
+        ("HYBRID_SHARD", 4),
+        ("_HYBRID_SHARD_ZERO2", 4),
+        ("HYBRID_SHARD", 8),
+        ("_HYBRID_SHARD_ZERO2", 8),
+        ("FULL_SHARD", 16),
+        ("SHARD_GRAD_OP", 16),
+    ]
     assert doc["inputs"]["params"] == 6_738_415_616
 
 
@@ -260,8 +351,12 @@ def test_hand_computed_full_shard_with_root_and_prefetch():
     sgo = plan_strategy(inputs, SGO, 2).memory
     assert (sgo.gather_buffer, sgo.peak) == (264, 528 + 264 + 120)
     c = plan_strategy(inputs, FULL, 2).comm
-    assert (c.counts.all_gather_forward, c.counts.all_gather_backward, c.counts.reduce_scatter_backward,
-            c.counts.all_reduce_backward) == (4, 3, 4, 0)
+    assert (
+        c.counts.all_gather_forward,
+        c.counts.all_gather_backward,
+        c.counts.reduce_scatter_backward,
+        c.counts.all_reduce_backward,
+    ) == (4, 3, 4, 0)
     assert (c.all_gather, c.reduce_scatter) == ((3 + 5 + 10 + 15) * 4 + (5 + 10 + 15) * 4, 33 * 4)
     s = plan_strategy(inputs, SGO, 2).comm.counts
     assert (s.all_gather_forward, s.all_gather_backward, s.reduce_scatter_backward) == (4, 0, 4)
@@ -326,8 +421,9 @@ def test_adam_step_term_and_optimizers():
 
 def test_ring_alpha_beta_and_step_time():
     links = Links(intra_bandwidth=100e9, inter_bandwidth=10e9, intra_latency_s=1e-5, inter_latency_s=2e-5)
-    inputs = PlanInputs(world_size=8, unit_elements=(8 * 10**9,), links=links, device_flops=1e15,
-                        micro_batch=2, seq_len=1000)
+    inputs = PlanInputs(
+        world_size=8, unit_elements=(8 * 10**9,), links=links, device_flops=1e15, micro_batch=2, seq_len=1000
+    )
     p = plan_strategy(inputs, FULL, 8)
     ag = 7 * 10**9 * 4
     assert p.comm.forward_s == pytest.approx(7e-5 + ag / 100e9)
@@ -395,11 +491,20 @@ def test_sharding_factor_filter(capsys):
 
 
 # ---------------------------------------------------------------- model sizes
-@pytest.mark.parametrize("name,params", [
-    ("llama2-7b", 6_738_415_616), ("llama2-13b", 13_015_864_320), ("llama2-70b", 68_976_648_192),
-    ("llama-65b", 65_285_660_672), ("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496),
-    ("gpt2", 124_439_808), ("gpt3-175b", 174_604_259_328), ("Llama-2-7B", 6_738_415_616),
-])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("llama2-7b", 6_738_415_616),
+        ("llama2-13b", 13_015_864_320),
+        ("llama2-70b", 68_976_648_192),
+        ("llama-65b", 65_285_660_672),
+        ("llama3-8b", 8_030_261_248),
+        ("llama3-70b", 70_553_706_496),
+        ("gpt2", 124_439_808),
+        ("gpt3-175b", 174_604_259_328),
+        ("Llama-2-7B", 6_738_415_616),
+    ],
+)
 def test_presets_have_the_published_sizes(name, params):
     assert preset(name).params() == params
 
@@ -440,8 +545,11 @@ def test_planner_imports_no_torch():
     root = pathlib.Path(__file__).resolve().parents[1] / "src" / "flatshard" / "planner"
     for path in root.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             assert not any(n == "torch" or n.startswith("torch.") for n in names), path.name
 
 
@@ -456,21 +564,24 @@ def test_parsing():
     assert parse_bandwidth("300") == parse_bandwidth("300GB/s") == 300e9
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--params", "7B", "--world", "8", "--sharding-factor", "3"], "F=3 does not divide world size W=8"),
-    (["--params=-7B", "--world", "8"], "negative"),
-    (["--params", "7B", "--world", "8", "--gpu-mem=-40GB"], "negative"),
-    (["--params", "7B", "--world", "-8"], "--world must be"),
-    (["--model", "llama-8b", "--world", "8"], "unknown model preset 'llama-8b'"),
-    (["--params", "7B", "--world", "12"], "not a whole number of nodes"),
-    (["--params", "7B", "--world", "8", "--headroom", "1.5"], "headroom"),
-    (["--params", "7X", "--world", "8"], "unknown suffix"),
-    (["--params", "7B"], "--world is required"),
-    (["--world", "8"], "no model given"),
-    (["--params", "7B", "--world", "8", "--units", "0"], "--units must be >= 1"),
-    (["--params", "7B", "--world", "8", "--precision", "fp8"], "invalid choice"),
-    (["--model", "llama2-7b", "--params", "7B", "--world", "8"], "both given"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--params", "7B", "--world", "8", "--sharding-factor", "3"], "F=3 does not divide world size W=8"),
+        (["--params=-7B", "--world", "8"], "negative"),
+        (["--params", "7B", "--world", "8", "--gpu-mem=-40GB"], "negative"),
+        (["--params", "7B", "--world", "-8"], "--world must be"),
+        (["--model", "llama-8b", "--world", "8"], "unknown model preset 'llama-8b'"),
+        (["--params", "7B", "--world", "12"], "not a whole number of nodes"),
+        (["--params", "7B", "--world", "8", "--headroom", "1.5"], "headroom"),
+        (["--params", "7X", "--world", "8"], "unknown suffix"),
+        (["--params", "7B"], "--world is required"),
+        (["--world", "8"], "no model given"),
+        (["--params", "7B", "--world", "8", "--units", "0"], "--units must be >= 1"),
+        (["--params", "7B", "--world", "8", "--precision", "fp8"], "invalid choice"),
+        (["--model", "llama2-7b", "--params", "7B", "--world", "8"], "both given"),
+    ],
+)
 def test_cli_errors(argv, needle, capsys):
     assert plan_main(argv) == 2
     out, err = capsys.readouterr()
@@ -495,8 +606,9 @@ def test_table_output(capsys):
 # ---------------------------------------------------------------- CPU offload
 def test_offload_hand_computed_full_shard():
     """Units 10, 20, 30 plus a 6-element root, F = W = 2, fp32, Adam, d = 0. Shards 3 + 5 + 10 + 15 = 33."""
-    inputs = PlanInputs(world_size=2, unit_elements=(10, 20, 30), root_elements=6, pcie_bandwidth=100.0,
-                        host_bandwidth=1000.0)
+    inputs = PlanInputs(
+        world_size=2, unit_elements=(10, 20, 30), root_elements=6, pcie_bandwidth=100.0, host_bandwidth=1000.0
+    )
     p = plan_strategy(inputs, FULL, 2)
     o = p.offload
     # host: the whole steady state, per rank and per node (min(G, W) = 2 ranks); the flat shards are pinned
@@ -535,8 +647,7 @@ def test_offload_hand_computed_other_strategies_and_bf16():
 
 
 def test_offload_fit_verdict_uses_host_memory():
-    base = PlanInputs(world_size=2, unit_elements=(10, 20, 30), root_elements=6,
-                      device_memory_bytes=400, headroom=0.0)
+    base = PlanInputs(world_size=2, unit_elements=(10, 20, 30), root_elements=6, device_memory_bytes=400, headroom=0.0)
     r = plan(base)
     assert r.recommendation.strategy is None  # 792 bytes without offload, 400 of device memory
     fs = r.plan_for(FULL).offload
@@ -565,8 +676,25 @@ def test_offload_70b_on_8_quoted_in_the_docs():
 
 
 def test_offload_cli(capsys):
-    argv = ["--params", "60", "--units", "3", "--world", "2", "--gpu-mem", "400", "--headroom", "0",
-            "--host-mem", "1056", "--pcie-bw", "16GB/s", "--host-bw", "50GB/s", "--offload"]
+    argv = [
+        "--params",
+        "60",
+        "--units",
+        "3",
+        "--world",
+        "2",
+        "--gpu-mem",
+        "400",
+        "--headroom",
+        "0",
+        "--host-mem",
+        "1056",
+        "--pcie-bw",
+        "16GB/s",
+        "--host-bw",
+        "50GB/s",
+        "--offload",
+    ]
     doc = cli_json(argv, capsys)
     assert set(doc) == {"inputs", "plans", "recommendation", "offload_recommendation"}
     assert (doc["inputs"]["host_memory_bytes"], doc["inputs"]["pcie_bandwidth"]) == (1056, 16e9)
@@ -577,7 +705,9 @@ def test_offload_cli(capsys):
     assert cli_plan(doc, "NO_SHARD")["offload"]["host_fits"] is False  # 1920 per node
     assert doc["recommendation"]["strategy"] is None and "CPU offload fits: F=2" in doc["recommendation"]["why"]
     assert (doc["offload_recommendation"]["strategy"], doc["offload_recommendation"]["sharding_factor"]) == (
-        "SHARD_GRAD_OP", 2)  # both fit at F = 2; SHARD_GRAD_OP has fewer collectives and copies
+        "SHARD_GRAD_OP",
+        2,
+    )  # both fit at F = 2; SHARD_GRAD_OP has fewer collectives and copies
     assert "offload" not in cli_plan(cli_json(argv[:-1], capsys), "FULL_SHARD")  # without --offload
     assert plan_main(argv) == 0
     out = capsys.readouterr().out

@@ -5,6 +5,7 @@ prediction exactly; the measured peak of what flatshard manages must be within 5
 peak (activations are not part of either). The planner counts gradient shards as resident through
 the step (the documents' convention), so the run zeroes gradients with ``set_to_none=False``; with
 PyTorch's default ``set_to_none=True`` the measured peak is lower by the shards not yet reduced."""
+
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,6 @@ import torch
 import torch.nn.functional as F_
 
 import flatshard
-
 from tests.dist import run_distributed
 from tests.models import Block, TinyGPT
 from tests.util import captured_logs
@@ -37,19 +37,24 @@ def _inputs(world: int, **kw):
 
 
 def measured_vs_planned_worker(rank: int, world: int) -> list:
-    from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import ShardingStrategy
     from flatshard.planner import plan_strategy
     from flatshard.wrap import ModuleWrapPolicy
 
     rows = []
     for strategy, factor in CONFIGS[world]:
         # no prefetch: the planner's prefetch depth 0 (collectives in order, reductions finished at once)
-        model = FSDP(_gpt(), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}),
-                     sharding_factor=factor if strategy.startswith("_HYBRID") or strategy == "HYBRID_SHARD" else None,
-                     backward_prefetch=None)
+        model = FSDP(
+            _gpt(),
+            sharding_strategy=ShardingStrategy[strategy],
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            sharding_factor=factor if strategy.startswith("_HYBRID") or strategy == "HYBRID_SHARD" else None,
+            backward_prefetch=None,
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(rank)
-        for step in range(3):  # measure the third step: gradients and optimizer state exist
+        for _ in range(3):  # measure the third step: gradients and optimizer state exist
             x, y = torch.randint(0, 61, (2, 8), generator=g), torch.randint(0, 61, (2, 8), generator=g)
             opt.zero_grad(set_to_none=False)
             with model.record_memory(opt) as mem, model.record_comms() as rec:
@@ -75,12 +80,16 @@ def test_measured_bytes_match_the_planner():
         results = run_distributed(measured_vs_planned_worker, world, timeout=200)
         for row in results[0]:  # rank 0 holds the fullest shard, which is what the planner reports
             what = f"W={world} {row['config']}"
-            print(f"{what:32} steady {row['steady']} peak measured/predicted {row['peak']} "
-                  f"({row['peak'][0] / row['peak'][1]:.3f}) all_gather {row['all_gather']} "
-                  f"reduce_scatter {row['reduce_scatter']} all_reduce {row['all_reduce']}")
+            print(
+                f"{what:32} steady {row['steady']} peak measured/predicted {row['peak']} "
+                f"({row['peak'][0] / row['peak'][1]:.3f}) all_gather {row['all_gather']} "
+                f"reduce_scatter {row['reduce_scatter']} all_reduce {row['all_reduce']}"
+            )
             assert row["steady"][0] == row["steady"][1], f"{what}: steady {row['steady']}"
             measured, predicted = row["peak"]
-            assert abs(measured - predicted) <= 0.05 * predicted, f"{what}: peak measured {measured} predicted {predicted}"
+            assert abs(measured - predicted) <= 0.05 * predicted, (
+                f"{what}: peak measured {measured} predicted {predicted}"
+            )
             for kind in ("all_gather", "reduce_scatter", "all_reduce"):
                 m, p = row[kind]
                 assert abs(m - p) <= 1e-6 * max(p, 1), f"{what}: {kind} measured {m} predicted {p}"
@@ -91,13 +100,16 @@ def auto_worker(rank: int, world: int) -> dict:
     from flatshard.planner import plan_strategy
     from flatshard.wrap import ModuleWrapPolicy
 
-    peaks = {f: plan_strategy(_inputs(world), s, f).memory.peak
-             for s, f in (("NO_SHARD", 1), ("HYBRID_SHARD", 2), ("FULL_SHARD", 4))}
+    peaks = {
+        f: plan_strategy(_inputs(world), s, f).memory.peak
+        for s, f in (("NO_SHARD", 1), ("HYBRID_SHARD", 2), ("FULL_SHARD", 4))
+    }
     out = {"peaks": peaks}
     with captured_logs(logging.INFO) as records:
         for name, budget in (("admits_2", (peaks[2] + peaks[1]) // 2), ("only_4", (peaks[4] + peaks[2]) // 2)):
-            model = FSDP(_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_factor="auto",
-                         memory_budget=budget)
+            model = FSDP(
+                _gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_factor="auto", memory_budget=budget
+            )
             root = flatshard.units(model)[0]
             out[name] = (root.shard_size, root.replicate_size, model.sharding_decision[1])
     try:

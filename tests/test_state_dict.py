@@ -2,6 +2,7 @@
 exactly (tied weights across units, a frozen nested unit, buffers); the FULL state equal to an
 unwrapped reference trained alongside, optimizer state included; SHARDED (ShardedTensors) across strategies; LOCAL
 only into its own layout; key, shape and layout errors raised alike on every rank."""
+
 from __future__ import annotations
 
 import functools
@@ -33,14 +34,16 @@ def train(model, opt, batch, loss_fn, rank, world, steps, start=0, ref=None, ref
 
 
 def full_sd(model):
-    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import StateDictType
 
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         return model.state_dict()
 
 
 def full_osd(model, opt):
-    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import StateDictType
 
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         return FSDP.optim_state_dict(model, opt)
@@ -66,7 +69,8 @@ def ref_osd_by_name(ref, ref_opt):
 
 
 def full_roundtrip(rank, world, kind):
-    from flatshard import FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    from flatshard import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from flatshard import FullyShardedDataParallel as FSDP
 
     ref, model, batch, loss_fn = build(kind, "FULL_SHARD")
     ref_opt, opt = make_optimizer("adamw", ref), make_optimizer("adamw", model)
@@ -88,7 +92,9 @@ def full_roundtrip(rank, world, kind):
     _, other, _, _ = build(kind, "FULL_SHARD")
     other.load_state_dict(plain.state_dict())
     assert_state_equal(other.state_dict(), sd, f"{kind}: back into flatshard")
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+    with FSDP.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    ):
         only0 = model.state_dict()
     assert (only0 == {}) == (rank != 0), "rank0_only: a dict on rank 0, an empty one elsewhere"
     if rank == 0:
@@ -113,7 +119,8 @@ def full_roundtrip(rank, world, kind):
 
 def buffers_roundtrip(rank, world):
     """BatchNorm running statistics and a counter buffer, FULL and SHARDED, through a plain module."""
-    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import StateDictType
     from flatshard.wrap import lambda_auto_wrap_policy
     from tests.models import WithBuffers
 
@@ -139,7 +146,8 @@ def buffers_roundtrip(rank, world):
 
 
 def sharded_across_strategies(rank, world):
-    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import StateDictType
 
     _, model, batch, loss_fn = build("gpt_tie_in_root", "FULL_SHARD")
     opt = make_optimizer("sgd_momentum", model)
@@ -148,8 +156,11 @@ def sharded_across_strategies(rank, world):
         sd, osd = model.state_dict(), FSDP.optim_state_dict(model, opt)
     want, want_o = full_sd(model), full_osd(model, opt)
     # SHARDED values are ShardedTensors of the full shape (tests/test_dcp.py takes them through DCP)
-    assert all(type(sd[k]).__name__ == "ShardedTensor" and tuple(sd[k].metadata().size) == want[k].shape
-               for k in sd if k in dict(model.named_parameters())), "SHARDED parameters are ShardedTensors"
+    assert all(
+        type(sd[k]).__name__ == "ShardedTensor" and tuple(sd[k].metadata().size) == want[k].shape
+        for k in sd
+        if k in dict(model.named_parameters())
+    ), "SHARDED parameters are ShardedTensors"
     for strategy in ("NO_SHARD", "SHARD_GRAD_OP"):
         torch.manual_seed(11)
         _, other, _, _ = build("gpt_tie_in_root", strategy)
@@ -163,7 +174,8 @@ def sharded_across_strategies(rank, world):
 
 
 def local_and_errors(rank, world, model, opt) -> list[str]:
-    from flatshard import FullyShardedDataParallel as FSDP, StateDictType
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import StateDictType
 
     with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
         sd, osd = model.state_dict(), FSDP.optim_state_dict(model, opt)

@@ -1,6 +1,7 @@
 """summon_full_params: master-dtype values under mixed precision, writeback, rank0_only, with_grads,
 offload_to_cpu; and the collectives it issues (one all-gather of each unit's flat shard, one more of its
 gradient shard with ``with_grads``)."""
+
 from __future__ import annotations
 
 import torch
@@ -13,11 +14,13 @@ from tests.test_parity import PER_RANK, build
 
 
 def summon_worker(rank: int, world: int) -> dict:
-    from flatshard import FullyShardedDataParallel as FSDP, MixedPrecision
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import MixedPrecision
 
     out = {}
-    ref, model, batch, loss_fn = build("frozen_nested_manual", "FULL_SHARD", mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
-    units = FSDP.fsdp_modules(model)
+    ref, model, batch, loss_fn = build(
+        "frozen_nested_manual", "FULL_SHARD", mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)
+    )
     x, y = batch(0, world * PER_RANK)
     local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     loss_fn(model(x[local]), y[local]).backward()
@@ -42,7 +45,7 @@ def summon_worker(rank: int, world: int) -> dict:
     assert all(map(torch.equal, shards, testing.flat_shards(model))), "writeback without edits changed the masters"
 
     # an edit below bf16's resolution survives writeback exactly
-    tiny = 1.0 + 2.0 ** -20
+    tiny = 1.0 + 2.0**-20
     with FSDP.summon_full_params(model), torch.no_grad():
         for _, p in model.named_parameters():
             p.fill_(tiny)

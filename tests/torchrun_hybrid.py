@@ -6,6 +6,7 @@
 Each rank trains the tiny GPT beside the single-process reference (parity every step), counts its
 collectives by group, and writes what it saw to OUT_DIR/rank<R>.json for the test to check.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import flatshard  # noqa: E402
-
 from tests.test_parity import PER_RANK, build, run_case  # noqa: E402
 
 

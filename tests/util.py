@@ -1,10 +1,11 @@
 """Helpers shared by the tests: building a wrapped model next to its unwrapped reference, and
 matching each shard view with the slice of the reference parameter it must equal."""
+
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

@@ -13,6 +13,7 @@ below it; tests/test_layering.py holds it so):
 
 Names load on first use, so ``flatshard plan`` (pure arithmetic) starts without importing torch.
 """
+
 from __future__ import annotations
 
 import importlib

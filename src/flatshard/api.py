@@ -4,6 +4,7 @@ A script written for PyTorch FSDP imports these names from ``flatshard`` instead
 keyword. A keyword or method whose engine is not built raises :class:`NotBuiltError`, naming what to
 use instead (never a silent no-op).
 """
+
 from __future__ import annotations
 
 import enum

@@ -1,4 +1,5 @@
 """The ``flatshard`` console script: one entry point, one subcommand per tool."""
+
 from __future__ import annotations
 
 import sys

@@ -9,7 +9,8 @@ recorders) or to the state package (state dicts); the wrapper owns nothing but i
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Union
+from collections.abc import Callable, Iterator
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         sync_module_states: bool = False,
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
-        use_orig_params: bool = False,
+        use_orig_params: bool = False,  # noqa: ARG002 - True and False alike: shard views keep the original names
         ignored_states=None,
         device_mesh=None,
         *,
@@ -68,18 +69,30 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         strategy = sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD
         _check_types(strategy, backward_prefetch, mixed_precision, cpu_offload)
         options = build.BuildOptions(
-            strategy=strategy, process_group=process_group, device_mesh=device_mesh,
-            sharding_factor=sharding_factor, memory_budget=memory_budget, auto_wrap_policy=auto_wrap_policy,
-            ignored_modules=ignored_modules, ignored_states=ignored_states, mixed_precision=mixed_precision,
-            offload_params=cpu_offload is not None and cpu_offload.offload_params, param_init_fn=param_init_fn,
-            device_id=device_id, sync_module_states=sync_module_states,
+            strategy=strategy,
+            process_group=process_group,
+            device_mesh=device_mesh,
+            sharding_factor=sharding_factor,
+            memory_budget=memory_budget,
+            auto_wrap_policy=auto_wrap_policy,
+            ignored_modules=ignored_modules,
+            ignored_states=ignored_states,
+            mixed_precision=mixed_precision,
+            offload_params=cpu_offload is not None and cpu_offload.offload_params,
+            param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
         )
         built = build.build_units(module, options, self._host)
         self._host_of(module, built.root, self)
         self._ignored_params = built.ignored_params
         self.sharding_decision: Optional[tuple[int, str]] = built.sharding_decision
-        config = build.schedule_config(built.root.compute_device, backward_prefetch=backward_prefetch,
-                                       forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
+        config = build.schedule_config(
+            built.root.compute_device,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+        )
         build.become_root(self, config, mixed_precision)
 
     # [Note: nested wrappers]
@@ -89,7 +102,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
     # host of a unit already built: ``_host`` makes one without running the FSDP1 constructor, and
     # ``_host_of`` is the one place any wrapper, root or nested, gets its module and unit.
     @classmethod
-    def _host(cls, module: nn.Module, unit: Unit) -> "FullyShardedDataParallel":
+    def _host(cls, module: nn.Module, unit: Unit) -> FullyShardedDataParallel:
         host = cls.__new__(cls)
         nn.Module.__init__(host)
         cls._host_of(module, unit, host)
@@ -98,7 +111,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         return host
 
     @staticmethod
-    def _host_of(module: nn.Module, unit: Unit, host: "FullyShardedDataParallel") -> None:
+    def _host_of(module: nn.Module, unit: Unit, host: FullyShardedDataParallel) -> None:
         host._modules[WRAPPED] = module
         host._unit = unit
         host.register_load_state_dict_post_hook(state_module.after_load_from_parent)
@@ -139,8 +152,16 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return state_module.load_module_state_dict(self, state_dict, strict=strict, assign=assign)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
+    def _load_from_state_dict(  # nn.Module's signature; the caller's walk applies strict
+        self,
+        state_dict,
+        prefix,
+        local_metadata,  # noqa: ARG002
+        strict,  # noqa: ARG002
+        missing_keys,
+        unexpected_keys,
+        error_msgs,  # noqa: ARG002
+    ) -> None:
         state_module.load_from_parent(self, state_dict, prefix, missing_keys, unexpected_keys)
 
     @staticmethod
@@ -161,20 +182,24 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         return state_optim.optim_state_dict(model, optim, optim_state_dict, group)
 
     @staticmethod
-    def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False, load_directly=False,
-                                 group=None):
+    def optim_state_dict_to_load(
+        model, optim, optim_state_dict, is_named_optimizer=False, load_directly=False, group=None
+    ):
         if is_named_optimizer:
-            raise NotBuiltError("optim_state_dict_to_load(is_named_optimizer=True) is not built in flatshard: pass a "
-                                "torch.optim optimizer built from model.parameters()")
+            raise NotBuiltError(
+                "optim_state_dict_to_load(is_named_optimizer=True) is not built in flatshard: pass a "
+                "torch.optim optimizer built from model.parameters()"
+            )
         return state_optim.optim_state_dict_to_load(model, optim, optim_state_dict, load_directly, group)
 
     def _deprecated_optim(name: str):
-        def method(*args, **kwargs):
+        def method(*args, **kwargs):  # noqa: ARG001 - any call raises
             raise NotBuiltError(
                 f"FullyShardedDataParallel.{name} (deprecated in PyTorch FSDP) is not built in flatshard: save with "
                 "FullyShardedDataParallel.optim_state_dict(model, optim) and load with optim_state_dict_to_load(model, "
                 "optim, osd), under the state_dict_type you want (FULL_STATE_DICT for one full dict)."
             )
+
         method.__name__ = name
         return staticmethod(method)
 
@@ -220,7 +245,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         """Whether this wrapper is the root (the outermost one, which runs the schedule)."""
         return self._unit.is_root
 
-    def register_comm_hook(self, state: object, hook: Callable) -> None:
+    def register_comm_hook(self, state: object, hook: Callable) -> None:  # noqa: ARG002 - not built
         raise NotBuiltError(
             "register_comm_hook is not built in flatshard. For reductions in lower precision pass "
             "MixedPrecision(reduce_dtype=torch.bfloat16); for no reduction at all during accumulation use no_sync()."
@@ -242,14 +267,21 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
             yield
 
     @staticmethod
-    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
-                           rank0_only: bool = False, offload_to_cpu: bool = False, with_grads: bool = False):
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ):
         """Gather full parameters into every unit under ``module`` for reading or in-place editing."""
         units = units_under(module) if recurse else [module._unit]
-        return summon.summon(units, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
-                             with_grads=with_grads)
+        return summon.summon(
+            units, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads
+        )
 
-    def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """``fn`` on every submodule and then this one, as ``nn.Module.apply``, with the full parameters
         summoned (and written back), so ``fn`` sees original shapes, as in PyTorch FSDP. Wrappers nested
         inside do not summon again."""
@@ -267,7 +299,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         return self
 
     @staticmethod
-    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         return [h for h in unit_hosts(module, root_only) if isinstance(h, FullyShardedDataParallel)]
 
     # ---- instrumentation ----------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch

@@ -4,9 +4,11 @@ Shard views are 1-D, so the common idiom ``p.dim() >= 2`` (decay matrices, not n
 would put every parameter in the no-decay group. Each shard view carries its full shape in
 ``p.orig_shape``; ``param_groups`` decides on that shape (and works on an unwrapped model too).
 """
+
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 from torch import nn
 

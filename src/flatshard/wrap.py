@@ -6,25 +6,35 @@ With a callable, ``recurse=True`` asks "may I look inside this module for units?
 ``recurse=False`` asks "should this module become a unit, given that ``nonwrapped_numel``
 parameter elements are left in it after its children were considered?".
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Optional, Union
 
 from torch import nn
 
 from flatshard.api import NotBuiltError
 
 
-def always_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+def always_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:  # noqa: ARG001, ARG002 - FSDP's policy signature
     return True
 
 
-def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, lambda_fn: Callable[[nn.Module], bool]) -> bool:
+def lambda_auto_wrap_policy(  # FSDP's policy signature
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int,  # noqa: ARG001
+    lambda_fn: Callable[[nn.Module], bool],
+) -> bool:
     return True if recurse else bool(lambda_fn(module))
 
 
-def transformer_auto_wrap_policy(
-    module: nn.Module, recurse: bool, nonwrapped_numel: int, transformer_layer_cls: Iterable[type]
+def transformer_auto_wrap_policy(  # FSDP's policy signature
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int,  # noqa: ARG001
+    transformer_layer_cls: Iterable[type],
 ) -> bool:
     return True if recurse else isinstance(module, tuple(transformer_layer_cls))
 
@@ -54,7 +64,7 @@ class ModuleWrapPolicy:
     def __init__(self, module_classes: Iterable[type]):
         self._module_classes = tuple(set(module_classes))
 
-    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:  # noqa: ARG001, ARG002 - FSDP's policy signature
         return True if recurse else isinstance(module, self._module_classes)
 
     def __repr__(self) -> str:
@@ -67,7 +77,7 @@ class CustomPolicy:
     def __init__(self, lambda_fn: Callable[[nn.Module], Union[bool, dict]]):
         self._fn = lambda_fn
 
-    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:  # noqa: ARG001, ARG002 - FSDP's policy signature
         if recurse:
             return True
         decision = self._fn(module)
@@ -82,7 +92,9 @@ class CustomPolicy:
 Policy = Callable[[nn.Module, bool, int], bool]
 
 
-def select_units(root: nn.Module, policy: Optional[Policy], skip: set[nn.Module], ignored_params: set) -> list[nn.Module]:
+def select_units(
+    root: nn.Module, policy: Optional[Policy], skip: set[nn.Module], ignored_params: set
+) -> list[nn.Module]:
     """The modules under ``root`` (not ``root`` itself) that the policy makes units, children first.
 
     ``skip`` holds modules not to look into (ignored modules, modules already wrapped).

@@ -12,6 +12,7 @@ CRC-32 of every ``BLOCK``-byte block of its data. A reader that needs bytes [a, 
 the blocks that cover them (at most one block extra at each end) and checks their CRCs: a load
 verifies every byte it uses without reading bytes it does not use.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,15 @@ MANIFEST = "manifest.json"
 FORMAT, FORMAT_VERSION = "flatshard-checkpoint", 1
 BLOCK = 1 << 22  # 4 MiB
 DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 BY_NAME = {v: k for k, v in DTYPES.items()}
@@ -86,7 +94,9 @@ class ShardWriter:
             raise CheckpointError(f"internal: {self.path}: tensor {key!r} written out of order")
         data = raw_bytes(tensor)
         if len(data) != self._sizes[key]:
-            raise CheckpointError(f"internal: {self.path}: tensor {key!r} has {len(data)} bytes, {self._sizes[key]} declared")
+            raise CheckpointError(
+                f"internal: {self.path}: tensor {key!r} has {len(data)} bytes, {self._sizes[key]} declared"
+            )
         crcs = []
         for lo in range(0, len(data), BLOCK):
             chunk = data[lo : lo + BLOCK]
@@ -114,7 +124,8 @@ class ShardReader:
         self.path, self.record, self.label = path, record, path
         if not os.path.exists(path):
             raise CheckpointError(
-                f"shard file {self.label} is missing: the checkpoint is incomplete; restore the file or load an earlier checkpoint"
+                f"shard file {self.label} is missing: the checkpoint is incomplete; restore the file or load an "
+                "earlier checkpoint"
             )
         size = os.path.getsize(path)
         if record is not None and size != record["bytes"]:
@@ -126,8 +137,10 @@ class ShardReader:
         self.header, self.data_start = self._header(size)
 
     def _header(self, size: int) -> tuple[dict, int]:
-        bad = (f"shard file {self.label} is not a safetensors file (its header is unreadable); flatshard reads only "
-               "safetensors and JSON, never pickle. Restore the file or load an earlier checkpoint")
+        bad = (
+            f"shard file {self.label} is not a safetensors file (its header is unreadable); flatshard reads only "
+            "safetensors and JSON, never pickle. Restore the file or load an earlier checkpoint"
+        )
         first = os.pread(self._fd, 8, 0)
         if len(first) < 8:
             raise CheckpointError(bad)
@@ -142,8 +155,10 @@ class ShardReader:
             raise CheckpointError(bad)
         end = max([v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"], default=0)
         if 8 + n + end > size:
-            raise CheckpointError(f"shard file {self.label} is truncated: its header describes {8 + n + end} bytes, "
-                                  f"the file has {size}; restore the file or load an earlier checkpoint")
+            raise CheckpointError(
+                f"shard file {self.label} is truncated: its header describes {8 + n + end} bytes, "
+                f"the file has {size}; restore the file or load an earlier checkpoint"
+            )
         return header, 8 + n
 
     @property
@@ -152,8 +167,10 @@ class ShardReader:
 
     def entry(self, key: str) -> dict:
         if key not in self.header:
-            raise CheckpointError(f"shard file {self.label} has no tensor {key!r}, which the manifest places there; "
-                                  "the file does not belong to this checkpoint")
+            raise CheckpointError(
+                f"shard file {self.label} has no tensor {key!r}, which the manifest places there; "
+                "the file does not belong to this checkpoint"
+            )
         return self.header[key]
 
     def read(self, key: str, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
@@ -168,7 +185,7 @@ class ShardReader:
         a, b = begin + start * item, begin + end * item  # wanted bytes, from the start of the data section
         if b <= a:
             return torch.empty(0, dtype=dtype)
-        lo, hi = (a, b) if self.record is None else self._block_range(key, begin, stop, a, b)
+        lo, hi = (a, b) if self.record is None else self._block_range(begin, stop, a, b)
         buf = bytearray(hi - lo)
         if os.preadv(self._fd, [buf], self.data_start + lo) != hi - lo:
             raise CheckpointError(f"shard file {self.label} ended early while reading {key!r}; the file is truncated")
@@ -186,7 +203,7 @@ class ShardReader:
         a, b = begin + start * item, begin + (start + out.numel()) * item
         if b <= a:
             return
-        exact = self.record is None or self._block_range(key, begin, stop, a, b) == (a, b)
+        exact = self.record is None or self._block_range(begin, stop, a, b) == (a, b)
         if not exact or BY_NAME[e["dtype"]] != out.dtype or not out.is_contiguous() or out.device.type != "cpu":
             out.copy_(self.read(key, start, start + out.numel()))
             return
@@ -196,7 +213,7 @@ class ShardReader:
         if self.record is not None:
             self._verify(key, begin, a, buf)
 
-    def _block_range(self, key: str, begin: int, stop: int, a: int, b: int) -> tuple[int, int]:
+    def _block_range(self, begin: int, stop: int, a: int, b: int) -> tuple[int, int]:
         block = self.record["block_bytes"]
         first, last = (a - begin) // block, (b - begin - 1) // block
         return begin + first * block, min(stop, begin + (last + 1) * block)
@@ -212,7 +229,8 @@ class ShardReader:
             if crcs is None or i >= len(crcs) or zlib.crc32(chunk) != crcs[i]:
                 raise CheckpointError(
                     f"checksum mismatch in shard file {self.label}, tensor {key!r} (bytes {begin + i * block}–"
-                    f"{begin + i * block + len(chunk)} of its data): the file is corrupt; restore it or load an earlier checkpoint"
+                    f"{begin + i * block + len(chunk)} of its data): the file is corrupt; restore it or load an "
+                    "earlier checkpoint"
                 )
 
     def close(self) -> None:

@@ -68,26 +68,36 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"no checkpoint at {path}{hint}")
     mpath = os.path.join(path, MANIFEST)
     if not os.path.exists(mpath):
-        raise CheckpointError(f"{path} has no {MANIFEST}: the checkpoint is incomplete or not a flatshard checkpoint; "
-                              "load an earlier checkpoint")
+        raise CheckpointError(
+            f"{path} has no {MANIFEST}: the checkpoint is incomplete or not a flatshard checkpoint; "
+            "load an earlier checkpoint"
+        )
     try:
         with open(mpath) as f:
             manifest = json.load(f)
     except ValueError as exc:
-        raise CheckpointError(f"{mpath} is not valid JSON ({exc}): the manifest is corrupt; load an earlier checkpoint") from None
+        raise CheckpointError(
+            f"{mpath} is not valid JSON ({exc}): the manifest is corrupt; load an earlier checkpoint"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath} is not a flatshard checkpoint manifest")
     if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format version {manifest['format_version']}; this flatshard reads up to "
-                              f"{FORMAT_VERSION}: upgrade flatshard")
+        raise CheckpointError(
+            f"{path} has format version {manifest['format_version']}; this flatshard reads up to "
+            f"{FORMAT_VERSION}: upgrade flatshard"
+        )
     for name, rec in manifest["files"].items():
         file = os.path.join(path, name)
         if not os.path.exists(file):
-            raise CheckpointError(f"shard file {file} is missing: the checkpoint is incomplete; restore the file or load "
-                                  "an earlier checkpoint")
+            raise CheckpointError(
+                f"shard file {file} is missing: the checkpoint is incomplete; restore the file or load "
+                "an earlier checkpoint"
+            )
         if os.path.getsize(file) != rec["bytes"]:
-            raise CheckpointError(f"shard file {file} is truncated or altered: {os.path.getsize(file)} bytes on disk, the "
-                                  f"manifest records {rec['bytes']}; restore the file or load an earlier checkpoint")
+            raise CheckpointError(
+                f"shard file {file} is truncated or altered: {os.path.getsize(file)} bytes on disk, the "
+                f"manifest records {rec['bytes']}; restore the file or load an earlier checkpoint"
+            )
     return manifest
 
 
@@ -99,17 +109,23 @@ def _check_model(path: str, manifest: dict, view, optimizer, strict: bool) -> No
     if strict and (missing or unexpected):
         parts = [f"the model's {_listed(missing)} not in the checkpoint"] if missing else []
         parts += [f"the checkpoint's {_listed(unexpected)} not in the model"] if unexpected else []
-        raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(parts)}. Load it into the model "
-                              "it was saved from, or pass strict=False to load the names both have")
+        raise CheckpointError(
+            f"checkpoint {path} does not match the model: {'; '.join(parts)}. Load it into the model "
+            "it was saved from, or pass strict=False to load the names both have"
+        )
     for kind, name, obj in view.entries:
         if kind is EntryKind.EXTRA or name not in saved:
             continue
         want = tuple(obj.info.shape if kind is EntryKind.PARAM else obj.shape)
         got = tuple(manifest["tensors"][manifest["model"]["tensor_of"][name]]["shape"])
         if got != want:
-            raise CheckpointError(f"checkpoint {path} holds {name} with shape {got}, the model has {want}: not the same model")
+            raise CheckpointError(
+                f"checkpoint {path} holds {name} with shape {got}, the model has {want}: not the same model"
+            )
     if optimizer is not None and manifest.get("optim") is None:
-        raise CheckpointError(f"checkpoint {path} holds no optimizer state; call load without optimizer=, or save with it")
+        raise CheckpointError(
+            f"checkpoint {path} holds no optimizer state; call load without optimizer=, or save with it"
+        )
 
 
 def _listed(names: list[str], most: int = 6) -> str:
@@ -156,8 +172,11 @@ def _read_all(path: str, manifest: dict, view: ModelView, optimizer, with_rng: b
     files = _Files(path, manifest)
     try:
         tensor_of = manifest["model"]["tensor_of"]
-        params = {id(s): files.fetch(next(tensor_of[n] for n in s.names if n in tensor_of), s.start, s.end)
-                  for s in view.params if any(n in tensor_of for n in s.names)}
+        params = {
+            id(s): files.fetch(next(tensor_of[n] for n in s.names if n in tensor_of), s.start, s.end)
+            for s in view.params
+            if any(n in tensor_of for n in s.names)
+        }
         plain = {}
         for kind, name, obj in view.entries:
             if kind is EntryKind.EXTRA and name in manifest["model"]["extra_state"]:
@@ -178,7 +197,7 @@ def _read_optim(files: _Files, manifest: dict, view: ModelView, optimizer) -> di
     if problem is not None:
         raise CheckpointError(f"checkpoint {files.path}: {problem}")
     packed = {}
-    for i, (p, name) in enumerate(zip(params, names)):
+    for i, name in enumerate(names):
         if name not in saved["state"]:
             continue
         slot, state = slots[name], {}
@@ -216,4 +235,3 @@ def _restore_rng(tensors: dict, meta: dict) -> None:
         random.setstate((version, tuple(state), gauss))
         name, pos, has_gauss, cached = meta["numpy"]
         np.random.set_state((name, tensors["rng/numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
-

@@ -22,6 +22,7 @@ loads; an unfinished ``PATH.partial`` is named in the error and removed by the n
 Loading (load.py) reads, for each parameter and optimizer state this rank holds in the *current*
 layout, the byte ranges that hold its elements. Collectives are recorded under the ``checkpoint`` phase.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,15 @@ import torch.distributed as dist
 
 from flatshard import __version__
 from flatshard.api import CheckpointError
-from flatshard.checkpoint.format import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, fsync_dir, shard_file
-from flatshard.checkpoint.format import write_json_atomic
+from flatshard.checkpoint.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    ShardWriter,
+    fsync_dir,
+    shard_file,
+    write_json_atomic,
+)
 from flatshard.runtime.agree import agree, gather_json, rank_in, run_agreed, world_of
 from flatshard.runtime.hooks import traced
 from flatshard.runtime.schedule import Phase
@@ -106,8 +114,9 @@ class AsyncSave:
         return self.path
 
 
-def save(path, model, optimizer=None, step: Optional[int] = None, extra: Any = None,
-         async_save: bool = False) -> Optional[AsyncSave]:
+def save(
+    path, model, optimizer=None, step: Optional[int] = None, extra: Any = None, async_save: bool = False
+) -> Optional[AsyncSave]:
     """Save ``model`` (and ``optimizer``'s state, ``step``, JSON-serialisable ``extra``, this rank's RNG
     states) to the directory ``path``. Collective: every rank of the model's process group calls it.
 
@@ -118,10 +127,10 @@ def save(path, model, optimizer=None, step: Optional[int] = None, extra: Any = N
     wait_pending(model)
     view = model_view(model)
     with traced("checkpoint.save"), view.phase(Phase.CHECKPOINT):
-        return _save(path, model, view, optimizer, step, extra, async_save)
+        return _save(path, view, optimizer, step, extra, async_save)
 
 
-def _save(path: str, model, view: ModelView, optimizer, step, extra, async_save: bool) -> Optional[AsyncSave]:
+def _save(path: str, view: ModelView, optimizer, step, extra, async_save: bool) -> Optional[AsyncSave]:
     group, record = view.group, view.record
     plan = run_agreed(lambda: _prepare(path, view, optimizer, step, extra), group, record=record)
     if optimizer is not None:
@@ -191,10 +200,16 @@ def _prepare(path: str, view: ModelView, optimizer, step, extra) -> SavePlan:
         else:
             tensor_of[name] = "model/" + name
             if plan.rank == 0:
-                plan.items.append(("model/" + name, list(obj.shape), obj.dtype, 0, obj.numel(), obj.detach().reshape(-1)))
+                plan.items.append(
+                    ("model/" + name, list(obj.shape), obj.dtype, 0, obj.numel(), obj.detach().reshape(-1))
+                )
     plan.head = {
-        "step": step, "extra": extra, "world_size": plan.world, "layout": _layout(view),
-        "model": {"keys": view.names(), "tensor_of": tensor_of, "extra_state": extra_state}, "optim": None,
+        "step": step,
+        "extra": extra,
+        "world_size": plan.world,
+        "layout": _layout(view),
+        "model": {"keys": view.names(), "tensor_of": tensor_of, "extra_state": extra_state},
+        "optim": None,
     }
     if optimizer is not None:
         _optim_items(plan, view, optimizer, replica0)
@@ -210,7 +225,9 @@ def _optim_items(plan: SavePlan, view: ModelView, optimizer, replica0: bool) -> 
             d = local.meta[fqn][k]
             key = f"optim/{fqn}/{k}"
             if d["kind"] == "piece" and replica0 and param.end > param.start:
-                plan.items.append((key, list(param.info.shape), v.dtype, param.start, param.end, v.detach().reshape(-1)))
+                plan.items.append(
+                    (key, list(param.info.shape), v.dtype, param.start, param.end, v.detach().reshape(-1))
+                )
             elif d["kind"] == "whole" and plan.rank == 0:
                 plan.items.append((key, list(v.shape), v.dtype, 0, v.numel(), v.detach().reshape(-1)))
     plan.head["optim"] = {"param_groups": local.groups}
@@ -218,8 +235,13 @@ def _optim_items(plan: SavePlan, view: ModelView, optimizer, replica0: bool) -> 
 
 
 def _manifest_optim(meta: dict) -> dict:
-    return {fqn: {k: ({"kind": "piece", "dtype": d["dtype"]} if d["kind"] in ("piece", "whole") else d)
-                  for k, d in keys.items()} for fqn, keys in meta.items()}
+    return {
+        fqn: {
+            k: ({"kind": "piece", "dtype": d["dtype"]} if d["kind"] in ("piece", "whole") else d)
+            for k, d in keys.items()
+        }
+        for fqn, keys in meta.items()
+    }
 
 
 def _json_check(value: Any, what: str) -> Any:
@@ -236,9 +258,17 @@ def _layout(view: ModelView) -> dict:
     strategy = units[0].strategy if units else None
     return {
         "strategy": strategy.name if strategy is not None else None,
-        "shard_size": g.shard_size if g else 1, "replicate_size": g.replicate_size if g else 1,
-        "units": [{"name": u.name, "total": u.layout.total, "shard_numel": u.layout.shard_numel,
-                   "params": [i.name for i in u.layout.infos]} for u in units],
+        "shard_size": g.shard_size if g else 1,
+        "replicate_size": g.replicate_size if g else 1,
+        "units": [
+            {
+                "name": u.name,
+                "total": u.layout.total,
+                "shard_numel": u.layout.shard_numel,
+                "params": [i.name for i in u.layout.infos],
+            }
+            for u in units
+        ],
     }
 
 
@@ -289,7 +319,9 @@ def _write_and_commit(plan: SavePlan, group, record) -> None:
 def _write_file(plan: SavePlan) -> dict:
     items = plan.items + [(k, list(t.shape), t.dtype, 0, t.numel(), t) for k, t in plan.rng]
     metadata = {"format": "pt", "flatshard": f"rank {plan.rank} of {plan.world}", "rng": json.dumps(plan.rng_meta)}
-    writer = ShardWriter(os.path.join(plan.partial, plan.file), [(k, d, [b - a]) for k, _, d, a, b, _ in items], metadata)
+    writer = ShardWriter(
+        os.path.join(plan.partial, plan.file), [(k, d, [b - a]) for k, _, d, a, b, _ in items], metadata
+    )
     for i, (key, _, _, _, _, tensor) in enumerate(items):
         writer.write(key, tensor)
         if i == len(items) // 2:
@@ -312,8 +344,13 @@ def _manifest(plan: SavePlan, records: list[dict]) -> dict:
         entry["pieces"].sort(key=lambda p: p[1])
         _check_cover(key, entry)
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "flatshard_version": __version__,
-        "torch_version": torch.__version__, **plan.head, "tensors": tensors, "files": files,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "flatshard_version": __version__,
+        "torch_version": torch.__version__,
+        **plan.head,
+        "tensors": tensors,
+        "files": files,
     }
 
 

@@ -7,6 +7,7 @@ consolidate  streams the model's tensors, one at a time, from a checkpoint direc
              block; never the model. The output is written to a temporary name and renamed.
 inspect      prints what a checkpoint holds and verifies every file's SHA-256 and every block CRC.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,14 @@ def consolidate(ckpt: str, out: str, *, verbose: bool = False) -> dict:
     """Write the full model state of checkpoint ``ckpt`` to ``out``; returns sizes for the caller to print."""
     manifest = read_manifest(os.path.abspath(ckpt))
     keys, tensor_of, tensors = manifest["model"]["keys"], manifest["model"]["tensor_of"], manifest["tensors"]
-    specs = [(k, dtype_from(tensors[tensor_of[k]]["dtype"]), tensors[tensor_of[k]]["shape"]) for k in keys if k in tensor_of]
-    meta = {"format": "pt", "flatshard_checkpoint": os.path.basename(os.path.abspath(ckpt)),
-            "step": str(manifest.get("step"))}
+    specs = [
+        (k, dtype_from(tensors[tensor_of[k]]["dtype"]), tensors[tensor_of[k]]["shape"]) for k in keys if k in tensor_of
+    ]
+    meta = {
+        "format": "pt",
+        "flatshard_checkpoint": os.path.basename(os.path.abspath(ckpt)),
+        "step": str(manifest.get("step")),
+    }
     tmp = out + ".partial"
     readers: dict[str, ShardReader] = {}
     largest = 0
@@ -63,16 +69,26 @@ def inspect(ckpt: str, *, verify: bool = True, out=sys.stdout) -> list[str]:
     manifest = read_manifest(ckpt)
     layout = manifest["layout"]
     print(f"flatshard checkpoint {ckpt}", file=out)
-    print(f"  format {manifest['format_version']}, flatshard {manifest['flatshard_version']}, torch {manifest['torch_version']}", file=out)
+    print(
+        f"  format {manifest['format_version']}, flatshard {manifest['flatshard_version']}, "
+        f"torch {manifest['torch_version']}",
+        file=out,
+    )
     print(f"  step {manifest.get('step')}, extra {manifest.get('extra')}", file=out)
-    print(f"  saved at W={manifest['world_size']}, {layout['strategy']}, F={layout['shard_size']}, "
-          f"R={layout['replicate_size']}, {len(layout['units'])} units", file=out)
+    print(
+        f"  saved at W={manifest['world_size']}, {layout['strategy']}, F={layout['shard_size']}, "
+        f"R={layout['replicate_size']}, {len(layout['units'])} units",
+        file=out,
+    )
     model_keys = manifest["model"]["keys"]
     numel = sum(int(torch.Size(t["shape"]).numel()) for k, t in manifest["tensors"].items() if k.startswith("model/"))
     print(f"  model: {len(model_keys)} state-dict keys, {numel:,} elements", file=out)
     optim = manifest.get("optim")
     if optim:
-        print(f"  optimizer: {len(optim['param_groups'])} param groups, state for {len(optim['state'])} parameters", file=out)
+        print(
+            f"  optimizer: {len(optim['param_groups'])} param groups, state for {len(optim['state'])} parameters",
+            file=out,
+        )
     total = sum(r["bytes"] for r in manifest["files"].values())
     print(f"  files: {len(manifest['files'])}, {total:,} bytes", file=out)
     for name, t in ((k, manifest["tensors"][v]) for k, v in manifest["model"]["tensor_of"].items()):
@@ -108,8 +124,9 @@ def _verify(ckpt: str, manifest: dict) -> list[str]:
 
 def main(command: str, argv: list[str]) -> int:
     if command == "consolidate":
-        p = argparse.ArgumentParser(prog="flatshard consolidate",
-                                    description="stream a flatshard checkpoint into one safetensors file")
+        p = argparse.ArgumentParser(
+            prog="flatshard consolidate", description="stream a flatshard checkpoint into one safetensors file"
+        )
         p.add_argument("checkpoint")
         p.add_argument("output", help="the .safetensors file to write")
         p.add_argument("-v", "--verbose", action="store_true", help="list each tensor as it is written")
@@ -119,10 +136,14 @@ def main(command: str, argv: list[str]) -> int:
         except CheckpointError as exc:
             print(f"flatshard consolidate: {exc}", file=sys.stderr)
             return 1
-        print(f"wrote {args.output}: {info['tensors']} tensors, {info['bytes']:,} bytes "
-              f"(largest tensor {info['largest_tensor_bytes']:,} bytes)")
+        print(
+            f"wrote {args.output}: {info['tensors']} tensors, {info['bytes']:,} bytes "
+            f"(largest tensor {info['largest_tensor_bytes']:,} bytes)"
+        )
         return 0
-    p = argparse.ArgumentParser(prog="flatshard inspect", description="what a flatshard checkpoint holds; verify its checksums")
+    p = argparse.ArgumentParser(
+        prog="flatshard inspect", description="what a flatshard checkpoint holds; verify its checksums"
+    )
     p.add_argument("checkpoint")
     p.add_argument("--no-verify", action="store_true", help="skip reading every byte to check the checksums")
     args = p.parse_args(argv)

@@ -1,9 +1,10 @@
 """flatshard.planner: a pure cost model of sharded data parallel training.
 
 What fits, what it costs, which sharding factor to choose: per-rank bytes, collectives and bytes per
-link class, an alpha-beta step time, and the same with CPU offload (device, host, copies) for FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD and
-_HYBRID_SHARD_ZERO2 at every sharding factor F dividing the world size. Arithmetic only: nothing
-here imports torch.distributed (or torch), so it runs anywhere, before any process starts.
+link class, an alpha-beta step time, and the same with CPU offload (device, host, copies) for
+FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD and _HYBRID_SHARD_ZERO2 at every sharding factor F
+dividing the world size. Arithmetic only: nothing here imports torch.distributed (or torch), so it runs
+anywhere, before any process starts.
 
     from flatshard.planner import PlanInputs, plan
     report = plan(PlanInputs.from_params(7 * 10**9, units=32, world_size=8, device_memory_bytes=40 * 10**9))
@@ -15,6 +16,7 @@ its [Note]) -> plan.py (plans, recommendation, JSON) -> cli.py (``flatshard plan
 turns presets, config numbers or a module into unit sizes; quantities.py parses "7B" and "40GB".
 docs/planner.md has the formulas and the documents' figures, each with the command that prints it.
 """
+
 from flatshard.planner.comm import CollectiveCounts, CommEstimate, group_link
 from flatshard.planner.errors import PlanError
 from flatshard.planner.inputs import (
@@ -28,8 +30,8 @@ from flatshard.planner.inputs import (
     Strategy,
 )
 from flatshard.planner.memory import MemoryEstimate, activation_bytes
-from flatshard.planner.offload import OffloadEstimate, offload_estimate
 from flatshard.planner.models import PRESETS, ModelShape, ModuleLayout, layout_from_module, preset
+from flatshard.planner.offload import OffloadEstimate, offload_estimate
 from flatshard.planner.plan import (
     PlanReport,
     Recommendation,
@@ -45,11 +47,38 @@ from flatshard.planner.plan import (
 from flatshard.planner.quantities import parse_bandwidth, parse_bytes, parse_count
 
 __all__ = [
-    "BF16_MIXED", "FP32", "OPTIMIZERS", "PRECISIONS", "PRESETS",
-    "CollectiveCounts", "CommEstimate", "Links", "MemoryEstimate", "ModelShape", "ModuleLayout", "OffloadEstimate",
-    "PlanError", "PlanInputs", "PlanReport", "PrecisionRecipe", "Recommendation", "Strategy",
-    "StrategyPlan", "TimeEstimate",
-    "activation_bytes", "choose_sharding_factor", "group_link", "layout_from_module",
-    "offload_estimate", "parse_bandwidth", "parse_bytes", "parse_count", "plan", "plan_strategy", "preset",
-    "recommend_offload", "strategies_at", "to_json_dict",
+    "BF16_MIXED",
+    "FP32",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "PRESETS",
+    "CollectiveCounts",
+    "CommEstimate",
+    "Links",
+    "MemoryEstimate",
+    "ModelShape",
+    "ModuleLayout",
+    "OffloadEstimate",
+    "PlanError",
+    "PlanInputs",
+    "PlanReport",
+    "PrecisionRecipe",
+    "Recommendation",
+    "Strategy",
+    "StrategyPlan",
+    "TimeEstimate",
+    "activation_bytes",
+    "choose_sharding_factor",
+    "group_link",
+    "layout_from_module",
+    "offload_estimate",
+    "parse_bandwidth",
+    "parse_bytes",
+    "parse_count",
+    "plan",
+    "plan_strategy",
+    "preset",
+    "recommend_offload",
+    "strategies_at",
+    "to_json_dict",
 ]

@@ -26,6 +26,7 @@ its slowest hop. So the shard group is intra-node exactly when W <= G, or F <= G
 Time of one collective over n ranks with per-rank bytes V on a link (alpha, beta):
     all-gather, reduce-scatter: (n - 1) alpha + V / beta;  all-reduce: 2 (n - 1) alpha + V / beta.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -87,8 +88,9 @@ def group_link(world: int, gpus_per_node: int, f: int, replicate: bool) -> str:
     size = world // f if replicate else f
     if size == 1:
         return NONE
-    groups = ([range(j, world, f) for j in range(f)] if replicate
-              else [range(k * f, (k + 1) * f) for k in range(world // f)])
+    groups = (
+        [range(j, world, f) for j in range(f)] if replicate else [range(k * f, (k + 1) * f) for k in range(world // f)]
+    )
     spans = any(len({r // gpus_per_node for r in g}) > 1 for g in groups)
     return INTER if spans else INTRA
 
@@ -101,8 +103,11 @@ def _number(x: Fraction) -> int | float:
 def _ring_time(links: Links, link: str, steps: int, volume: int) -> float:
     if link == NONE or steps == 0:
         return 0.0
-    alpha, beta = ((links.intra_latency_s, links.intra_bandwidth) if link == INTRA
-                   else (links.inter_latency_s, links.inter_bandwidth))
+    alpha, beta = (
+        (links.intra_latency_s, links.intra_bandwidth)
+        if link == INTRA
+        else (links.inter_latency_s, links.inter_bandwidth)
+    )
     return steps * alpha + volume / beta
 
 
@@ -130,8 +135,19 @@ def comm_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> CommEstimat
     counts = CollectiveCounts(m if sharded else 0, sum(regather), m if sharded else 0, m if replicated else 0)
     backward_s = sum(t for t, again in zip(t_ag, regather) if again) + sum(t_rs) + sum(t_ar)
     return CommEstimate(
-        counts, ag_bytes, sum(rs), _number(ar_bytes), _number(by_link[INTRA]), _number(by_link[INTER]),
+        counts,
+        ag_bytes,
+        sum(rs),
+        _number(ar_bytes),
+        _number(by_link[INTRA]),
+        _number(by_link[INTER]),
         _number(ag_bytes + sum(rs) + ar_bytes),
-        shard_link, rep_link, sum(t_ag), backward_s,
-        t_ag[0] if t_ag else 0.0, t_rs[0] + t_ar[0] if units else 0.0, t_ar[0] if units else 0.0, sum(t_ar),
+        shard_link,
+        rep_link,
+        sum(t_ag),
+        backward_s,
+        t_ag[0] if t_ag else 0.0,
+        t_rs[0] + t_ar[0] if units else 0.0,
+        t_ar[0] if units else 0.0,
+        sum(t_ar),
     )

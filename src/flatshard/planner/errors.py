@@ -1,4 +1,5 @@
 """The one error the planner raises for bad input."""
+
 from __future__ import annotations
 
 

@@ -4,12 +4,14 @@ Build a ``PlanInputs`` directly from unit sizes, or with ``PlanInputs.from_param
 equal units, the documents' setting), ``from_shape`` (a transformer's config numbers, one unit per
 layer plus the root) or ``from_module`` (an ``nn.Module`` and the submodules that become units).
 """
+
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any
 
 from flatshard.planner.errors import PlanError
 from flatshard.planner.models import ModelShape, layout_from_module
@@ -187,44 +189,50 @@ class PlanInputs:
 
     # -- constructors ---------------------------------------------------------------------------
     @classmethod
-    def from_params(cls, params: int, units: int, world_size: int, *, root_elements: int = 0, **kw: Any) -> "PlanInputs":
+    def from_params(cls, params: int, units: int, world_size: int, *, root_elements: int = 0, **kw: Any) -> PlanInputs:
         """P elements: ``root_elements`` in the root, the rest in ``units`` equal units (the first
         ``rest % units`` units one element larger). The documents' 16P/N + 4P/M setting is
         ``root_elements=0``."""
         if params < 0 or root_elements < 0:
             raise PlanError(f"parameter counts must be >= 0 (params={params}, root={root_elements})", "pass sizes >= 0")
         if units < 1:
-            raise PlanError(f"--units must be >= 1, got {units}", "pass the number of FSDP units, e.g. 32 for one per layer")
+            raise PlanError(
+                f"--units must be >= 1, got {units}", "pass the number of FSDP units, e.g. 32 for one per layer"
+            )
         rest = params - root_elements
         if rest < units:
-            raise PlanError(f"{rest} elements cannot fill {units} units (params {params}, root {root_elements})",
-                            "pass fewer --units or a smaller --root-params")
+            raise PlanError(
+                f"{rest} elements cannot fill {units} units (params {params}, root {root_elements})",
+                "pass fewer --units or a smaller --root-params",
+            )
         base, extra = divmod(rest, units)
         sizes = tuple(base + (1 if i < extra else 0) for i in range(units))
         return cls(world_size=world_size, unit_elements=sizes, root_elements=root_elements, **kw)
 
     @classmethod
-    def from_shape(cls, shape: ModelShape, world_size: int, *, units: int | None = None, **kw: Any) -> "PlanInputs":
+    def from_shape(cls, shape: ModelShape, world_size: int, *, units: int | None = None, **kw: Any) -> PlanInputs:
         """A transformer wrapped per layer: L layer units (or ``units`` groups of consecutive
         layers) and a root holding embeddings, head and final norm."""
         groups = shape.layers if units is None else units
         if not 1 <= groups <= shape.layers:
-            raise PlanError(f"--units {groups} does not group {shape.layers} layers",
-                            f"pass 1 <= --units <= {shape.layers}, or leave it out for one unit per layer")
+            raise PlanError(
+                f"--units {groups} does not group {shape.layers} layers",
+                f"pass 1 <= --units <= {shape.layers}, or leave it out for one unit per layer",
+            )
         base, extra = divmod(shape.layers, groups)
         sizes = tuple((base + (1 if i < extra else 0)) * shape.layer_params() for i in range(groups))
         kw.setdefault("shape", shape)
         return cls(world_size=world_size, unit_elements=sizes, root_elements=shape.root_params(), **kw)
 
     @classmethod
-    def from_module(cls, module: Any, units: Iterable[Any], world_size: int, **kw: Any) -> "PlanInputs":
+    def from_module(cls, module: Any, units: Iterable[Any], world_size: int, **kw: Any) -> PlanInputs:
         """Unit sizes counted from an ``nn.Module``: ``units`` are the submodules (or classes)
         that become units; the rest is the root. ``param_tensors`` is filled in."""
         layout = layout_from_module(module, units)
         kw.setdefault("param_tensors", layout.param_tensors)
         return cls(world_size=world_size, unit_elements=layout.unit_elements, root_elements=layout.root_elements, **kw)
 
-    def replace(self, **changes: Any) -> "PlanInputs":
+    def replace(self, **changes: Any) -> PlanInputs:
         return replace(self, **changes)
 
 
@@ -238,8 +246,10 @@ def _validate(p: PlanInputs) -> None:
     _positive_int(p.gpus_per_node, "--gpus-per-node", "pass the ranks per node, e.g. --gpus-per-node 8")
     w, g = p.world_size, p.gpus_per_node
     if w > g and w % g:
-        raise PlanError(f"world size {w} is not a whole number of nodes of {g} GPUs",
-                        "pass a --world that is a multiple of --gpus-per-node")
+        raise PlanError(
+            f"world size {w} is not a whole number of nodes of {g} GPUs",
+            "pass a --world that is a multiple of --gpus-per-node",
+        )
     if any(t < 0 for t in p.unit_elements) or p.root_elements < 0:
         raise PlanError("unit sizes must be >= 0 elements", "pass non-negative sizes")
     if p.params <= 0:
@@ -254,18 +264,26 @@ def _validate(p: PlanInputs) -> None:
         raise PlanError(f"device memory must be positive, got {p.device_memory_bytes}", "pass e.g. --gpu-mem 80GB")
     for name in ("param_tensors", "prefetch_depth", "micro_batch", "seq_len"):
         if getattr(p, name) < 0:
-            raise PlanError(f"{name} must be >= 0, got {getattr(p, name)}", f"pass a non-negative --{name.replace('_', '-')}")
+            raise PlanError(
+                f"{name} must be >= 0, got {getattr(p, name)}", f"pass a non-negative --{name.replace('_', '-')}"
+            )
     for name in ("activation_bytes", "compute_time_s", "device_flops"):
         value = getattr(p, name)
         if value is not None and (not math.isfinite(value) or value < 0 or (name == "device_flops" and value == 0)):
-            raise PlanError(f"{name} must be a positive number, got {value}", f"pass a valid --{name.replace('_', '-')}")
+            raise PlanError(
+                f"{name} must be a positive number, got {value}", f"pass a valid --{name.replace('_', '-')}"
+            )
     if p.host_memory_bytes is not None and p.host_memory_bytes <= 0:
-        raise PlanError(f"host memory must be positive, got {p.host_memory_bytes}", "pass e.g. --host-mem 1TB (per node)")
+        raise PlanError(
+            f"host memory must be positive, got {p.host_memory_bytes}", "pass e.g. --host-mem 1TB (per node)"
+        )
     for name, flag in (("pcie_bandwidth", "--pcie-bw"), ("host_bandwidth", "--host-bw")):
         value = getattr(p, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise PlanError(f"{name} must be positive, got {value}", f"pass e.g. {flag} 25GB/s")
     for f in p.sharding_factors or ():
         if f < 1 or w % f:
-            raise PlanError(f"sharding factor F={f} does not divide world size W={w}",
-                            f"pass an F that divides {w}: {', '.join(str(d) for d in range(1, w + 1) if w % d == 0)}")
+            raise PlanError(
+                f"sharding factor F={f} does not divide world size W={w}",
+                f"pass an F that divides {w}: {', '.join(str(d) for d in range(1, w + 1) if w % d == 0)}",
+            )

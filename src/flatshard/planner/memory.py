@@ -43,6 +43,7 @@ keeps the transients above with no in-place F = 1 (g_u = F * S_u * compute alway
 copies of the shards being gathered (S_u * compute each) and the reduced shard before its copy back
 (S_u * reduce, and its master-dtype cast when the dtypes differ), and the activations.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,29 +98,42 @@ def memory_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> MemoryEst
     fwd, bwd, buffer = transients(units, gathered, ugrad, strategy, inputs.prefetch_depth)
     acts = activation_bytes(inputs)
     forward_peak, backward_peak = steady + acts + fwd, steady + acts + bwd
-    return MemoryEstimate(params, grads, optimizer, buffer, max(ugrad, default=0), acts, steady,
-                          forward_peak, backward_peak, max(forward_peak, backward_peak))
+    return MemoryEstimate(
+        params,
+        grads,
+        optimizer,
+        buffer,
+        max(ugrad, default=0),
+        acts,
+        steady,
+        forward_peak,
+        backward_peak,
+        max(forward_peak, backward_peak),
+    )
 
 
-def transients(units: list[Unit], gathered: list[int], ugrad: list[int], strategy: Strategy,
-               depth: int) -> tuple[int, int, int]:
+def transients(
+    units: list[Unit], gathered: list[int], ugrad: list[int], strategy: Strategy, depth: int
+) -> tuple[int, int, int]:
     """(max forward transient, max backward transient, max gathered bytes) of gathered parameters
     ``gathered`` and unsharded gradients ``ugrad`` (bytes per unit, forward order) under ``strategy``."""
     if strategy.reshard_after_forward:
         return _resharding_transients(units, gathered, ugrad, depth)
     # each unit is freed after its own backward, so unit i's backward holds units 0..i
     fwd = sum(gathered)
-    bwd = max((sum(gathered[:i + 1]) + ugrad[i] for i in range(len(units))), default=0)
+    bwd = max((sum(gathered[: i + 1]) + ugrad[i] for i in range(len(units))), default=0)
     return fwd, bwd, fwd
 
 
-def _resharding_transients(units: list[Unit], gathered: list[int], ugrad: list[int], depth: int) -> tuple[int, int, int]:
+def _resharding_transients(
+    units: list[Unit], gathered: list[int], ugrad: list[int], depth: int
+) -> tuple[int, int, int]:
     """(max forward transient, max backward transient, max gathered bytes) under FULL_SHARD."""
     root = sum(g for u, g in zip(units, gathered) if u.is_root)
     root_grad = sum(g for u, g in zip(units, ugrad) if u.is_root)
     inner = [i for i, u in enumerate(units) if not u.is_root]
-    fwd_windows = [sum(gathered[j] for j in inner[k:k + depth + 1]) for k in range(len(inner))]
-    bwd_windows = [sum(gathered[j] for j in inner[max(0, k - depth):k + 1]) for k in range(len(inner))]
+    fwd_windows = [sum(gathered[j] for j in inner[k : k + depth + 1]) for k in range(len(inner))]
+    bwd_windows = [sum(gathered[j] for j in inner[max(0, k - depth) : k + 1]) for k in range(len(inner))]
     fwd = root + max(fwd_windows, default=0)
     bwd = max([root + w + ugrad[inner[k]] for k, w in enumerate(bwd_windows)] + [root + root_grad])
     buffer = root + max(fwd_windows + bwd_windows, default=0)

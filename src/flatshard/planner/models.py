@@ -6,12 +6,14 @@ embedding, the output head, the final norm (and, for GPT, the position embedding
 computes those sizes exactly, so ``ModelShape.params()`` is the model's real parameter count
 (Llama-2-7B: 6,738,415,616, not 7e9).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from flatshard.planner.errors import PlanError
 
@@ -47,7 +49,9 @@ class ModelShape:
             if getattr(self, name) < 1:
                 raise PlanError(f"model {name} must be >= 1, got {getattr(self, name)}", f"pass a positive --{name}")
         if self.hidden % self.heads:
-            raise PlanError(f"hidden size {self.hidden} is not divisible by {self.heads} heads", "fix --hidden or --heads")
+            raise PlanError(
+                f"hidden size {self.hidden} is not divisible by {self.heads} heads", "fix --hidden or --heads"
+            )
         if self.heads % self.kv_count:
             raise PlanError(f"{self.heads} heads are not divisible by {self.kv_count} kv heads", "fix --kv-heads")
 
@@ -125,8 +129,10 @@ def preset(name: str) -> ModelShape:
     table = {_key(k): v for k, v in PRESETS.items()}
     found = table.get(_key(name))
     if found is None:
-        raise PlanError(f"unknown model preset {name!r}",
-                        f"use one of {', '.join(sorted(PRESETS))}, or pass --params N instead of --model")
+        raise PlanError(
+            f"unknown model preset {name!r}",
+            f"use one of {', '.join(sorted(PRESETS))}, or pass --params N instead of --model",
+        )
     return found
 
 

@@ -49,6 +49,7 @@ footprint (Python, CUDA context, data loaders: what the headroom is for), the fu
 materialize in host memory before wrapping, per-copy latency, PCIe links shared by two GPUs behind
 one switch (pass a lower ``pcie_bandwidth``), and limits on pinned memory (``ulimit -l``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -92,8 +93,9 @@ def regathers(unit_is_root: bool, strategy: Strategy, f: int) -> bool:
     return f > 1 and strategy.reshard_after_forward and not unit_is_root
 
 
-def offload_estimate(inputs: PlanInputs, strategy: Strategy, f: int, memory: MemoryEstimate,
-                     expected_s: float) -> OffloadEstimate:
+def offload_estimate(
+    inputs: PlanInputs, strategy: Strategy, f: int, memory: MemoryEstimate, expected_s: float
+) -> OffloadEstimate:
     """The offload figures of ``strategy`` at F; ``memory`` is its non-offload estimate (for the host
     parts and the activations), ``expected_s`` its non-offload step time."""
     rec, d = inputs.recipe, inputs.prefetch_depth
@@ -103,7 +105,7 @@ def offload_estimate(inputs: PlanInputs, strategy: Strategy, f: int, memory: Mem
     ugrad = [f * u.shard * r for u in units]
     fwd, bwd, buffer = transients(units, gathered, ugrad, strategy, d)
     shards_c = sorted((u.shard * c for u in units), reverse=True)
-    staging = sum(shards_c[:d + 1])
+    staging = sum(shards_c[: d + 1])
     cast = m if m != r else 0
     out = r if f > 1 else 0
     reduced = max((u.shard * (out + cast) for u in units), default=0)
@@ -126,6 +128,27 @@ def offload_estimate(inputs: PlanInputs, strategy: Strategy, f: int, memory: Mem
     opt_bytes = 2 * (memory.params + memory.optimizer) + memory.grads
     opt_s = opt_bytes * inputs.ranks_per_node / inputs.host_bandwidth
     return OffloadEstimate(
-        buffer, max(ugrad, default=0), staging, reduced, acts, forward_peak, backward_peak, device_peak,
-        device_fits, memory.params, memory.grads, memory.optimizer, per_rank, per_node, memory.params,
-        host_fits, fits, h2d, d2h, copy_s, opt_bytes, opt_s, expected_s + copy_s + opt_s)
+        buffer,
+        max(ugrad, default=0),
+        staging,
+        reduced,
+        acts,
+        forward_peak,
+        backward_peak,
+        device_peak,
+        device_fits,
+        memory.params,
+        memory.grads,
+        memory.optimizer,
+        per_rank,
+        per_node,
+        memory.params,
+        host_fits,
+        fits,
+        h2d,
+        d2h,
+        copy_s,
+        opt_bytes,
+        opt_s,
+        expected_s + copy_s + opt_s,
+    )

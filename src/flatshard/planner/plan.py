@@ -4,6 +4,7 @@ Reading path: ``plan(inputs)`` -> one ``plan_strategy`` per (strategy, F) -> ``m
 (memory.py), ``comm_estimate`` (comm.py), ``time_estimate`` (here), ``offload_estimate``
 (offload.py: the same plan with CPU offload) -> ``recommend`` and ``recommend_offload``.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -122,16 +123,27 @@ def plan_strategy(inputs: PlanInputs, strategy: Strategy | str, sharding_factor:
     """The plan of one strategy at one sharding factor (which must suit the strategy)."""
     s, f = Strategy(strategy), sharding_factor
     if f < 1 or inputs.world_size % f:
-        raise PlanError(f"sharding factor F={f} does not divide world size W={inputs.world_size}",
-                        "pass an F that divides W")
+        raise PlanError(
+            f"sharding factor F={f} does not divide world size W={inputs.world_size}", "pass an F that divides W"
+        )
     if s not in strategies_at(inputs.world_size, f):
-        raise PlanError(f"{s.value} does not run at F={f} with W={inputs.world_size}",
-                        "NO_SHARD is F=1, FULL_SHARD and SHARD_GRAD_OP are F=W, the hybrids 1<F<W")
+        raise PlanError(
+            f"{s.value} does not run at F={f} with W={inputs.world_size}",
+            "NO_SHARD is F=1, FULL_SHARD and SHARD_GRAD_OP are F=W, the hybrids 1<F<W",
+        )
     memory = memory_estimate(inputs, s, f)
     comm = comm_estimate(inputs, s, f)
     time = time_estimate(inputs, comm)
-    return StrategyPlan(s, f, inputs.world_size // f, memory, memory.peak <= inputs.budget_bytes,
-                        comm, time, offload_estimate(inputs, s, f, memory, time.expected_s))
+    return StrategyPlan(
+        s,
+        f,
+        inputs.world_size // f,
+        memory,
+        memory.peak <= inputs.budget_bytes,
+        comm,
+        time,
+        offload_estimate(inputs, s, f, memory, time.expected_s),
+    )
 
 
 def plan(inputs: PlanInputs) -> PlanReport:
@@ -141,8 +153,10 @@ def plan(inputs: PlanInputs) -> PlanReport:
 
 
 def _budget_text(inputs: PlanInputs) -> str:
-    return (f"{fmt_bytes(inputs.budget_bytes)} ({fmt_bytes(inputs.device_memory_bytes)} less "
-            f"{inputs.headroom:.0%} headroom)")
+    return (
+        f"{fmt_bytes(inputs.budget_bytes)} ({fmt_bytes(inputs.device_memory_bytes)} less "
+        f"{inputs.headroom:.0%} headroom)"
+    )
 
 
 def _remedies(inputs: PlanInputs, best: StrategyPlan) -> str:
@@ -158,15 +172,19 @@ def _remedies(inputs: PlanInputs, best: StrategyPlan) -> str:
 
 
 def _host_budget_text(inputs: PlanInputs) -> str:
-    return (f"{fmt_bytes(inputs.host_budget_bytes or 0)} of host memory per node "
-            f"({fmt_bytes(inputs.host_memory_bytes or 0)} less {inputs.headroom:.0%})")
+    return (
+        f"{fmt_bytes(inputs.host_budget_bytes or 0)} of host memory per node "
+        f"({fmt_bytes(inputs.host_memory_bytes or 0)} less {inputs.headroom:.0%})"
+    )
 
 
 def _offload_text(p: StrategyPlan) -> str:
     o = p.offload
-    return (f"{p.strategy.value} at F={p.sharding_factor} peaks at {fmt_bytes(o.device_peak)} on the device and "
-            f"needs {fmt_bytes(o.host_per_node)} of host memory per node ({fmt_bytes(o.host_per_rank)} per rank), "
-            f"about {fmt_seconds(o.step_time_s)} per step")
+    return (
+        f"{p.strategy.value} at F={p.sharding_factor} peaks at {fmt_bytes(o.device_peak)} on the device and "
+        f"needs {fmt_bytes(o.host_per_node)} of host memory per node ({fmt_bytes(o.host_per_rank)} per rank), "
+        f"about {fmt_seconds(o.step_time_s)} per step"
+    )
 
 
 def recommend_offload(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[StrategyPlan]) -> Recommendation:
@@ -178,23 +196,43 @@ def recommend_offload(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list
     device_ok = [p for p in plans if p.offload.device_fits]
     if not device_ok:
         best = min(plans, key=lambda p: p.offload.device_peak)
-        return Recommendation(None, None, (
-            f"CPU offload does not fit either: its smallest device peak is {fmt_bytes(best.offload.device_peak)} "
-            f"({best.strategy.value}, F={best.sharding_factor}), more than {_budget_text(inputs)}"))
+        return Recommendation(
+            None,
+            None,
+            (
+                f"CPU offload does not fit either: its smallest device peak is {fmt_bytes(best.offload.device_peak)} "
+                f"({best.strategy.value}, F={best.sharding_factor}), more than {_budget_text(inputs)}"
+            ),
+        )
     least = min(device_ok, key=lambda p: (p.offload.host_per_node, p.offload.step_time_s))
     if inputs.host_memory_bytes is None:
-        return Recommendation(None, None, (
-            f"CPU offload fits the device: {_offload_text(least)}; host memory unknown: pass --host-mem "
-            f"(per node) to judge"))
+        return Recommendation(
+            None,
+            None,
+            (
+                f"CPU offload fits the device: {_offload_text(least)}; host memory unknown: pass --host-mem "
+                f"(per node) to judge"
+            ),
+        )
     fitting = [p for p in device_ok if p.offload.fits]
     if not fitting:
-        return Recommendation(None, None, (
-            f"CPU offload does not fit either: {_offload_text(least)}, more than {_host_budget_text(inputs)}"))
+        return Recommendation(
+            None,
+            None,
+            (f"CPU offload does not fit either: {_offload_text(least)}, more than {_host_budget_text(inputs)}"),
+        )
     f = min(p.sharding_factor for p in fitting)
-    best = min((p for p in fitting if p.sharding_factor == f), key=lambda p: (p.offload.step_time_s, p.offload.device_peak))
-    return Recommendation(best.strategy, f, (
-        f"CPU offload fits: F={f} is the smallest sharding factor that fits both {fmt_bytes(inputs.budget_bytes)} "
-        f"per device and {_host_budget_text(inputs)}: {_offload_text(best)}"))
+    best = min(
+        (p for p in fitting if p.sharding_factor == f), key=lambda p: (p.offload.step_time_s, p.offload.device_peak)
+    )
+    return Recommendation(
+        best.strategy,
+        f,
+        (
+            f"CPU offload fits: F={f} is the smallest sharding factor that fits both {fmt_bytes(inputs.budget_bytes)} "
+            f"per device and {_host_budget_text(inputs)}: {_offload_text(best)}"
+        ),
+    )
 
 
 def recommend(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[StrategyPlan]) -> Recommendation:
@@ -203,21 +241,30 @@ def recommend(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[Strateg
     if not fitting:
         best = min(plans, key=lambda p: p.memory.peak)
         verdict = recommend_offload(inputs, plans).why
-        return Recommendation(None, None, (
-            f"nothing fits in {_budget_text(inputs)}: the smallest peak is {fmt_bytes(best.memory.peak)} "
-            f"({best.strategy.value}, F={best.sharding_factor}); {_remedies(inputs, best)}; {verdict}"))
+        return Recommendation(
+            None,
+            None,
+            (
+                f"nothing fits in {_budget_text(inputs)}: the smallest peak is {fmt_bytes(best.memory.peak)} "
+                f"({best.strategy.value}, F={best.sharding_factor}); {_remedies(inputs, best)}; {verdict}"
+            ),
+        )
     f = min(p.sharding_factor for p in fitting)
     at_f = sorted((p for p in fitting if p.sharding_factor == f), key=lambda p: (p.time.expected_s, p.memory.peak))
     best = at_f[0]
     smaller = [p for p in plans if p.sharding_factor < f]
-    why = f"F={f} is the smallest sharding factor whose peak fits in {_budget_text(inputs)}: " \
-          f"{best.strategy.value} peaks at {fmt_bytes(best.memory.peak)}"
+    why = (
+        f"F={f} is the smallest sharding factor whose peak fits in {_budget_text(inputs)}: "
+        f"{best.strategy.value} peaks at {fmt_bytes(best.memory.peak)}"
+    )
     if smaller:
         worst = min(smaller, key=lambda p: p.memory.peak)
         why += f"; F={worst.sharding_factor} would need {fmt_bytes(worst.memory.peak)}"
     if len(at_f) > 1:
-        why += (f"; {best.strategy.value} is estimated faster than {at_f[1].strategy.value} "
-                f"({fmt_seconds(best.time.expected_s)} vs {fmt_seconds(at_f[1].time.expected_s)} per step)")
+        why += (
+            f"; {best.strategy.value} is estimated faster than {at_f[1].strategy.value} "
+            f"({fmt_seconds(best.time.expected_s)} vs {fmt_seconds(at_f[1].time.expected_s)} per step)"
+        )
     elif len([p for p in plans if p.sharding_factor == f]) > 1:
         why += "; the other strategy at this F does not fit"
     return Recommendation(best.strategy, f, why)
@@ -237,12 +284,15 @@ def choose_sharding_factor(inputs: PlanInputs, *, reshard_after_forward: bool = 
         family.append(plan_strategy(inputs, s, f))
     for p in family:
         if p.fits:
-            why = (f"F={p.sharding_factor} ({p.strategy.value}) is the smallest sharding factor whose peak "
-                   f"{fmt_bytes(p.memory.peak)} fits in {_budget_text(inputs)}")
+            why = (
+                f"F={p.sharding_factor} ({p.strategy.value}) is the smallest sharding factor whose peak "
+                f"{fmt_bytes(p.memory.peak)} fits in {_budget_text(inputs)}"
+            )
             return p.sharding_factor, why
     last = family[-1]
-    return last.sharding_factor, (f"nothing fits in {_budget_text(inputs)}: even F={last.sharding_factor} "
-                                  f"peaks at {fmt_bytes(last.memory.peak)}")
+    return last.sharding_factor, (
+        f"nothing fits in {_budget_text(inputs)}: even F={last.sharding_factor} peaks at {fmt_bytes(last.memory.peak)}"
+    )
 
 
 def _inputs_json(inputs: PlanInputs) -> dict[str, Any]:
@@ -263,13 +313,24 @@ def _plan_json(p: StrategyPlan) -> dict[str, Any]:
         "strategy": p.strategy.value,
         "sharding_factor": p.sharding_factor,
         "replicas": p.replicas,
-        "memory_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
-                         "gather_buffer": m.gather_buffer, "activations": m.activations,
-                         "steady": m.steady, "peak": m.peak},
+        "memory_bytes": {
+            "params": m.params,
+            "grads": m.grads,
+            "optimizer": m.optimizer,
+            "gather_buffer": m.gather_buffer,
+            "activations": m.activations,
+            "steady": m.steady,
+            "peak": m.peak,
+        },
         "fits": p.fits,
-        "comm_bytes_per_step": {"all_gather": c.all_gather, "reduce_scatter": c.reduce_scatter,
-                                "all_reduce": c.all_reduce, "intra_node": c.intra_node,
-                                "inter_node": c.inter_node, "total": c.total},
+        "comm_bytes_per_step": {
+            "all_gather": c.all_gather,
+            "reduce_scatter": c.reduce_scatter,
+            "all_reduce": c.all_reduce,
+            "intra_node": c.intra_node,
+            "inter_node": c.inter_node,
+            "total": c.total,
+        },
         "step_time_s": p.time.expected_s,
     }
 
@@ -277,11 +338,23 @@ def _plan_json(p: StrategyPlan) -> dict[str, Any]:
 def _offload_json(p: StrategyPlan) -> dict[str, Any]:
     o = p.offload
     return {
-        "device_bytes": {"gather_buffer": o.gather_buffer, "unsharded_grad": o.unsharded_grad,
-                         "staging": o.staging, "reduced": o.reduced, "activations": o.activations,
-                         "forward_peak": o.forward_peak, "peak": o.device_peak},
-        "host_bytes": {"params": o.host_params, "grads": o.host_grads, "optimizer": o.host_optimizer,
-                       "per_rank": o.host_per_rank, "per_node": o.host_per_node, "pinned": o.host_pinned},
+        "device_bytes": {
+            "gather_buffer": o.gather_buffer,
+            "unsharded_grad": o.unsharded_grad,
+            "staging": o.staging,
+            "reduced": o.reduced,
+            "activations": o.activations,
+            "forward_peak": o.forward_peak,
+            "peak": o.device_peak,
+        },
+        "host_bytes": {
+            "params": o.host_params,
+            "grads": o.host_grads,
+            "optimizer": o.host_optimizer,
+            "per_rank": o.host_per_rank,
+            "per_node": o.host_per_node,
+            "pinned": o.host_pinned,
+        },
         "device_fits": o.device_fits,
         "host_fits": o.host_fits,
         "fits": o.fits,
@@ -294,8 +367,11 @@ def _offload_json(p: StrategyPlan) -> dict[str, Any]:
 
 
 def _recommendation_json(rec: Recommendation) -> dict[str, Any]:
-    return {"strategy": rec.strategy.value if rec.strategy else None, "sharding_factor": rec.sharding_factor,
-            "why": rec.why}
+    return {
+        "strategy": rec.strategy.value if rec.strategy else None,
+        "sharding_factor": rec.sharding_factor,
+        "why": rec.why,
+    }
 
 
 def to_json_dict(report: PlanReport) -> dict[str, Any]:

@@ -11,6 +11,7 @@ Bandwidths are bytes per second per rank per direction (what nccl-tests calls bu
 number is GB/s. ``Gb/s`` and ``Gbps`` are *bits* per second (InfiniBand is sold that way: 200 Gb/s
 is 25 GB/s).
 """
+
 from __future__ import annotations
 
 import math
@@ -21,9 +22,16 @@ from flatshard.planner.errors import PlanError
 
 _COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 _BYTE_SUFFIX = {
-    "": 1, "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
 }
 _NUMBER = r"([+-]?[0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
 
@@ -58,8 +66,14 @@ def parse_count(text: str | int | float, what: str = "parameter count") -> int:
 
 def parse_bytes(text: str | int | float, what: str = "memory size") -> int:
     """``"40GB"`` -> 40e9, ``"40GiB"`` -> 40 * 2^30, a bare number is bytes."""
-    size = _read(text, what, "40GB (10^9 bytes) or 40GiB (2^30 bytes)", _BYTE_SUFFIX,
-                 "use B, MB, GB, TB, MiB, GiB or TiB", "unit")
+    size = _read(
+        text,
+        what,
+        "40GB (10^9 bytes) or 40GiB (2^30 bytes)",
+        _BYTE_SUFFIX,
+        "use B, MB, GB, TB, MiB, GiB or TiB",
+        "unit",
+    )
     if size < 0:
         raise PlanError(f"{what} {text!r} is negative", "pass a size >= 0, e.g. 80GB")
     return int(size.to_integral_value())

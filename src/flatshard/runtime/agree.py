@@ -13,7 +13,8 @@ Every exchange goes through collectives.py; a caller that wants it recorded pass
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

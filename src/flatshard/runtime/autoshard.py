@@ -7,6 +7,7 @@ original parameters (AdamW's ``step`` tensors). The budget is what parameters, g
 optimizer state and gathered units may use on one rank: ``memory_budget`` bytes, or the
 accelerator's free memory. Activations are not known at wrap time and are not counted.
 """
+
 from __future__ import annotations
 
 import logging

@@ -12,8 +12,9 @@ and names them by their path. Nothing here imports a front end.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -112,8 +113,9 @@ def _build_each(module, chosen, by_unit, paths, skip, device_id, groups, options
     return root
 
 
-def build_unit(name: str, params: list[tuple[ParamInfo, nn.Parameter]], groups: ShardGroups,
-               options: BuildOptions) -> Unit:
+def build_unit(
+    name: str, params: list[tuple[ParamInfo, nn.Parameter]], groups: ShardGroups, options: BuildOptions
+) -> Unit:
     """Flatten ``params`` (layout info, original parameter) into one unit on this rank."""
     infos = [info for info, _ in params]
     originals = [p for _, p in params]
@@ -130,8 +132,15 @@ def build_unit(name: str, params: list[tuple[ParamInfo, nn.Parameter]], groups: 
     flat = layout.flatten(originals, dtype=dtype, device=device)
     if options.sync_module_states and torch.distributed.get_world_size(groups.process_group) > 1:
         collectives.broadcast(flat, 0, groups.process_group)
-    unit = Unit(name, layout, flat, groups, reshard_after_forward=options.strategy.reshard_after_forward,
-                precision=precision.resolve(options.mixed_precision, dtype), offload=options.offload_params)
+    unit = Unit(
+        name,
+        layout,
+        flat,
+        groups,
+        reshard_after_forward=options.strategy.reshard_after_forward,
+        precision=precision.resolve(options.mixed_precision, dtype),
+        offload=options.offload_params,
+    )
     unit.originals = {id(p): weakref.ref(p) for p in originals}
     unit.strategy = options.strategy
     unit.mixed_precision = options.mixed_precision

@@ -26,9 +26,11 @@ turn, the last one winning, as in the reference). Each module's init must touch 
 parameters and buffers (``recurse=False``), as PyTorch FSDP requires too: a module's children may
 already be sharded when it runs. Ignored modules and units wrapped earlier are not touched.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Optional
 
 import torch
 from torch import nn

@@ -15,7 +15,8 @@ prefetched all-gather while a reduction runs) unmistakable all the same.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from collections.abc import Callable
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist

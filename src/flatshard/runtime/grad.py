@@ -1,9 +1,10 @@
 """Gradient utilities across shards: ``clip_grad_norm_`` and ``no_sync``."""
+
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.distributed import ReduceOp

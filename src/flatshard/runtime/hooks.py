@@ -72,7 +72,7 @@ def pre_forward(unit: Unit) -> None:
         _use_compute_views(unit)
         if not unit.ctx.in_backward:
             unit.ctx.record_forward(unit)
-            unit.ctx.prefetch_forward(unit)
+            unit.ctx.prefetch_forward()
 
 
 # [Note: recomputation in backward]
@@ -125,7 +125,7 @@ def register_pre_backward(output: Any, unit: Unit) -> None:
     """Hook every output tensor that needs a gradient: the first gradient to arrive gathers the unit."""
     tensors, _ = tree_flatten(output)
 
-    def hook(grad_output: torch.Tensor) -> None:
+    def hook(_grad_output: torch.Tensor) -> None:
         pre_backward(unit)
 
     for t in tensors:

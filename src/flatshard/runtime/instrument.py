@@ -9,14 +9,16 @@ in ``timeline``. Inside ``recorder.tracking_activations()`` it also counts *acti
 tensor that an operator creates while the block runs (saved for backward, recomputed by activation
 checkpointing, temporaries) and that is still alive, less what the other categories count.
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,7 +50,9 @@ class CommRecorder:
         return (
             e
             for e in self.events
-            if (kind is None or e.kind == kind) and (phase is None or e.phase == phase) and (group is None or e.group == group)
+            if (kind is None or e.kind == kind)
+            and (phase is None or e.phase == phase)
+            and (group is None or e.group == group)
         )
 
     def count(self, kind: Optional[str] = None, phase: Optional[str] = None, group: Optional[str] = None) -> int:
@@ -96,14 +100,14 @@ class MemoryRecorder:
         self.optimizer = optimizer
         self._extra = list(extra_params)
         self.categories: tuple[str, ...] = CATEGORIES
-        self.peak: dict[str, int] = {c: 0 for c in CATEGORIES}
+        self.peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
         self.timeline: list[tuple[float, dict[str, int]]] = []
         self._t0 = time.perf_counter()
         self._tracker: Optional[LiveTensors] = None
 
     def current(self) -> dict[str, int]:
-        now = {c: 0 for c in self.categories}
+        now = dict.fromkeys(self.categories, 0)
         for unit in self._units:
             for category, nbytes in unit.memory_bytes().items():
                 now[category] += nbytes
@@ -128,7 +132,7 @@ class MemoryRecorder:
         return now
 
     def reset_peak(self) -> None:
-        self.peak = {c: 0 for c in self.categories}
+        self.peak = dict.fromkeys(self.categories, 0)
         self.peak_total = 0
         if self._tracker is not None:
             self._tracker.peak = 0
@@ -140,7 +144,7 @@ class MemoryRecorder:
         self._t0 = time.perf_counter()
 
     @contextlib.contextmanager
-    def tracking_activations(self) -> Iterator["MemoryRecorder"]:
+    def tracking_activations(self) -> Iterator[MemoryRecorder]:
         """Count activations (see the class) while the block runs, on this thread; adds the category.
         Every operator passes through a Python hook meanwhile: a few microseconds each."""
         if self._tracker is not None:

@@ -16,6 +16,7 @@ Each unit names five tensors, always with these words:
 
 This file knows layouts and views only; it never communicates.
 """
+
 from __future__ import annotations
 
 import math
@@ -63,7 +64,9 @@ class FlatLayout:
     def param_ranges(self, rank: int) -> list[tuple[int, int]]:
         """For each parameter, the [start, end) of its flattened elements that rank ``rank`` holds."""
         return [
-            (lo + rank * self.shard_numel - info.offset, hi + rank * self.shard_numel - info.offset) if hi > lo else (0, 0)
+            (lo + rank * self.shard_numel - info.offset, hi + rank * self.shard_numel - info.offset)
+            if hi > lo
+            else (0, 0)
             for info, (lo, hi) in zip(self.infos, self.local_slices(rank))
         ]
 

@@ -13,6 +13,7 @@ strategy and none of them, F is the node size (torchrun's ``LOCAL_WORLD_SIZE``).
 is never called: a unit with F = 1 aliases its unsharded flat to its flat shard, R = 1 skips the
 all-reduce.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from flatshard.api import ShardingStrategy
+
 
 @dataclass(frozen=True)
 class ShardGroups:
@@ -152,7 +154,8 @@ def _split(group: ProcessGroup, world: int, factor: int) -> ShardGroups:
 def _from_pair(strategy: ShardingStrategy, pair: tuple) -> ShardGroups:
     if not strategy.is_hybrid:
         raise ValueError(
-            f"process_group=(shard_group, replicate_group) is for HYBRID_SHARD or _HYBRID_SHARD_ZERO2, not {strategy.name}"
+            "process_group=(shard_group, replicate_group) is for HYBRID_SHARD or _HYBRID_SHARD_ZERO2, "
+            f"not {strategy.name}"
         )
     if len(pair) != 2:
         raise ValueError("process_group as a tuple must be (shard_group, replicate_group)")
@@ -179,6 +182,11 @@ def _checked(shard: ProcessGroup, replicate: ProcessGroup, world_group: ProcessG
             "cover every rank exactly once."
         )
     return ShardGroups(
-        shard if F > 1 else None, replicate if R > 1 else None, F, dist.get_rank(shard), R, world_group,
+        shard if F > 1 else None,
+        replicate if R > 1 else None,
+        F,
+        dist.get_rank(shard),
+        R,
+        world_group,
         dist.get_rank(replicate),
     )

@@ -6,9 +6,11 @@ ancestor, which is gathered whenever either use computes. Parameters of ignored 
 unit. A parameter already flattened by a unit the user wrapped by hand, but also used outside it,
 cannot be moved and is an error (raised identically on every rank, at wrap time).
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 from torch import nn
 

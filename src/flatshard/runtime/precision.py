@@ -12,6 +12,7 @@
     forbids a gradient in another dtype than its parameter's, so unit.py sets it through ``.data``).
   * buffers: ``buffer_dtype`` (cast once, when the root is first used).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,8 +48,14 @@ def resolve(policy: Optional[MixedPrecision], master: torch.dtype) -> UnitPrecis
         return UnitPrecision(master, master, master)
     compute = policy.param_dtype or master
     reduce = policy.reduce_dtype or compute
-    return UnitPrecision(master, compute, reduce, policy.cast_forward_inputs, policy.cast_root_forward_inputs,
-                         policy.keep_low_precision_grads)
+    return UnitPrecision(
+        master,
+        compute,
+        reduce,
+        policy.cast_forward_inputs,
+        policy.cast_root_forward_inputs,
+        policy.keep_low_precision_grads,
+    )
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -9,8 +9,9 @@ the master dtype. The full-size gradient is released as soon as the reduce-scatt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 

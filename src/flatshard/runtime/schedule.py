@@ -13,11 +13,11 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
-
 from torch import nn
 
 from flatshard.api import BackwardPrefetch
@@ -62,18 +62,18 @@ class ScheduleConfig:
 
 
 class RunContext:
-    def __init__(self, units: list["Unit"], root: "Unit", config: ScheduleConfig):
+    def __init__(self, units: list[Unit], root: Unit, config: ScheduleConfig):
         self.units = units  # every unit under the root, root first, in module order
         self.root = root
         self.config = config
         self.phase = Phase.IDLE
         self.sync_gradients = True
-        self.forward_order: list["Unit"] = []  # units in the order their forward ran in the last pass
-        self.order_this_pass: list["Unit"] = []
+        self.forward_order: list[Unit] = []  # units in the order their forward ran in the last pass
+        self.order_this_pass: list[Unit] = []
         self.end_of_backward_queued = False
         self.comm_recorders: list[CommRecorder] = []
         self.memory_recorders: list[MemoryRecorder] = []
-        self.pending_reductions: list["Unit"] = []
+        self.pending_reductions: list[Unit] = []
         self.buffer_cast: Optional[tuple[nn.Module, torch.dtype]] = None  # MixedPrecision.buffer_dtype
         self.started = False
         self._order_changed_warned = False
@@ -115,7 +115,7 @@ class RunContext:
             if unit.reshard_after_forward and not unit.is_root and unit.gathered and unit not in self.order_this_pass:
                 unit.reshard()
 
-    def record_forward(self, unit: "Unit") -> None:
+    def record_forward(self, unit: Unit) -> None:
         self.order_this_pass.append(unit)
 
     def begin_backward(self) -> bool:
@@ -148,7 +148,7 @@ class RunContext:
     # unit's gradients are computed) or in post-backward before this unit's reduce-scatter
     # (BACKWARD_POST). The root unit is never prefetched: it stays gathered. With limit_all_gathers,
     # no prefetch is issued while two units (besides the root) are already gathered.
-    def prefetch_forward(self, unit: "Unit") -> None:
+    def prefetch_forward(self) -> None:
         if not self.config.forward_prefetch or not self.forward_order:
             return
         k = len(self.order_this_pass)
@@ -163,7 +163,7 @@ class RunContext:
         if k < len(self.forward_order):
             self._prefetch(self.forward_order[k])
 
-    def prefetch_backward(self, unit: "Unit", *, pre: bool) -> None:
+    def prefetch_backward(self, unit: Unit, *, pre: bool) -> None:
         wanted = BackwardPrefetch.BACKWARD_PRE if pre else BackwardPrefetch.BACKWARD_POST
         if self.config.backward_prefetch is not wanted or unit not in self.forward_order:
             return
@@ -171,7 +171,7 @@ class RunContext:
         if k > 0:
             self._prefetch(self.forward_order[k - 1])
 
-    def _prefetch(self, target: "Unit") -> None:
+    def _prefetch(self, target: Unit) -> None:
         if target.is_root or target.gathered:
             return
         if self.config.limit_all_gathers and sum(u.gathered and not u.is_root for u in self.units) >= 2:
@@ -196,8 +196,9 @@ class RunContext:
         """Hand a collective to every attached recorder, under ``phase`` (default: the current phase)."""
         if not self.comm_recorders:
             return
-        event = CommEvent(result.kind, group, result.group_size, phase or self.phase, unit, result.tensor_bytes,
-                          result.wire_bytes)
+        event = CommEvent(
+            result.kind, group, result.group_size, phase or self.phase, unit, result.tensor_bytes, result.wire_bytes
+        )
         for recorder in self.comm_recorders:
             recorder.record(event)
 

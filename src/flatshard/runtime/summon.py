@@ -14,10 +14,12 @@ shards are gathered the same way and set as the full parameters' ``.grad`` (a pa
 view has no gradient gets none: ranks agree, since reductions give every trainable view one); gradients
 are for reading, never written back.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 import torch
 import torch.distributed as dist

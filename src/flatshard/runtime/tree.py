@@ -34,7 +34,7 @@ class UnitHost:
     asynchronous save in flight and its process group (checkpoint/save.py), and the bookkeeping of a
     load through a plain parent ([Note: loading through a plain parent], state/module.py)."""
 
-    _unit: "Unit"
+    _unit: Unit
     state_dict_settings: Optional[Any] = None
     pending_save: Optional[Any] = None
     checkpoint_group: Optional[Any] = None
@@ -52,7 +52,7 @@ def unit_hosts(module: nn.Module, root_only: bool = False) -> list[UnitHost]:
     return hosts
 
 
-def units_under(module: nn.Module) -> list["Unit"]:
+def units_under(module: nn.Module) -> list[Unit]:
     return [h._unit for h in unit_hosts(module)]
 
 
@@ -84,7 +84,7 @@ class UnitInfo:
         return self.padded_numel - self.numel
 
 
-def unit_info(unit: "Unit") -> UnitInfo:
+def unit_info(unit: Unit) -> UnitInfo:
     groups, layout = unit.groups, unit.layout
     local = sum(hi - lo for lo, hi in layout.local_slices(groups.shard_rank))
     return UnitInfo(

@@ -89,8 +89,10 @@ class Unit:
         if self.plan.aliased:
             self.unsharded = flat_full.data  # alias with its own version counter
         else:
-            self.unsharded = flat_full if self.plan.reuse_flat_full else torch.empty(
-                layout.padded, dtype=precision.compute, device=flat_full.device
+            self.unsharded = (
+                flat_full
+                if self.plan.reuse_flat_full
+                else torch.empty(layout.padded, dtype=precision.compute, device=flat_full.device)
             )
             self.unsharded.untyped_storage().resize_(0)
         self.unsharded.requires_grad_(self.requires_grad)

@@ -101,11 +101,13 @@ def model_view(module: nn.Module, prefix: str = "") -> ModelView:
         unit = h._unit
         rank = unit.groups.shard_rank
         layout = unit.layout
-        for info, view, rng, loc in zip(layout.infos, unit.shard_views, layout.param_ranges(rank),
-                                        layout.local_slices(rank)):
+        for info, view, rng, loc in zip(
+            layout.infos, unit.shard_views, layout.param_ranges(rank), layout.local_slices(rank)
+        ):
             owners[id(view)] = (unit, info, view, rng, loc)
-    out = ModelView(group=hosts[0]._unit.groups.process_group if hosts else None,
-                    ctx=hosts[0]._unit.ctx if hosts else None)
+    out = ModelView(
+        group=hosts[0]._unit.groups.process_group if hosts else None, ctx=hosts[0]._unit.ctx if hosts else None
+    )
     _walk(module, prefix, out, owners, {})
     return out
 
@@ -138,8 +140,16 @@ def _walk(module: nn.Module, prefix: str, out: ModelView, owners: dict, seen: di
 def layout_fingerprint(unit: Unit) -> torch.Tensor:
     """What must match for a LOCAL state dict to load: F, shard rank, sizes and every name and shape."""
     text = ";".join(f"{i.name}:{tuple(i.shape)}" for i in unit.layout.infos)
-    return torch.tensor([unit.groups.shard_size, unit.groups.shard_rank, unit.layout.total,
-                         unit.layout.shard_numel, zlib.crc32(text.encode())], dtype=torch.int64)
+    return torch.tensor(
+        [
+            unit.groups.shard_size,
+            unit.groups.shard_rank,
+            unit.layout.total,
+            unit.layout.shard_numel,
+            zlib.crc32(text.encode()),
+        ],
+        dtype=torch.int64,
+    )
 
 
 def gather_to(unit: Unit, shard: torch.Tensor) -> torch.Tensor:

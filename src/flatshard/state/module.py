@@ -27,7 +27,13 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
-from flatshard.api import FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig, StateDictConfig, StateDictType
+from flatshard.api import (
+    FullStateDictConfig,
+    LocalStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictType,
+)
 from flatshard.runtime import agree
 from flatshard.runtime.hooks import traced
 from flatshard.runtime.schedule import Phase
@@ -40,7 +46,7 @@ LOCAL_SUFFIX, LAYOUT_SUFFIX = "_flat_param", "_flat_param_layout"
 
 
 # ---- module state dicts -----------------------------------------------------------------------
-def module_state_dict(module, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+def module_state_dict(module, *args, destination=None, prefix: str = "", keep_vars: bool = False):  # noqa: ARG001
     """The module's state dict of the type set by ``state_dict_type``; called by ``nn.Module.state_dict``'s
     recursion too (a plain parent passes ``destination`` and ``prefix``). ``keep_vars`` has no effect:
     FULL values are copies, SHARDED and LOCAL values detached views."""
@@ -117,8 +123,13 @@ def load_module_state_dict(module, state_dict, *, strict: bool = True, assign: b
 def _load(module, view: ModelView, state_dict, strict: bool, assign: bool):
     kind = settings_of(module).state_dict_type
     if assign:
-        agree.agree("load_state_dict(assign=True) is not supported by flatshard: parameters live in flat shards; "
-                    "call it with assign=False (values are copied in place)", view.group, RuntimeError, view.record)
+        agree.agree(
+            "load_state_dict(assign=True) is not supported by flatshard: parameters live in flat shards; "
+            "call it with assign=False (values are copied in place)",
+            view.group,
+            RuntimeError,
+            view.record,
+        )
     state_dict, problem = pieces_from_sharded_tensors(state_dict)
     expected = view.names() if kind is not StateDictType.LOCAL_STATE_DICT else _local_names(view)
     missing = [n for n in expected if n not in state_dict]
@@ -149,8 +160,10 @@ def _key_problem(owner: str, missing: list[str], unexpected: list[str]) -> Optio
         parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
     if not parts:
         return None
-    return f"Error(s) in loading state_dict for {owner}:\n\t" + "\n\t".join(parts) + (
-        "\n\tSave and load with the same state_dict_type, or pass strict=False to skip these keys."
+    return (
+        f"Error(s) in loading state_dict for {owner}:\n\t"
+        + "\n\t".join(parts)
+        + ("\n\tSave and load with the same state_dict_type, or pass strict=False to skip these keys.")
     )
 
 
@@ -166,8 +179,10 @@ def _check_values(view: ModelView, sd: dict, kind: StateDictType) -> Optional[st
         if got is None:
             return f"state_dict[{name!r}] is a {type(value).__name__}, not a tensor; it cannot load into {name}"
         if tuple(got) != tuple(want):
-            return (f"size mismatch for {name}: copying a param with shape {tuple(got)} from checkpoint, the shape in "
-                    f"current model is {tuple(want)}. Load a state dict of the same model.")
+            return (
+                f"size mismatch for {name}: copying a param with shape {tuple(got)} from checkpoint, the shape in "
+                f"current model is {tuple(want)}. Load a state dict of the same model."
+            )
     return None
 
 
@@ -250,7 +265,7 @@ def load_from_parent(host: UnitHost, state_dict: dict, prefix: str, missing_keys
     """A host's ``_load_from_state_dict``: load the subtree once, from the outermost host."""
     if host.loaded_by_outer:
         return
-    ours = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    ours = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     result = load_module_state_dict(host, ours, strict=False)
     missing_keys.extend(prefix + k for k in result.missing_keys)
     unexpected_keys.extend(prefix + k for k in result.unexpected_keys)

@@ -14,6 +14,7 @@ three types follow the model's ``state_dict_type``:
 ``optim_state_dict_to_load`` turns any of them back into what ``optimizer.load_state_dict`` takes for
 this rank's layout.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,7 +81,9 @@ def describe(value: Any, local_numel: Optional[int], name: str, key: str) -> dic
         )
     if isinstance(value, SCALAR_TYPES):
         return {"kind": "value", "value": value}
-    raise CheckpointError(f"optimizer state {key!r} of {name} is a {type(value).__name__}; only tensors and numbers are saved")
+    raise CheckpointError(
+        f"optimizer state {key!r} of {name} is a {type(value).__name__}; only tensors and numbers are saved"
+    )
 
 
 def scalar_tensor(d: dict) -> torch.Tensor:
@@ -100,7 +103,9 @@ def json_groups(optim, names: list[str]) -> list[dict]:
             if isinstance(v, tuple):
                 v = list(v)
             if not isinstance(v, (list, *SCALAR_TYPES)):
-                raise CheckpointError(f"optimizer hyperparameter {k!r} is a {type(v).__name__}; only numbers, strings and lists are saved")
+                raise CheckpointError(
+                    f"optimizer hyperparameter {k!r} is a {type(v).__name__}; only numbers, strings and lists are saved"
+                )
             g[k] = v
         g["params"] = names[i : i + len(group["params"])]
         i += len(group["params"])
@@ -142,7 +147,7 @@ def merged_meta(meta: dict, view: ModelView) -> dict:
     return merged
 
 
-def optim_state_dict(model, optim, osd=None, group=None) -> dict:
+def optim_state_dict(model, optim, osd=None, group=None) -> dict:  # noqa: ARG001 - PyTorch's signature
     """FullyShardedDataParallel.optim_state_dict: this optimizer's state of the type ``state_dict_type`` sets.
     ``group`` is accepted for PyTorch's signature; the model's own process group is the one used."""
     view = model_view(model)
@@ -161,8 +166,9 @@ def _optim_state_dict(model, optim, osd, view: ModelView) -> dict:
     if kind is StateDictType.SHARDED_STATE_DICT:
         state = _sharded(merged_meta(local.meta, view), local, move, view)
         return {"state": state, "param_groups": local.groups}
-    state = {name: {k: move(v) if torch.is_tensor(v) else v for k, v in keys.items()}
-             for name, keys in local.values.items()}
+    state = {
+        name: {k: move(v) if torch.is_tensor(v) else v for k, v in keys.items()} for name, keys in local.values.items()
+    }
     layouts = {u.name: layout_fingerprint(u).tolist() for u in view.units}
     return {"state": state, "param_groups": local.groups, "layouts": layouts}
 
@@ -227,7 +233,13 @@ def _full(view: ModelView, local: LocalOptimState, meta: dict, keep: bool, move)
 
 
 # ---- loading --------------------------------------------------------------------------------
-def optim_state_dict_to_load(model, optim, osd: dict, load_directly: bool = False, group=None) -> dict:
+def optim_state_dict_to_load(  # group: PyTorch's signature; the model's own group is used
+    model,
+    optim,
+    osd: dict,
+    load_directly: bool = False,
+    group=None,  # noqa: ARG001
+) -> dict:
     """What ``optim.load_state_dict`` takes on this rank, from a FULL, SHARDED or LOCAL optimizer state dict
     (loaded into ``optim`` too with ``load_directly``)."""
     view = model_view(model)
@@ -263,8 +275,9 @@ def _to_load(model, optim, osd: dict, view: ModelView) -> dict:
         slot = slots[name]
         held = optim.state.get(p, {})
         kind = settings.state_dict_type
-        packed[i] = {k: _local_value(v, slot, exchanged.get((name, k)), kind, k, held.get(k))
-                     for k, v in state[name].items()}
+        packed[i] = {
+            k: _local_value(v, slot, exchanged.get((name, k)), kind, k, held.get(k)) for k, v in state[name].items()
+        }
     return {"state": packed, "param_groups": groups_to_load(optim, osd)}
 
 
@@ -274,7 +287,9 @@ def _pieces(osd) -> tuple[Any, Optional[str]]:
         return osd, None
     state, problem = {}, None
     for name, keys in osd["state"].items():
-        state[name], bad = pieces_from_sharded_tensors(keys, f"state/{name}/") if isinstance(keys, dict) else (keys, None)
+        state[name], bad = (
+            pieces_from_sharded_tensors(keys, f"state/{name}/") if isinstance(keys, dict) else (keys, None)
+        )
         problem = problem or bad
     return {**osd, "state": state}, problem
 
@@ -286,8 +301,10 @@ def _from_rank0(osd: Optional[dict], view: ModelView, slots: dict) -> dict:
     rank0 = agree.rank_in(group) == 0
     shape = None
     if rank0:
-        shape = {"param_groups": osd["param_groups"], "state": {n: {k: _shape_of(v) for k, v in keys.items()}
-                                                                    for n, keys in osd["state"].items()}}
+        shape = {
+            "param_groups": osd["param_groups"],
+            "state": {n: {k: _shape_of(v) for k, v in keys.items()} for n, keys in osd["state"].items()},
+        }
     shape = agree.gather_json(shape, group, view.record)[0]
     state = {}
     for name, keys in shape["state"].items():
@@ -308,7 +325,9 @@ def _from_rank0(osd: Optional[dict], view: ModelView, slots: dict) -> dict:
                 out[k] = full
             else:  # a piece covering this rank's range: loads without another exchange
                 a, b = (0, full.numel()) if rank0 else (slot.start, slot.end)
-                out[k] = ShardedPiece(full.reshape(-1)[a:b].clone() if not rank0 else full.reshape(-1), full.shape, a, b)
+                out[k] = ShardedPiece(
+                    full.reshape(-1)[a:b].clone() if not rank0 else full.reshape(-1), full.shape, a, b
+                )
         state[name] = out
     return {"state": state, "param_groups": shape["param_groups"]}
 
@@ -354,11 +373,16 @@ def _per_element(v: torch.Tensor, slot, kind, key: str, held) -> bool:
 def check(optim, osd: dict, names: list[str], kind: StateDictType, view: ModelView) -> Optional[str]:
     """Why ``osd`` cannot load into ``optim`` (holding the parameters ``names``), or None."""
     if not isinstance(osd, dict) or "param_groups" not in osd or "state" not in osd:
-        return ("the optimizer state dict has no 'state' and 'param_groups'; pass what "
-                "FullyShardedDataParallel.optim_state_dict(model, optim) returned")
+        return (
+            "the optimizer state dict has no 'state' and 'param_groups'; pass what "
+            "FullyShardedDataParallel.optim_state_dict(model, optim) returned"
+        )
     saved = osd["param_groups"]
     if len(saved) != len(optim.param_groups):
-        return f"the optimizer state dict has {len(saved)} param groups, the optimizer {len(optim.param_groups)}; build the optimizer as when saving"
+        return (
+            f"the optimizer state dict has {len(saved)} param groups, the optimizer {len(optim.param_groups)}; "
+            "build the optimizer as when saving"
+        )
     i = 0
     for n, (g_saved, g_now) in enumerate(zip(saved, optim.param_groups)):
         here = names[i : i + len(g_now["params"])]
@@ -366,8 +390,10 @@ def check(optim, osd: dict, names: list[str], kind: StateDictType, view: ModelVi
         if list(g_saved["params"]) != here:
             missing = sorted(set(here) - set(g_saved["params"]))
             extra = sorted(set(g_saved["params"]) - set(here))
-            return (f"param group {n} of the optimizer state dict does not match the optimizer (missing {missing}, "
-                    f"unexpected {extra}); build the optimizer's param groups as when saving")
+            return (
+                f"param group {n} of the optimizer state dict does not match the optimizer (missing {missing}, "
+                f"unexpected {extra}); build the optimizer's param groups as when saving"
+            )
     unknown = sorted(set(osd["state"]) - set(names))
     if unknown:
         return f"the optimizer state dict has state for parameters this optimizer does not hold: {unknown}"
@@ -375,8 +401,10 @@ def check(optim, osd: dict, names: list[str], kind: StateDictType, view: ModelVi
         layouts = osd.get("layouts", {})
         for unit in view.units:
             if layouts.get(unit.name) != layout_fingerprint(unit).tolist():
-                return (f"LOCAL optimizer state dict for unit {unit.name!r} was saved with another layout; a LOCAL state "
-                        "dict loads only into the same layout. Use SHARDED or FULL (or flatshard.checkpoint) to reshard.")
+                return (
+                    f"LOCAL optimizer state dict for unit {unit.name!r} was saved with another layout; a LOCAL state "
+                    "dict loads only into the same layout. Use SHARDED or FULL (or flatshard.checkpoint) to reshard."
+                )
     return None
 
 

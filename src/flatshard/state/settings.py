@@ -7,7 +7,7 @@ host's are the model's.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from torch import nn
 
@@ -36,7 +36,9 @@ def settings_of(module: nn.Module) -> StateDictSettings:
     return (hosts[0].state_dict_settings or DEFAULT_SETTINGS) if hosts else DEFAULT_SETTINGS
 
 
-def set_state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None) -> StateDictSettings:
+def set_state_dict_type(
+    module, state_dict_type, state_dict_config=None, optim_state_dict_config=None
+) -> StateDictSettings:
     if not isinstance(state_dict_type, StateDictType):
         raise TypeError(f"state_dict_type must be a flatshard.StateDictType, got {state_dict_type!r}")
     config_cls, optim_cls = CONFIGS[state_dict_type]
@@ -48,8 +50,10 @@ def set_state_dict_type(module, state_dict_type, state_dict_config=None, optim_s
             f"{type(config).__name__} and {type(optim_config).__name__}"
         )
     if getattr(config, "_use_dtensor", False) or getattr(optim_config, "_use_dtensor", False):
-        raise ValueError("_use_dtensor=True is not supported: flatshard's SHARDED values are ShardedTensors (as FSDP's "
-                         "default); leave _use_dtensor False")
+        raise ValueError(
+            "_use_dtensor=True is not supported: flatshard's SHARDED values are ShardedTensors (as FSDP's "
+            "default); leave _use_dtensor False"
+        )
     hosts = unit_hosts(module)
     if not hosts:
         raise ValueError("set_state_dict_type needs a module that contains a FullyShardedDataParallel")

@@ -3,6 +3,7 @@ shape (made of boxes, for torch.distributed.checkpoint), and back to the flat pi
 that module.py and optim.py load from. No communication (but for 0-D parameters): every rank
 computes every shard rank's boxes from the unit's layout.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,6 @@ class ShardedPiece:
     @property
     def dtype(self) -> torch.dtype:
         return self.tensor.dtype
-
 
 
 # [Note: flat ranges as boxes]
@@ -152,10 +152,12 @@ def piece_of(value: ShardedTensor, name: str) -> tuple[Optional[ShardedPiece], O
             continue
         rng = box_flat_range(md.shard_offsets, md.shard_sizes, shape)
         if rng is None:
-            return None, (f"state_dict[{name!r}]: a local shard at offsets {md.shard_offsets} of sizes "
-                          f"{md.shard_sizes} is not a run of consecutive elements of the flattened {tuple(shape)} "
-                          "tensor; flatshard loads ShardedTensors sharded by flat ranges or along dimension 0 "
-                          "(as its own SHARDED state dicts are). Load a FULL state dict instead.")
+            return None, (
+                f"state_dict[{name!r}]: a local shard at offsets {md.shard_offsets} of sizes "
+                f"{md.shard_sizes} is not a run of consecutive elements of the flattened {tuple(shape)} "
+                "tensor; flatshard loads ShardedTensors sharded by flat ranges or along dimension 0 "
+                "(as its own SHARDED state dicts are). Load a FULL state dict instead."
+            )
         parts.append((rng, shard.tensor))
     parts.sort(key=lambda p: p[0])
     if not parts:
@@ -163,8 +165,10 @@ def piece_of(value: ShardedTensor, name: str) -> tuple[Optional[ShardedPiece], O
         return ShardedPiece(torch.empty(0, dtype=dtype), torch.Size(shape), 0, 0), None
     for (_, prev_end), ((start, _), _) in zip([p[0] for p in parts], parts[1:]):
         if start != prev_end:
-            return None, (f"state_dict[{name!r}]: this rank's local shards cover a non-contiguous part of the "
-                          "flattened tensor; flatshard loads one flat range per rank. Load a FULL state dict instead.")
+            return None, (
+                f"state_dict[{name!r}]: this rank's local shards cover a non-contiguous part of the "
+                "flattened tensor; flatshard loads one flat range per rank. Load a FULL state dict instead."
+            )
     flat = torch.cat([t.reshape(-1) for _, t in parts]) if len(parts) > 1 else parts[0][1].reshape(-1)
     return ShardedPiece(flat, torch.Size(shape), parts[0][0][0], parts[-1][0][1]), None
 
