@@ -280,7 +280,7 @@ def tracked_step(system: System, x, y, world: int) -> None:
     start = [*system.model.parameters(), *system.model.buffers()]
     start += [v for st in system.opt.state.values() for v in st.values() if torch.is_tensor(v)]
     tracker = StoragePeak(start, world)
-    recorder = system.model.record_comms() if hasattr(system.model, "record_comms") else None
+    recorder = system.model.record_comms(events=True) if hasattr(system.model, "record_comms") else None
     rec = recorder.__enter__() if recorder is not None else None
     try:
         with tracker:

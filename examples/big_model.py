@@ -298,7 +298,7 @@ def rank_main(args) -> int:
     opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=args.lr)
     data = batches(cfg, args, rank, world)
     losses, step_s = [], []
-    with model.record_memory(opt) as mem:
+    with model.record_memory(opt, timeline=True) as mem:  # the plot needs the samples of one step
         for step in range(args.steps):
             recorded = step == args.steps - 1  # the last step, with optimizer state, is the one plotted
             x, y = next(data)

@@ -47,7 +47,7 @@ def comms_worker(rank: int, world: int) -> dict:
         assert root.is_root and root.name == "<root>"
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         _step(model, opt, world, 0)  # the first step may differ (lazy init); count the second and third
-        with model.record_comms() as rec:
+        with model.record_comms(events=True) as rec:
             for s in (1, 2):
                 _step(model, opt, world, s)
         n, steps = world, 2

@@ -71,7 +71,7 @@ def schedule_worker(rank: int, world: int) -> dict:
             for step in range(2):
                 x, y = batch(step, PER_RANK)
                 ready.clear()
-                with model.record_comms() as rec, testing.on_transition(model, count):
+                with model.record_comms(events=True) as rec, testing.on_transition(model, count):
                     loss_fn(model(x), y).backward()
             names = [(e.kind, e.unit) for e in rec.events if e.phase == "backward"]
             out[(bwd, fwd)] = {
@@ -228,7 +228,7 @@ def precision_worker(rank: int, world: int) -> dict:
     model = FSDP(m)
     seen = []
     m.inner.register_forward_hook(lambda mod, args, output: seen.append(output.dtype))
-    with model.record_comms() as rec:
+    with model.record_comms(events=True) as rec:
         out_fp32 = model(torch.randn(3, 5))
         out_fp32.sum().backward()
     inner_gather = [

@@ -29,7 +29,7 @@ def main(out_dir: str) -> None:
     root = flatshard.units(model)[0]
     _, fresh, batch, loss_fn = build("gpt_tie_in_root", "HYBRID_SHARD")
     x, y = batch(0, PER_RANK)
-    with fresh.record_comms() as rec:
+    with fresh.record_comms(events=True) as rec:
         loss_fn(fresh(x), y).backward()
     result = {
         "rank": rank,

@@ -304,10 +304,12 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
 
     # ---- instrumentation ----------------------------------------------------------------------
     @contextlib.contextmanager
-    def record_comms(self) -> Iterator[CommRecorder]:
-        """Count every collective this model issues inside the block (kind, group, phase, bytes)."""
+    def record_comms(self, *, events: bool = False) -> Iterator[CommRecorder]:
+        """Count every collective this model issues inside the block: totals by phase, kind and group
+        (``count``, ``wire_bytes``, ``summary``). ``events=True`` also keeps every collective, in order,
+        in ``.events`` (one record each, for as long as the block runs: [Note: bounded recorders])."""
         ctx = self._require_root("record_comms")
-        recorder = CommRecorder()
+        recorder = CommRecorder(events=events)
         ctx.comm_recorders.append(recorder)
         try:
             yield recorder
@@ -315,10 +317,13 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
             ctx.comm_recorders.remove(recorder)
 
     @contextlib.contextmanager
-    def record_memory(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Iterator[MemoryRecorder]:
-        """Follow the bytes flatshard manages on this rank (and the optimizer's state) and their peak."""
+    def record_memory(
+        self, optimizer: Optional[torch.optim.Optimizer] = None, *, timeline: bool = False
+    ) -> Iterator[MemoryRecorder]:
+        """Follow the bytes flatshard manages on this rank (and the optimizer's state) and their peak.
+        ``timeline=True`` also keeps every sample in ``.timeline`` ([Note: bounded recorders])."""
         ctx = self._require_root("record_memory")
-        recorder = MemoryRecorder(ctx.units, optimizer, extra_params=list(self._ignored_params))
+        recorder = MemoryRecorder(ctx.units, optimizer, extra_params=list(self._ignored_params), timeline=timeline)
         recorder.sample()
         ctx.memory_recorders.append(recorder)
         try:

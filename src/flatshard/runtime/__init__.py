@@ -39,6 +39,7 @@ Index of every [Note: ...] in the package
   free before the flat gradient ... runtime/hooks.py
   deferred initialisation ......... runtime/deferred.py
   equal errors .................... runtime/agree.py
+  bounded recorders ............... runtime/instrument.py
   nested wrappers ................. fsdp.py
   flat ranges as boxes ............ state/sharded_tensors.py
   loading through a plain parent .. state/module.py

@@ -4,10 +4,20 @@
 (forward / backward / optimizer / other), with the tensor bytes and the per-rank ring bytes.
 ``MemoryRecorder`` follows the bytes of the tensors flatshard manages (flat shards, gradient
 shards, unsharded flats and their full-size gradients, optimizer state) and keeps their peak; it
-samples at every unit transition, which is exactly when those bytes change, and keeps every sample
-in ``timeline``. Inside ``recorder.tracking_activations()`` it also counts *activations*: every
-tensor that an operator creates while the block runs (saved for backward, recomputed by activation
-checkpointing, temporaries) and that is still alive, less what the other categories count.
+samples at every unit transition, which is exactly when those bytes change. Inside
+``recorder.tracking_activations()`` it also counts *activations*: every tensor that an operator
+creates while the block runs (saved for backward, recomputed by activation checkpointing,
+temporaries) and that is still alive, less what the other categories count.
+
+[Note: bounded recorders]
+A recorder may stay open for a whole training run, so by default it keeps aggregates only: a
+CommRecorder keeps one row of totals per (phase, kind, group), a MemoryRecorder its current and peak
+bytes per category; their size does not grow with the number of steps. The per-collective event list
+(``CommRecorder.events``: one record per collective, e.g. to see which unit a collective served) and
+the memory timeline (``MemoryRecorder.timeline``: one sample per unit transition, for plotting one
+step) grow with every step, so each is opt-in: ``record_comms(events=True)``,
+``record_memory(timeline=True)``. Reading one that was not asked for is an error that says how to
+ask for it, never an empty list that reads as "nothing happened".
 """
 
 from __future__ import annotations
@@ -15,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Optional
@@ -37,42 +46,60 @@ class CommEvent:
 
 
 class CommRecorder:
-    def __init__(self) -> None:
-        self.events: list[CommEvent] = []
+    """Totals of the collectives recorded, by phase, kind and group ([Note: bounded recorders]).
+
+    ``count``, ``wire_bytes``, ``tensor_bytes`` and ``summary`` read the totals; with ``events=True``
+    every collective is also kept, in order, in ``events``."""
+
+    def __init__(self, events: bool = False) -> None:
+        self.keeps_events = bool(events)
+        self._events: list[CommEvent] = []
+        self._totals: dict[tuple[str, str, str], list] = {}  # (phase, kind, group) -> [count, tensor, wire]
+
+    @property
+    def events(self) -> list[CommEvent]:
+        """Every collective recorded, in order (only with ``record_comms(events=True)``)."""
+        if not self.keeps_events:
+            raise RuntimeError(
+                "this recorder keeps totals only (count, wire_bytes, tensor_bytes, summary); "
+                "open it with record_comms(events=True) to keep every collective in .events"
+            )
+        return self._events
 
     def record(self, event: CommEvent) -> None:
-        self.events.append(event)
+        row = self._totals.setdefault((event.phase, event.kind, event.group), [0, 0, 0.0])
+        row[0] += 1
+        row[1] += event.tensor_bytes
+        row[2] += event.wire_bytes
+        if self.keeps_events:
+            self._events.append(event)
 
     def reset(self) -> None:
-        self.events.clear()
+        self._events.clear()
+        self._totals.clear()
 
-    def _select(self, kind, phase, group) -> Iterable[CommEvent]:
+    def _select(self, kind, phase, group) -> Iterable[list]:
         return (
-            e
-            for e in self.events
-            if (kind is None or e.kind == kind)
-            and (phase is None or e.phase == phase)
-            and (group is None or e.group == group)
+            row
+            for (p, k, g), row in self._totals.items()
+            if (kind is None or k == kind) and (phase is None or p == phase) and (group is None or g == group)
         )
 
     def count(self, kind: Optional[str] = None, phase: Optional[str] = None, group: Optional[str] = None) -> int:
-        return sum(1 for _ in self._select(kind, phase, group))
+        return sum(row[0] for row in self._select(kind, phase, group))
 
     def wire_bytes(self, kind: Optional[str] = None, phase: Optional[str] = None, group: Optional[str] = None) -> float:
-        return sum(e.wire_bytes for e in self._select(kind, phase, group))
+        return sum(row[2] for row in self._select(kind, phase, group))
 
     def tensor_bytes(self, kind: Optional[str] = None, phase: Optional[str] = None, group: Optional[str] = None) -> int:
-        return sum(e.tensor_bytes for e in self._select(kind, phase, group))
+        return sum(row[1] for row in self._select(kind, phase, group))
 
     def summary(self) -> dict:
-        """{(phase, kind, group): {"count", "tensor_bytes", "wire_bytes"}} as a nested plain dict."""
-        out: dict = defaultdict(lambda: {"count": 0, "tensor_bytes": 0, "wire_bytes": 0.0})
-        for e in self.events:
-            row = out[f"{e.phase}/{e.kind}/{e.group}"]
-            row["count"] += 1
-            row["tensor_bytes"] += e.tensor_bytes
-            row["wire_bytes"] += e.wire_bytes
-        return dict(out)
+        """{"phase/kind/group": {"count", "tensor_bytes", "wire_bytes"}} as a plain dict."""
+        return {
+            f"{p}/{k}/{g}": {"count": n, "tensor_bytes": t, "wire_bytes": w}
+            for (p, k, g), (n, t, w) in self._totals.items()
+        }
 
 
 CATEGORIES = ("params", "grads", "optimizer", "gathered")
@@ -92,17 +119,22 @@ class MemoryRecorder:
                    it until the unit claims it (then it counts as gathered). Its peak is exact (taken
                    after every operator); the other categories' peaks are taken at samples
 
-    ``timeline`` holds ``(seconds, {category: bytes})`` for every sample, for plotting one step.
+    With ``timeline=True`` (``record_memory(timeline=True)``), ``timeline`` holds
+    ``(seconds, {category: bytes})`` for every sample, for plotting one step; by default no sample is
+    kept ([Note: bounded recorders]).
     """
 
-    def __init__(self, units, optimizer: Optional[torch.optim.Optimizer] = None, extra_params=()):
+    def __init__(
+        self, units, optimizer: Optional[torch.optim.Optimizer] = None, extra_params=(), *, timeline: bool = False
+    ):
         self._units = list(units)
         self.optimizer = optimizer
         self._extra = list(extra_params)
         self.categories: tuple[str, ...] = CATEGORIES
         self.peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
-        self.timeline: list[tuple[float, dict[str, int]]] = []
+        self.keeps_timeline = bool(timeline)
+        self._timeline: list[tuple[float, dict[str, int]]] = []
         self._t0 = time.perf_counter()
         self._tracker: Optional[LiveTensors] = None
 
@@ -128,8 +160,19 @@ class MemoryRecorder:
         if self._tracker is not None:
             self.peak[ACTIVATIONS] = max(self.peak[ACTIVATIONS], self._tracker.peak)
         self.peak_total = max(self.peak_total, sum(now.values()))
-        self.timeline.append((time.perf_counter() - self._t0, now))
+        if self.keeps_timeline:
+            self._timeline.append((time.perf_counter() - self._t0, now))
         return now
+
+    @property
+    def timeline(self) -> list[tuple[float, dict[str, int]]]:
+        """``(seconds, {category: bytes})`` per sample (only with ``record_memory(timeline=True)``)."""
+        if not self.keeps_timeline:
+            raise RuntimeError(
+                "this recorder keeps the current and peak bytes only (current(), peak, peak_total); "
+                "open it with record_memory(optimizer, timeline=True) to keep every sample in .timeline"
+            )
+        return self._timeline
 
     def reset_peak(self) -> None:
         self.peak = dict.fromkeys(self.categories, 0)
@@ -140,7 +183,7 @@ class MemoryRecorder:
 
     def reset_timeline(self) -> None:
         """Forget the samples so far; times count from now."""
-        self.timeline = []
+        self.timeline.clear()  # (raises, saying what to pass, on a recorder without a timeline)
         self._t0 = time.perf_counter()
 
     @contextlib.contextmanager
