@@ -17,11 +17,19 @@ from typing import Any
 from tests import dist_pool
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, fresh: bool = False
+) -> list[Any]:
     """Returns the per-rank results in rank order; raises with every failing rank's traceback.
 
-    The ranks come from the pool of ``world_size`` processes (tests/dist_pool.py), started on first use."""
-    outcomes = dist_pool.pool(world_size).run(fn, args, timeout)
+    The ranks come from the pool of ``world_size`` processes (tests/dist_pool.py), started on first use.
+    ``fresh``: the pool is retired after this task (for tests that leave a process group timed out)."""
+    pool = dist_pool.pool(world_size)
+    try:
+        outcomes = pool.run(fn, args, timeout)
+    finally:
+        if fresh:
+            pool.kill()
     errors = [f"rank {r}:\n{payload}" for r, (s, payload) in sorted(outcomes.items()) if s == "error"]
     missing = sorted(set(range(world_size)) - set(outcomes))
     if errors or missing:

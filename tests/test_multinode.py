@@ -61,4 +61,7 @@ def test_two_node_torchrun_hybrid(tmp_path):
             "all_gather/shard": M + (M - 1),  # forward, then backward for all but the root
             "reduce_scatter/shard": M,
             "all_reduce/replicate": M,  # one per unit across the nodes
+            # the first step's order checks: one before each gather and each reduction, one at the end of
+            # forward and one at the end of backward ([Note: order checks])
+            "order_check/world": (M + (M - 1)) + M + 2,
         }, r["counts"]

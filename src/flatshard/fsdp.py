@@ -252,11 +252,14 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         )
 
     # ---- training utilities -------------------------------------------------------------------
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Clip gradients by their global norm across all ranks, as ``torch.nn.utils.clip_grad_norm_``
-        would on the unwrapped model. Returns the total norm (before clipping). One all-reduce."""
+        would on the unwrapped model. Returns the total norm (before clipping), the same on every rank,
+        NaN if any rank's gradients hold a NaN. One all-reduce."""
         ctx = self._require_root("clip_grad_norm_")
-        return grad.clip_grad_norm_(ctx, list(self._ignored_params), max_norm, norm_type)
+        return grad.clip_grad_norm_(ctx, list(self._ignored_params), max_norm, norm_type, error_if_nonfinite)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from flatshard.runtime import build
+from flatshard.runtime.mesh import group_timeout
 from flatshard.runtime.tree import unit_hosts, units_under
 
 
@@ -87,3 +88,9 @@ def offload_on_cpu() -> Iterator[None]:
 def units_keeping_full_grads(model: nn.Module) -> list[str]:
     """Names of the units whose unsharded flat still holds a full-size gradient."""
     return [u.name for u in units_under(model) if u.unsharded.grad is not None]
+
+
+def group_timeouts(model: nn.Module) -> list:
+    """The timeouts of the root unit's shard and replicate groups (those that exist), in that order."""
+    groups = units_under(model)[0].groups
+    return [group_timeout(g) for g in (groups.shard_group, groups.replicate_group) if g is not None]

@@ -101,6 +101,13 @@ def select_units(
     """
     if policy is None:
         return []
+    if isinstance(policy, type):
+        name = policy.__name__
+        raise TypeError(
+            f"auto_wrap_policy={name} is a class, not a policy. To make every {name} a unit pass "
+            f"auto_wrap_policy=ModuleWrapPolicy({{{name}}}) (from flatshard.wrap), or "
+            f"functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={{{name}}})."
+        )
     if not callable(policy):
         raise TypeError(
             f"auto_wrap_policy must be a policy object (ModuleWrapPolicy) or a callable such as "

@@ -39,6 +39,9 @@ Index of every [Note: ...] in the package
   free before the flat gradient ... runtime/hooks.py
   deferred initialisation ......... runtime/deferred.py
   equal errors .................... runtime/agree.py
+  model fingerprint ............... runtime/fingerprint.py
+  order checks .................... runtime/order.py
+  optimizers on shard views ....... runtime/optim_check.py
   bounded recorders ............... runtime/instrument.py
   nested wrappers ................. fsdp.py
   flat ranges as boxes ............ state/sharded_tensors.py

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.runtime import collectives, deferred, hooks, precision
+from flatshard.runtime import collectives, deferred, fingerprint, hooks, optim_check, precision
 from flatshard.runtime.autoshard import auto_sharding_factor
 from flatshard.runtime.layout import FlatLayout, ParamInfo
 from flatshard.runtime.mesh import ShardGroups, device_of, require_initialized, resolve_groups
@@ -64,6 +64,7 @@ class Built:
 
 def build_units(module: nn.Module, options: BuildOptions, make_host: MakeHost) -> Built:
     deferred.check_init_fn(options.param_init_fn)
+    optim_check.install()  # [Note: optimizers on shard views]
     if isinstance(module, UnitHost):
         raise ValueError("this module is already wrapped in FullyShardedDataParallel; wrap it once")
     ignored, ignored_params = ignored_states(module, options.ignored_modules, options.ignored_states)
@@ -78,6 +79,7 @@ def build_units(module: nn.Module, options: BuildOptions, make_host: MakeHost) -
     placement = Placement(module, chosen, skip, ignored_params)
     check_no_tie_into_wrapped(placement, wrapped_earlier)
     by_unit = placement.infos_by_unit()
+    _check_same_model(options, module, chosen, by_unit, placement.path)
     factor, decision = options.sharding_factor, None
     if factor == "auto":
         factor, why = _auto_factor(options, module, chosen, by_unit)
@@ -121,10 +123,16 @@ def build_unit(
     originals = [p for _, p in params]
     dtypes = {p.dtype for p in originals}
     if len(dtypes) > 1:
+        by_dtype: dict[str, list[str]] = {}
+        for info, p in params:
+            by_dtype.setdefault(str(p.dtype), []).append(info.name)
+        listed = "; ".join(
+            f"{d}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}" for d, names in sorted(by_dtype.items())
+        )
         raise TypeError(
-            f"unit {name or '<root>'!r} holds parameters of several dtypes {sorted(map(str, dtypes))}; one flat "
-            "parameter needs one dtype. Cast the model to one dtype first (model.float()), or wrap the "
-            "modules of each dtype as separate units."
+            f"unit {name or '<root>'!r} holds parameters of several dtypes ({listed}); one flat parameter "
+            "needs one dtype. Cast the model to one dtype first (model.float()), or wrap the modules of each "
+            "dtype as separate units."
         )
     dtype = dtypes.pop() if dtypes else torch.float32
     device = originals[0].device if originals else torch.device("cpu")
@@ -252,6 +260,23 @@ def _auto_factor(options: BuildOptions, module, chosen, by_unit) -> tuple[int, s
         memory_budget=options.memory_budget,
         device=next((p.device for _, p in root_params), torch.device("cpu")),
     )
+
+
+def _check_same_model(options: BuildOptions, module, chosen, by_unit, paths) -> None:
+    """[Note: model fingerprint] (fingerprint.py), over the process group the model will train on."""
+    require_initialized()
+    group = options.process_group
+    if isinstance(group, tuple) or group is None:
+        group = torch.distributed.group.WORLD
+    if options.device_mesh is not None:
+        mesh = options.device_mesh
+        group = mesh.get_group() if mesh.ndim == 1 else torch.distributed.group.WORLD
+    world = torch.distributed.get_world_size(group)
+    head = fingerprint.options_line(
+        options.strategy, options.sharding_factor, options.mixed_precision, options.offload_params, world
+    )
+    units = [(paths[m] if m is not module else "<root>", by_unit.get(m, [])) for m in [*chosen, module]]
+    fingerprint.check_same_model(fingerprint.entries(head, units), group)
 
 
 def _parents(root: nn.Module) -> dict[nn.Module, list[tuple[nn.Module, str]]]:

@@ -15,30 +15,51 @@ from flatshard.runtime.schedule import Phase, RunContext
 
 
 def clip_grad_norm_(
-    ctx: RunContext, unmanaged: list[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
+    ctx: RunContext,
+    unmanaged: list[torch.nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """The global gradient norm, computed from this rank's gradient shards with one all-reduce over the
     shard group (replicas hold identical shards, so each element is counted once), then every gradient
     scaled by ``min(1, max_norm / (norm + 1e-6))``. Parameters flatshard does not manage (ignored
-    modules) are replicated: their share is added after the reduction, once."""
+    modules) are replicated: their share is added after the reduction, once.
+
+    A NaN or inf in any rank's gradients makes the norm non-finite on every rank, for every norm type
+    (for the inf-norm the all-reduce carries a NaN flag beside the maximum: a MAX reduction may drop a
+    NaN); with ``error_if_nonfinite`` every rank then raises, as ``torch.nn.utils.clip_grad_norm_`` does.
+    Every rank returns the same norm, so ``if not torch.isfinite(norm): skip the step`` decides alike."""
     with traced("clip_grad_norm_"):
-        return _clip(ctx, unmanaged, max_norm, float(norm_type))
+        total = _clip(ctx, unmanaged, max_norm, float(norm_type), error_if_nonfinite)
+    return total
 
 
-def _clip(ctx: RunContext, unmanaged: list[torch.nn.Parameter], max_norm: float, norm_type: float) -> torch.Tensor:
+def _clip(ctx: RunContext, unmanaged, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
     sharded = [v.grad for unit in ctx.units for v in unit.shard_views if v.grad is not None]
     local = [p.grad for p in unmanaged if p.grad is not None]
     device = ctx.root.compute_device  # where collectives run (gradient shards are on CPU under CPUOffload)
     total = _partial_norm(sharded, norm_type, device)
     shard_group = ctx.root.groups.shard_group
     if shard_group is not None:
-        op = ReduceOp.MAX if math.isinf(norm_type) else ReduceOp.SUM
-        with ctx.phase_scope(Phase.OPTIMIZER):
-            ctx.record(collectives.all_reduce(total, shard_group, op=op), "shard", "clip_grad_norm_")
+        if math.isinf(norm_type):  # [max, NaN seen]: MAX of both; a NaN never rides the maximum itself
+            pair = torch.stack([torch.nan_to_num(total, nan=0.0), torch.isnan(total).float()])
+            result = collectives.all_reduce(pair, shard_group, op=ReduceOp.MAX)
+            total = torch.where(pair[1] > 0, torch.full_like(pair[0], float("nan")), pair[0])
+        else:  # a sum carries a NaN or an inf by itself
+            result = collectives.all_reduce(total, shard_group, op=ReduceOp.SUM)
+        ctx.record(result, "shard", "clip_grad_norm_", phase=Phase.OPTIMIZER)
     rest = _partial_norm(local, norm_type, device)
     total = torch.maximum(total, rest) if math.isinf(norm_type) else total + rest
     if not math.isinf(norm_type):
         total = total ** (1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False` (then skip the step when the returned norm is not finite: every rank "
+            "gets the same norm)."
+        )
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in sharded + local:
         g.mul_(coefficient.to(g.device, g.dtype))

@@ -52,15 +52,17 @@ def forward(unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict) -> A
         args, kwargs = precision.cast_floating((args, kwargs), p.compute)
     if unit.is_root:
         ctx.begin_forward()
+    completed = False
     try:
         pre_forward(unit)
         try:
             output = module(*args, **kwargs)
         finally:
             post_forward(unit)
+        completed = True
     finally:
         if unit.is_root:
-            ctx.end_forward()
+            ctx.end_forward(completed)
     if torch.is_grad_enabled():
         register_pre_backward(output, unit)
     return output
@@ -68,6 +70,8 @@ def forward(unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict) -> A
 
 def pre_forward(unit: Unit) -> None:
     with label("pre_forward", unit):
+        if unit.refresh_requires_grad():  # requires_grad changed on a shard view since the last forward
+            register_post_backward(unit)
         unit.unshard()
         _use_compute_views(unit)
         if not unit.ctx.in_backward:
@@ -143,9 +147,12 @@ def pre_backward(unit: Unit) -> None:
 
 
 def register_post_backward(unit: Unit) -> None:
-    """At construction: the unsharded flat's gradient, once complete, starts the unit's reduction."""
-    if unit.requires_grad:
-        unit.unsharded.register_post_accumulate_grad_hook(functools.partial(post_backward, unit))
+    """At construction (and when a parameter is unfrozen later): the unsharded flat's gradient, once
+    complete, starts the unit's reduction. Registered once."""
+    if unit.requires_grad and unit.post_backward_hook is None:
+        unit.post_backward_hook = unit.unsharded.register_post_accumulate_grad_hook(
+            functools.partial(post_backward, unit)
+        )
 
 
 def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:

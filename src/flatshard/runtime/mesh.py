@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -46,6 +47,18 @@ class ShardGroups:
 def device_of(device_id) -> torch.device:
     """FSDP's ``device_id``: an int is a CUDA device index; a string or ``torch.device`` is itself."""
     return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+
+
+def group_timeout(group: Optional[ProcessGroup]) -> Optional[timedelta]:
+    """The timeout ``group``'s collectives run under (what ``init_process_group``/``new_group`` was given),
+    or None when the backend does not say (then torch's default applies to groups made from it)."""
+    group = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
 
 
 def require_initialized() -> None:
@@ -130,18 +143,20 @@ def _node_size(strategy: ShardingStrategy, world: int) -> int:
 def _split(group: ProcessGroup, world: int, factor: int) -> ShardGroups:
     """Shard groups of ``factor`` consecutive ranks of ``group``; replicate groups across them.
 
-    Every rank creates every subgroup, in the same order (``new_group`` is collective)."""
+    Every rank creates every subgroup, in the same order (``new_group`` is collective), with ``group``'s
+    timeout: a stalled peer fails the others after the time the user gave, not torch's default."""
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank(group)
     replicas = world // factor
     shard_group = replicate_group = None
+    timeout = group_timeout(group)
     if 1 < factor < world:
         for r in range(replicas):
-            g = dist.new_group(ranks[r * factor : (r + 1) * factor])
+            g = dist.new_group(ranks[r * factor : (r + 1) * factor], timeout=timeout)
             if r == me // factor:
                 shard_group = g
         for k in range(factor):
-            g = dist.new_group(ranks[k::factor])
+            g = dist.new_group(ranks[k::factor], timeout=timeout)
             if k == me % factor:
                 replicate_group = g
     elif factor == world and world > 1:

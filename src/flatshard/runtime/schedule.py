@@ -24,6 +24,7 @@ from flatshard.api import BackwardPrefetch
 from flatshard.runtime import precision
 from flatshard.runtime.collectives import CollectiveResult
 from flatshard.runtime.instrument import CommEvent, CommRecorder, MemoryRecorder
+from flatshard.runtime.order import END_BACKWARD, END_FORWARD, Checker, exchange_tag
 
 if TYPE_CHECKING:
     from flatshard.runtime.unit import Unit
@@ -76,6 +77,9 @@ class RunContext:
         self.pending_reductions: list[Unit] = []
         self.buffer_cast: Optional[tuple[nn.Module, torch.dtype]] = None  # MixedPrecision.buffer_dtype
         self.started = False
+        # [Note: order checks] (order.py)
+        self.checker = Checker(units, root.groups.process_group, lambda r: self.record(r, "world", "<order check>"))
+        self.passes = 0  # forward passes the root has begun
         self._order_changed_warned = False
         self._exchanges = 0  # tags for point-to-point exchanges ([Note: exchange tags], gloo_exchange.py)
 
@@ -102,10 +106,16 @@ class RunContext:
             self.phase = previous
 
     def begin_forward(self) -> None:
+        if self.passes >= 1:  # a second forward: the first step (checked) is over, with or without a backward
+            self.checker.first_step = False
+        self.passes += 1
         self.phase = Phase.FORWARD
         self.order_this_pass = []
 
-    def end_forward(self) -> None:
+    def end_forward(self, completed: bool = True) -> None:
+        """The root's forward returned (``completed``) or raised: record the order, free unused prefetches."""
+        if completed:
+            self.checker.check(END_FORWARD, None, self.phase)
         self.phase = Phase.IDLE
         if self.order_this_pass:
             if self.order_this_pass != self.forward_order:
@@ -129,12 +139,14 @@ class RunContext:
     def end_of_backward(self) -> None:
         """Runs once, when the autograd engine finishes the backward pass (hooks.py queues it)."""
         try:
+            self.checker.check(END_BACKWARD, None, self.phase)
             pending, self.pending_reductions = self.pending_reductions, []
             for unit in pending:  # in the order issued: the same on every rank
                 unit.finish_reduction()
             for unit in self.units:
                 unit.finish_backward(self.sync_gradients)
             self.sample_memory()
+            self.checker.first_step = False
         finally:
             self.end_of_backward_queued = False
             self.phase = Phase.OPTIMIZER
@@ -187,9 +199,10 @@ class RunContext:
         while len(self.pending_reductions) > keep:
             self.pending_reductions.pop(0).finish_reduction()
 
-    def next_tag(self) -> int:
-        self._exchanges = (self._exchanges + 1) % (1 << 20)
-        return self._exchanges
+    def next_tag(self, unit: Unit) -> int:
+        """The tag of ``unit``'s next point-to-point exchange ([Note: order checks], order.py)."""
+        self._exchanges = (self._exchanges + 1) % (1 << 16)
+        return exchange_tag(self._exchanges, self.checker.index.get(id(unit), 0xFFF))
 
     # ---- recorders ----------------------------------------------------------------------
     def record(self, result: CollectiveResult, group: str, unit: str, phase: Optional[Phase] = None) -> None:

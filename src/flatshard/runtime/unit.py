@@ -16,6 +16,7 @@ it frees. Gradient reductions likewise (reduce.py).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import weakref
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from flatshard.api import MixedPrecision, ShardingStrategy
-from flatshard.runtime import collectives, reduce
+from flatshard.runtime import collectives, order, reduce
 from flatshard.runtime.layout import FlatLayout, make_compute_views, make_shard_views, set_views_on_modules
 from flatshard.runtime.mesh import ShardGroups
 from flatshard.runtime.precision import UnitPrecision
@@ -107,6 +108,8 @@ class Unit:
         self._gathered_version = -1
         self._gather: Optional[_Gather] = None
         self._grad_shard: Optional[weakref.ref] = None
+        self.trainable = tuple(i.requires_grad for i in layout.infos)  # as the shard views say, last forward
+        self.post_backward_hook: Optional[Any] = None  # the unsharded flat's post-accumulate-grad hook (hooks.py)
         self.originals: dict[int, weakref.ref] = {}  # id -> the parameters flattened here (placement.py)
         self.strategy: Optional[ShardingStrategy] = None  # what the wrap call asked for (checkpoint manifests)
         self.mixed_precision: Optional[MixedPrecision] = None  # the policy ``precision`` was resolved from
@@ -147,10 +150,10 @@ class Unit:
         if self.groups.shard_size == 1:
             self._gather_target.copy_(source)
         else:
-            with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"):
-                result = collectives.all_gather(
-                    self._gather_target, source, self.groups.shard_group, async_op=not wait, tag=self.ctx.next_tag()
-                )
+            self.ctx.checker.check(order.GATHER, self, self.ctx.phase)
+            group, tag = self.groups.shard_group, self.ctx.next_tag(self)
+            with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"), self._errors("all_gather"):
+                result = collectives.all_gather(self._gather_target, source, group, async_op=not wait, tag=tag)
             self.record(result, "shard")
             if result.work is not None:
                 self._gather = _Gather(result.work, source)
@@ -160,7 +163,8 @@ class Unit:
 
     def wait_for_unshard(self) -> None:
         if self._gather is not None:
-            self._gather.work.wait()
+            with self._errors("all_gather"):
+                self._gather.work.wait()
             self._gather = None
 
     @property
@@ -190,11 +194,27 @@ class Unit:
             set_views_on_modules(self.layout, self.shard_views, as_params=True)
             self.compute_views_set = False
 
+    def refresh_requires_grad(self) -> bool:
+        """Follow ``requires_grad`` set on the shard views after wrapping (a parameter unfrozen or frozen):
+        the layout, the compute views and the reduction then follow the new set. True if it changed.
+        Every rank must change the same parameters (a rank that differs reduces other gradients)."""
+        now = tuple(v.requires_grad for v in self.shard_views)
+        if now == self.trainable:
+            return False
+        self.trainable = now
+        self.layout.infos[:] = [dataclasses.replace(i, requires_grad=r) for i, r in zip(self.layout.infos, now)]
+        self.requires_grad = any(now)
+        self.unsharded.requires_grad_(self.requires_grad)
+        return True
+
     # ---- gradients -----------------------------------------------------------------------
     def start_reduction(self, grad: torch.Tensor, async_op: bool) -> None:
         """Issue the reduction of the full-size gradient ``grad`` to this rank's grad shard."""
         spec = reduce.ReduceSpec(self.groups, self.layout.shard_numel, self.precision.reduce, self.name)
-        self.reduction = reduce.start(grad, spec, self.record, async_op=async_op, tag=self.ctx.next_tag())
+        if self.groups.shard_size > 1 or self.groups.replicate_size > 1:
+            self.ctx.checker.check(order.REDUCE, self, self.ctx.phase)
+        with self._errors(self._reduction_kind()):
+            self.reduction = reduce.start(grad, spec, self.record, async_op=async_op, tag=self.ctx.next_tag(self))
 
     def finish_reduction(self) -> None:
         """Wait for this unit's reduction (if one is in flight) and expose the result as ``.grad``."""
@@ -202,7 +222,9 @@ class Unit:
             return
         pending, self.reduction = self.reduction, None
         spec = reduce.ReduceSpec(self.groups, self.layout.shard_numel, self.precision.reduce, self.name)
-        self._expose_grads(reduce.finish(pending, spec, self.precision.grad, self.record))
+        with self._errors(self._reduction_kind()):
+            reduced = reduce.finish(pending, spec, self.precision.grad, self.record)
+        self._expose_grads(reduced)
         self.ctx.sample_memory()
 
     def finish_backward(self, synced: bool) -> None:
@@ -256,10 +278,18 @@ class Unit:
         if self.groups.shard_size == 1:
             return source
         full = torch.empty(self.layout.padded, dtype=shard.dtype, device=self.compute_device)
-        self.record(collectives.all_gather(full, source, self.groups.shard_group, tag=self.ctx.next_tag()), "shard")
+        with self._errors("all_gather"):
+            result = collectives.all_gather(full, source, self.groups.shard_group, tag=self.ctx.next_tag(self))
+        self.record(result, "shard")
         return full
 
     # ---- accounting ------------------------------------------------------------------------
+    def _errors(self, collective: str):
+        return order.collective_errors(self, collective)
+
+    def _reduction_kind(self) -> str:
+        return "reduce_scatter" if self.groups.shard_size > 1 else "all_reduce"
+
     def record(self, result: collectives.CollectiveResult, group: str) -> None:
         self.ctx.record(result, group, self.name)
 

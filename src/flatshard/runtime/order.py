@@ -1,0 +1,125 @@
+"""Every rank runs the same units in the same order: the check, and errors that name the unit.
+
+[Note: order checks]
+Units of equal size could pair their collectives across ranks (rank 0 gathering unit ``a`` while rank
+1 gathers ``b``) and train silently mixed; units of different sizes make gloo abort the process. Three
+defences, cheapest first:
+  * tags: on gloo every point-to-point exchange carries the unit's index in its tag
+    (``exchange_tag``), so messages of different units never pair: a rank that runs another unit, or
+    skips one, waits instead, until the group's timeout, which ``collective_errors`` turns into an
+    error naming the rank, the unit, the phase and the collective.
+  * the first step is checked: before each gather and each reduction, and at the end of forward and of
+    backward, the ranks all-gather (what, which unit, phase) and compare (``Checker``); a difference is
+    the same error on every rank, at once. Later steps are not checked (no cost on the happy path) ...
+  * ... unless ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (PyTorch's own debug level): then every step is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from flatshard.runtime import agree, collectives
+from flatshard.runtime.collectives import CollectiveResult
+
+if TYPE_CHECKING:
+    from flatshard.runtime.unit import Unit
+
+GATHER, REDUCE, END_FORWARD, END_BACKWARD = 1, 2, 3, 4
+_WHAT = {
+    GATHER: "all-gather of unit",
+    REDUCE: "gradient reduction of unit",
+    END_FORWARD: "end of forward",
+    END_BACKWARD: "end of backward",
+}
+_CHECK_TAG = 1 << 30  # check exchanges: a tag space of their own, above every exchange_tag
+_PHASES = ("idle", "forward", "backward", "optimizer", "summon", "state_dict", "checkpoint")
+
+
+def exchange_tag(seq: int, unit_index: int) -> int:
+    """The tag of a unit's exchange: the run context's sequence number and the unit's index."""
+    return ((seq % (1 << 16)) << 12) | (unit_index & 0xFFF)
+
+
+def detail_debug() -> bool:
+    try:
+        return dist.get_debug_level() == dist.DebugLevel.DETAIL
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Checker:
+    """The order check of one root (see the Note): ``active`` for the first step, or always under DETAIL."""
+
+    def __init__(self, units: list[Unit], group, record: Callable[[CollectiveResult], None]):
+        self.units = units
+        self.record = record  # checks are collectives too: recorded as kind "order_check"
+        self.index = {id(u): i for i, u in enumerate(units)}
+        self.group = group
+        self.detail = detail_debug()
+        self.first_step = True
+        self._seq = 0
+
+    @property
+    def active(self) -> bool:
+        return (self.first_step or self.detail) and self.group is not None and dist.get_world_size(self.group) > 1
+
+    def check(self, what: int, unit: Unit | None, phase: str) -> None:
+        if not self.active:
+            return
+        self._seq += 1
+        index = self.index.get(id(unit), -1) if unit is not None else -1
+        device = agree.collective_device(self.group)
+        code = _PHASES.index(str(phase)) if str(phase) in _PHASES else -1
+        mine = torch.tensor([what, index, code], dtype=torch.int64, device=device)
+        n = dist.get_world_size(self.group)
+        everyone = torch.empty(3 * n, dtype=torch.int64, device=device)
+        result = collectives.all_gather(everyone, mine, self.group, tag=_CHECK_TAG | (self._seq % (1 << 20)))
+        self.record(result._replace(kind="order_check"))
+        rows = everyone.view(n, 3).cpu().tolist()
+        if any(r != rows[0] for r in rows):
+            raise RuntimeError(self._message(rows))
+
+    def _message(self, rows: list[list[int]]) -> str:
+        def said(rank: int) -> str:
+            what, index, phase = rows[rank]
+            name = f" {self.units[index].name!r}" if 0 <= index < len(self.units) else ""
+            where = f" ({_PHASES[phase]})" if 0 <= phase < len(_PHASES) and what in (GATHER, REDUCE) else ""
+            return f"rank {rank}: {_WHAT.get(what, '?')}{name}{where}"
+
+        groups: dict[tuple, list[int]] = {}
+        for rank, row in enumerate(rows):
+            groups.setdefault(tuple(row), []).append(rank)
+        listed = "; ".join(
+            said(ranks[0]) + (f" (and ranks {ranks[1:]})" if len(ranks) > 1 else "") for ranks in groups.values()
+        )
+        return (
+            f"ranks ran different units at the same point of the step: {listed}. Every rank must run the same "
+            "units in the same order: look for control flow that depends on the rank or its data (a branch, an "
+            "early exit, a module whose output one rank's loss does not use). flatshard checks the order of "
+            "every collective in the first step, and in every step under TORCH_DISTRIBUTED_DEBUG=DETAIL."
+        )
+
+
+@contextlib.contextmanager
+def collective_errors(unit: Unit, collective: str) -> Iterator[None]:
+    """A collective of ``unit`` that fails (a timeout above all) raises an error naming the rank, the
+    unit, the phase and the collective, chained to the backend's own."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc)
+        if text.startswith(("flatshard: rank", "ranks ran different units")):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise RuntimeError(
+            f"flatshard: rank {rank}: the {collective} of unit {unit.name!r} in {unit.ctx.phase} did not "
+            f"complete: {text}. A collective that times out usually means a rank never reached it: every rank "
+            "must run the same units in the same order (rank-dependent control flow, a module unused in one "
+            "rank's loss), and no peer may have died or stalled. TORCH_DISTRIBUTED_DEBUG=DETAIL checks the "
+            "order of every collective."
+        ) from exc
