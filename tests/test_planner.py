@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import pathlib
+import sys
 from fractions import Fraction
 
 import pytest
@@ -30,6 +31,8 @@ from flatshard.planner import (
     plan,
     plan_strategy,
     preset,
+    read_hf_config,
+    shape_from_hf_config,
     to_json_dict,
 )
 from flatshard.planner.cli import main as plan_main
@@ -43,11 +46,16 @@ def report(params: int, units: int, world: int, **kw):
     return plan(PlanInputs.from_params(params, units, world, **kw))
 
 
-def cli_json(argv: list[str], capsys) -> dict:
+def cli_json(argv: list[str], capsys, status: int | None = None) -> dict:
+    """The JSON ``flatshard plan ARGV --json`` prints; its exit status must be ``status`` (default: 0
+    when the JSON recommends a plan, 1 when nothing fits)."""
     rc = plan_main(argv + ["--json"])
     out, err = capsys.readouterr()
-    assert rc == 0, err
-    return json.loads(out)  # exactly one JSON object: json.loads rejects anything after it
+    doc = json.loads(out)  # exactly one JSON object: json.loads rejects anything after it
+    if status is None:
+        status = 0 if doc["recommendation"]["strategy"] is not None else 1
+    assert rc == status, err
+    return doc
 
 
 def cli_plan(doc: dict, strategy: str, f: int | None = None) -> dict:
@@ -284,7 +292,8 @@ def test_real_models_quoted_in_the_docs():
 # ---------------------------------------------------------------- JSON schema
 def test_json_schema_keys_exactly(capsys):
     doc = cli_json(["--model", "llama2-7b", "--world", "16", "--micro-batch", "1", "--seq-len", "2048"], capsys)
-    assert set(doc) == {"inputs", "plans", "recommendation"}
+    assert set(doc) == {"inputs", "plans", "recommendation", "activations_counted", "notes"}
+    assert doc["activations_counted"] is True and doc["notes"] == []
     assert set(doc["recommendation"]) == {"strategy", "sharding_factor", "why"}
     for p in doc["plans"]:
         assert set(p) == {
@@ -559,7 +568,10 @@ def test_parsing():
     assert parse_count("175B") == 175 * GB and parse_count("350M") == 350 * 10**6
     assert parse_count("6738415616") == 6_738_415_616 and parse_count("1.5T") == 1_500 * GB
     assert parse_bytes("40GB") == 40 * GB and parse_bytes("40GiB") == 40 * 2**30
-    assert parse_bytes("512MiB") == 2**29 and parse_bytes(1000) == 1000
+    assert parse_bytes("512MiB") == 2**29 and parse_bytes(1000) == 1000 and parse_bytes("1000B") == 1000
+    for bare in ("40", "0", " 1e9 "):  # is "40" bytes or GB? a typed size needs its unit
+        with pytest.raises(PlanError, match="has no unit"):
+            parse_bytes(bare, "--gpu-mem")
     assert parse_bandwidth("200Gb/s") == parse_bandwidth("200Gbps") == 25e9
     assert parse_bandwidth("300") == parse_bandwidth("300GB/s") == 300e9
 
@@ -580,12 +592,18 @@ def test_parsing():
         (["--params", "7B", "--world", "8", "--units", "0"], "--units must be >= 1"),
         (["--params", "7B", "--world", "8", "--precision", "fp8"], "invalid choice"),
         (["--model", "llama2-7b", "--params", "7B", "--world", "8"], "both given"),
+        (["--params", "7B", "--world", "8", "--gpu-mem", "40"], "--gpu-mem '40' has no unit"),
+        (["--params", "7B", "--world", "8", "--host-mem", "2000"], "--host-mem '2000' has no unit"),
+        (["--params", "7B", "--world", "8", "--activation-bytes", "5"], "--activation-bytes '5' has no unit"),
+        (["--hf-config", "/nonexistent/config.json", "--world", "8"], "no such file"),
+        (["--hf-config", "x.json", "--model", "gpt2", "--world", "8"], "--model and --hf-config both given"),
     ],
 )
 def test_cli_errors(argv, needle, capsys):
     assert plan_main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and needle in err and "fix:" in err and "Traceback" not in err
+    assert err.startswith("usage: flatshard plan ") and "\nflatshard plan: error: " in err  # argparse's form
 
 
 def test_api_errors_name_the_fix():
@@ -684,19 +702,19 @@ def test_offload_cli(capsys):
         "--world",
         "2",
         "--gpu-mem",
-        "400",
+        "400B",
         "--headroom",
         "0",
         "--host-mem",
-        "1056",
+        "1056B",
         "--pcie-bw",
         "16GB/s",
         "--host-bw",
         "50GB/s",
         "--offload",
     ]
-    doc = cli_json(argv, capsys)
-    assert set(doc) == {"inputs", "plans", "recommendation", "offload_recommendation"}
+    doc = cli_json(argv, capsys, status=0)  # nothing fits without offload, but --offload asks for it: it fits
+    assert set(doc) == {"inputs", "plans", "recommendation", "activations_counted", "notes", "offload_recommendation"}
     assert (doc["inputs"]["host_memory_bytes"], doc["inputs"]["pcie_bandwidth"]) == (1056, 16e9)
     fs = cli_plan(doc, "FULL_SHARD")["offload"]  # 3 units of 20, S = 10 each
     assert fs["device_bytes"]["peak"] == 160 + 40 + 40 and fs["host_bytes"]["per_node"] == 2 * 480
@@ -708,7 +726,7 @@ def test_offload_cli(capsys):
         "SHARD_GRAD_OP",
         2,
     )  # both fit at F = 2; SHARD_GRAD_OP has fewer collectives and copies
-    assert "offload" not in cli_plan(cli_json(argv[:-1], capsys), "FULL_SHARD")  # without --offload
+    assert "offload" not in cli_plan(cli_json(argv[:-1], capsys, status=1), "FULL_SHARD")  # without --offload
     assert plan_main(argv) == 0
     out = capsys.readouterr().out
     assert "with CPU offload" in out and "recommendation: none" in out and "CPU offload fits: F=2" in out
@@ -717,3 +735,137 @@ def test_offload_cli(capsys):
     assert "with CPU offload: none" in out and "host memory unknown" in out
     assert plan_main(["--params", "7B", "--world", "8", "--host-mem=-1TB"]) == 2
     assert "negative" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- honesty: what the figures leave out
+LLAMA_7B_ON_8X40 = ["--model", "llama-7b", "--world", "8", "--gpu-mem", "40GB"]
+
+
+def test_activations_not_counted_is_said_in_json_and_table(capsys):
+    doc = cli_json(LLAMA_7B_ON_8X40, capsys)
+    assert doc["activations_counted"] is False
+    assert all(p["memory_bytes"]["activations"] is None for p in doc["plans"])
+    assert "activations are not counted" in doc["recommendation"]["why"]
+    assert len(doc["notes"]) == 1 and "--micro-batch, --seq-len, or --activation-bytes" in doc["notes"][0]
+    assert "a model shape" not in doc["notes"][0]  # the preset is the shape
+    assert plan_main(LLAMA_7B_ON_8X40) == 0
+    out = capsys.readouterr().out
+    assert "activations not counted." in out and out.count("not counted") >= 1 + len(doc["plans"])
+    # with a micro-batch and a sequence length they are counted, and then nothing fits (the issue's case)
+    doc = cli_json(LLAMA_7B_ON_8X40 + ["--micro-batch", "4", "--seq-len", "4096"], capsys, status=1)
+    assert doc["activations_counted"] is True and doc["notes"] == []
+    assert all(p["memory_bytes"]["activations"] > 0 and not p["fits"] for p in doc["plans"])
+    assert doc["recommendation"]["strategy"] is None and "activations" not in doc["recommendation"]["why"]
+    # a parameter count has no shape: micro-batch and length alone do not count them
+    doc = cli_json(
+        ["--params", "7B", "--units", "32", "--world", "8", "--micro-batch", "4", "--seq-len", "4096"], capsys
+    )
+    assert doc["activations_counted"] is False and "a model shape (--model, --hf-config" in doc["notes"][0]
+    doc = cli_json(["--params", "7B", "--units", "32", "--world", "8", "--activation-bytes", "2GB"], capsys)
+    assert doc["activations_counted"] is True and {p["memory_bytes"]["activations"] for p in doc["plans"]} == {2 * GB}
+
+
+def test_units_defaulted_to_one_is_said_where_more_units_are_suggested(capsys):
+    argv = ["--params", "70B", "--world", "8", "--gpu-mem", "40GB"]
+    doc = cli_json(argv, capsys, status=1)
+    why = doc["recommendation"]["why"]
+    assert "more, smaller units (--units defaulted to 1" in why and "pass --units M" in why
+    assert doc["inputs"]["units_defaulted"] is True and any("--units defaulted to 1" in n for n in doc["notes"])
+    doc = cli_json(argv + ["--units", "1"], capsys, status=1)  # asked for: no word of a default
+    assert "more, smaller units (now 1)" in doc["recommendation"]["why"] and doc["inputs"]["units_defaulted"] is False
+    assert "defaulted" not in doc["recommendation"]["why"] + " ".join(doc["notes"])
+    doc = cli_json(["--model", "llama-7b", "--world", "8", "--gpu-mem", "40GB"], capsys)  # a shape: one per layer
+    assert doc["inputs"]["units_defaulted"] is False and doc["inputs"]["units"] == 33
+
+
+def test_exit_status_is_one_when_nothing_fits_and_the_table_still_prints(capsys):
+    assert plan_main(["--params", "70B", "--units", "80", "--world", "8", "--gpu-mem", "40GB"]) == 1
+    out, err = capsys.readouterr()
+    assert "recommendation: none. nothing fits" in out and "FULL_SHARD" in out and err == ""
+    assert plan_main(["--params", "70B", "--units", "80", "--world", "32", "--gpu-mem", "80GB"]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("rich_installed", [True, False])
+def test_column_titles_say_counts_or_gb(rich_installed, capsys, monkeypatch):
+    if not rich_installed:
+        monkeypatch.setitem(sys.modules, "rich", None)  # the plain-text tables, as without flatshard[cli]
+    assert plan_main(["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"]) == 0
+    out = capsys.readouterr().out
+    for title in ("memory per rank, GB (10^9 bytes)", "AG calls f/b", "RS calls", "AR calls", "total GB", "intra GB"):
+        assert title in out, title
+    assert "recommendation: HYBRID_SHARD, F=4" in out
+
+
+GPT2_CONFIG = {
+    "model_type": "gpt2",
+    "n_layer": 12,
+    "n_embd": 768,
+    "n_head": 12,
+    "vocab_size": 50257,
+    "n_positions": 1024,
+}
+LLAMA2_7B_CONFIG = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "head_dim": 128,
+}
+
+
+def test_hf_config_gives_the_presets_shapes(tmp_path, capsys):
+    for config, name in ((GPT2_CONFIG, "gpt2"), (LLAMA2_7B_CONFIG, "llama2-7b")):
+        got, want = shape_from_hf_config(config), preset(name)
+        assert (got.arch, got.layer_params(), got.root_params(), got.param_tensors(), got.tied) == (
+            want.arch,
+            want.layer_params(),
+            want.root_params(),
+            want.param_tensors(),
+            want.tied,
+        )
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B_CONFIG))
+    for path in (tmp_path / "config.json", tmp_path):  # the file, or the model directory holding it
+        doc = cli_json(["--hf-config", str(path), "--world", "8", "--micro-batch", "1", "--seq-len", "512"], capsys)
+        assert doc["inputs"]["params"] == 6_738_415_616 and doc["activations_counted"] is True
+    bad = [
+        ({**GPT2_CONFIG, "model_type": "qwen2"}, "model_type 'qwen2' is not one the planner counts"),
+        ({**LLAMA2_7B_CONFIG, "attention_bias": True}, "attention_bias is true"),
+        ({**LLAMA2_7B_CONFIG, "head_dim": 64}, "head_dim 64"),
+        ({k: v for k, v in GPT2_CONFIG.items() if k != "n_layer"}, "has no num_hidden_layers or n_layer"),
+    ]
+    for config, needle in bad:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert plan_main(["--hf-config", str(tmp_path), "--world", "8"]) == 2
+        assert needle in capsys.readouterr().err, needle
+    (tmp_path / "config.json").write_text("{not json")
+    assert plan_main(["--hf-config", str(tmp_path), "--world", "8"]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_hf_config_counts_what_transformers_builds(tmp_path):
+    """Tiny configs saved by transformers itself: the planner's count equals the model's, tensor for tensor."""
+    import torch
+    import transformers
+
+    cases = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"num_key_value_heads": 2}),
+        "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"num_key_value_heads": 2}),
+    }
+    small = dict(hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=6, vocab_size=300)
+    configs = {name: cfg(**small, **extra) for name, (cfg, _, extra) in cases.items()}
+    configs["gpt2"] = transformers.GPT2Config(n_embd=48, n_layer=3, n_head=4, vocab_size=211, n_positions=64)
+    classes = {name: model for name, (_, model, _) in cases.items()} | {"gpt2": transformers.GPT2LMHeadModel}
+    for name, config in configs.items():
+        config.save_pretrained(tmp_path / name)
+        with torch.device("meta"):
+            model = classes[name](config)
+        shape = read_hf_config(str(tmp_path / name))
+        assert shape.params() == sum(p.numel() for p in model.parameters()), name
+        assert shape.param_tensors() == len(list(model.parameters())), name

@@ -29,8 +29,16 @@ from flatshard.planner.inputs import (
     PrecisionRecipe,
     Strategy,
 )
-from flatshard.planner.memory import MemoryEstimate, activation_bytes
-from flatshard.planner.models import PRESETS, ModelShape, ModuleLayout, layout_from_module, preset
+from flatshard.planner.memory import MemoryEstimate, activation_bytes, activations_missing, activations_note
+from flatshard.planner.models import (
+    PRESETS,
+    ModelShape,
+    ModuleLayout,
+    layout_from_module,
+    preset,
+    read_hf_config,
+    shape_from_hf_config,
+)
 from flatshard.planner.offload import OffloadEstimate, offload_estimate
 from flatshard.planner.plan import (
     PlanReport,
@@ -38,6 +46,7 @@ from flatshard.planner.plan import (
     StrategyPlan,
     TimeEstimate,
     choose_sharding_factor,
+    notes,
     plan,
     plan_strategy,
     recommend_offload,
@@ -68,9 +77,12 @@ __all__ = [
     "StrategyPlan",
     "TimeEstimate",
     "activation_bytes",
+    "activations_missing",
+    "activations_note",
     "choose_sharding_factor",
     "group_link",
     "layout_from_module",
+    "notes",
     "offload_estimate",
     "parse_bandwidth",
     "parse_bytes",
@@ -78,7 +90,9 @@ __all__ = [
     "plan",
     "plan_strategy",
     "preset",
+    "read_hf_config",
     "recommend_offload",
+    "shape_from_hf_config",
     "strategies_at",
     "to_json_dict",
 ]

@@ -118,6 +118,8 @@ class PlanInputs:
         the host need is reported and not judged (an offload plan's ``fits`` is then None).
     pcie_bandwidth: host<->device copy bytes/s per rank per direction (default 25e9: PCIe Gen4 x16,
         32 GB/s raw, about 25 achieved).
+    units_defaulted: the unit count was not given and defaulted to 1 (``flatshard plan --params``
+        without ``--units``); the advice to use more, smaller units then says so.
     host_bandwidth: bytes/s per node at which the CPUs get through the optimizer step's minimal
         traffic (read and write master and state, read the gradient); default 100e9, an assumption
         (about a third of a two-socket DDR4-3200 server's STREAM bandwidth; eager PyTorch CPU Adam
@@ -149,6 +151,7 @@ class PlanInputs:
     host_memory_bytes: int | None = None
     pcie_bandwidth: float = 25e9
     host_bandwidth: float = 100e9
+    units_defaulted: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_elements", tuple(int(t) for t in self.unit_elements))

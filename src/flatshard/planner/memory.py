@@ -25,7 +25,9 @@ SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2, NO_SHARD (no reshard after forward): every u
     the end of forward and freed after its own backward (its post-backward reshard), so
     forward: sum_u g_u; backward at unit i (forward order): g_0 + ... + g_i + ug_i.
 activations: counted in full at both peaks (their maximum is at the forward/backward turn), so
-    the peak is an upper bound.
+    the peak is an upper bound. Without a model shape, a micro-batch and a sequence length (or an
+    ``activation_bytes`` override) they are not counted at all: the table, the JSON and the
+    recommendation then say so (``activations_note``), since such a peak is a lower bound.
 forward_peak = steady + activations + max forward transient; backward_peak likewise; peak = max.
 gather_buffer = the most gathered-parameter bytes at any moment (unsharded gradients excluded).
 
@@ -138,6 +140,32 @@ def _resharding_transients(
     bwd = max([root + w + ugrad[inner[k]] for k, w in enumerate(bwd_windows)] + [root + root_grad])
     buffer = root + max(fwd_windows + bwd_windows, default=0)
     return fwd, bwd, buffer
+
+
+def activations_missing(inputs: PlanInputs) -> list[str]:
+    """What the activation estimate lacks (empty when activations are counted): a model shape, a
+    micro-batch, a sequence length, each named by its ``flatshard plan`` flag."""
+    if inputs.activation_bytes is not None:
+        return []
+    missing = []
+    if inputs.shape is None:
+        missing.append("a model shape (--model, --hf-config, or --layers/--hidden/--vocab/--heads)")
+    if not inputs.micro_batch:
+        missing.append("--micro-batch")
+    if not inputs.seq_len:
+        missing.append("--seq-len")
+    return missing
+
+
+def activations_note(inputs: PlanInputs) -> str | None:
+    """None when activations are counted; else one sentence saying they are not, and how to count them."""
+    missing = activations_missing(inputs)
+    if not missing:
+        return None
+    return (
+        "activations are not counted, so every peak leaves them out and may fit where the real run does not: "
+        f"pass {', '.join(missing)}, or --activation-bytes"
+    )
 
 
 def activation_bytes(inputs: PlanInputs) -> int:

@@ -1,4 +1,5 @@
-"""Where unit sizes come from: a model's shape (presets, Hugging Face-style config numbers) or a module.
+"""Where unit sizes come from: a model's shape (presets, Hugging Face-style config numbers or a Hugging
+Face ``config.json``) or a module.
 
 A transformer wrapped one unit per layer (``transformer_auto_wrap_policy``, the documents'
 recommendation) has L equal layer units and a root unit holding what is in no layer: the token
@@ -10,9 +11,11 @@ computes those sizes exactly, so ``ModelShape.params()`` is the model's real par
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from flatshard.planner.errors import PlanError
@@ -134,6 +137,76 @@ def preset(name: str) -> ModelShape:
             f"use one of {', '.join(sorted(PRESETS))}, or pass --params N instead of --model",
         )
     return found
+
+
+# Hugging Face config.json: the model types whose parameters ModelShape counts exactly, and the keys
+# each field is read from (Llama-style names first, GPT-2's second).
+HF_ARCH = {"llama": "llama", "mistral": "llama", "gpt2": "gpt"}
+_HF_KEYS = {
+    "layers": ("num_hidden_layers", "n_layer"),
+    "hidden": ("hidden_size", "n_embd"),
+    "vocab": ("vocab_size",),
+    "heads": ("num_attention_heads", "n_head"),
+    "kv_heads": ("num_key_value_heads",),
+    "intermediate": ("intermediate_size", "n_inner"),
+    "max_positions": ("n_positions", "max_position_embeddings"),
+}
+
+
+def shape_from_hf_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
+    """The shape a Hugging Face ``config.json`` describes (Llama, Mistral or GPT-2 models).
+
+    Reads the fields a Llama or GPT-2 config has (``num_hidden_layers``/``n_layer``, ``hidden_size``/
+    ``n_embd``, ``vocab_size``, ``num_attention_heads``/``n_head``, ``num_key_value_heads``,
+    ``intermediate_size``/``n_inner``, ``n_positions``, ``tie_word_embeddings``). A model type whose
+    layers differ from these two (biases in attention, a different MLP) is an error, not a guess."""
+    model_type = config.get("model_type")
+    arch = HF_ARCH.get(str(model_type))
+    if arch is None:
+        raise PlanError(
+            f"{source}: model_type {model_type!r} is not one the planner counts exactly",
+            f"use a config of model_type {', '.join(HF_ARCH)}, or pass --params N with --layers/--hidden/--vocab/"
+            "--heads for the activation estimate",
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise PlanError(f"{source}: {flag} is true; the planner's llama layer has no biases", "pass --params N")
+    fields: dict[str, Any] = {}
+    for name, keys in _HF_KEYS.items():
+        value = next((config[k] for k in keys if config.get(k) is not None), None)
+        if name in ("layers", "hidden", "vocab", "heads") and value is None:
+            raise PlanError(f"{source} has no {' or '.join(keys)}", "pass a complete Hugging Face config.json")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise PlanError(f"{source}: {keys[0]} must be a whole number >= 1, got {value!r}", "fix the config")
+        fields[name] = value
+    if arch == "llama" or fields["max_positions"] is None:
+        fields["max_positions"] = 0  # llama: rotary positions, no table of parameters
+        if fields["intermediate"] is None:
+            raise PlanError(f"{source} has no intermediate_size", "pass a complete Hugging Face config.json")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim * fields["heads"] != fields["hidden"]:
+        raise PlanError(
+            f"{source}: head_dim {head_dim} x {fields['heads']} heads is not hidden_size {fields['hidden']}",
+            "the planner counts head_dim = hidden_size / heads; pass --params N instead",
+        )
+    tied = config.get("tie_word_embeddings")
+    return ModelShape(arch, tied_embeddings=(arch == "gpt") if tied is None else bool(tied), **fields)
+
+
+def read_hf_config(path: str) -> ModelShape:
+    """``shape_from_hf_config`` of the JSON file at ``path`` (a model directory is read as its config.json)."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise PlanError(f"no such file: {file}", "pass the path of a Hugging Face config.json") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"cannot read {file} as JSON: {exc}", "pass a Hugging Face config.json") from exc
+    if not isinstance(config, dict):
+        raise PlanError(f"{file} holds a JSON {type(config).__name__}, not an object", "pass a config.json")
+    return shape_from_hf_config(config, str(file))
 
 
 def with_overrides(shape: ModelShape, **fields: Any) -> ModelShape:

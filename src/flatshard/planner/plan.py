@@ -13,7 +13,7 @@ from typing import Any
 from flatshard.planner.comm import CommEstimate, comm_estimate
 from flatshard.planner.errors import PlanError
 from flatshard.planner.inputs import PlanInputs, Strategy
-from flatshard.planner.memory import MemoryEstimate, memory_estimate
+from flatshard.planner.memory import MemoryEstimate, activations_missing, activations_note, memory_estimate
 from flatshard.planner.offload import OffloadEstimate, offload_estimate
 from flatshard.planner.quantities import fmt_bytes, fmt_seconds
 
@@ -167,8 +167,29 @@ def _remedies(inputs: PlanInputs, best: StrategyPlan) -> str:
     if best.memory.activations and inputs.micro_batch > 1:
         out.append("a smaller micro-batch")
     if best.memory.gather_buffer + best.memory.unsharded_grad > best.memory.steady // 4:
-        out.append("more, smaller units")
+        units = len(inputs.unit_elements) + (1 if inputs.root_elements else 0)
+        if inputs.units_defaulted:
+            out.append(
+                "more, smaller units (--units defaulted to 1, the whole model gathered at once: "
+                "pass --units M, e.g. one per layer)"
+            )
+        else:
+            out.append(f"more, smaller units (now {units})")
     return "try " + ", ".join(out)
+
+
+def notes(inputs: PlanInputs) -> list[str]:
+    """What the figures leave out or assume, in sentences: activations not counted, units defaulted."""
+    out = []
+    note = activations_note(inputs)
+    if note:
+        out.append(note)
+    if inputs.units_defaulted:
+        out.append(
+            "--units defaulted to 1: the whole model is one unit, gathered at once; pass --units M (e.g. one "
+            "per layer) for M units"
+        )
+    return out
 
 
 def _host_budget_text(inputs: PlanInputs) -> str:
@@ -241,12 +262,13 @@ def recommend(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[Strateg
     if not fitting:
         best = min(plans, key=lambda p: p.memory.peak)
         verdict = recommend_offload(inputs, plans).why
+        counted = "" if not activations_missing(inputs) else ", activations not counted"
         return Recommendation(
             None,
             None,
             (
                 f"nothing fits in {_budget_text(inputs)}: the smallest peak is {fmt_bytes(best.memory.peak)} "
-                f"({best.strategy.value}, F={best.sharding_factor}); {_remedies(inputs, best)}; {verdict}"
+                f"({best.strategy.value}, F={best.sharding_factor}{counted}); {_remedies(inputs, best)}; {verdict}"
             ),
         )
     f = min(p.sharding_factor for p in fitting)
@@ -267,6 +289,8 @@ def recommend(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[Strateg
         )
     elif len([p for p in plans if p.sharding_factor == f]) > 1:
         why += "; the other strategy at this F does not fit"
+    if activations_missing(inputs):
+        why += "; activations are not counted (the peaks leave them out)"
     return Recommendation(best.strategy, f, why)
 
 
@@ -307,7 +331,7 @@ def _inputs_json(inputs: PlanInputs) -> dict[str, Any]:
     return out
 
 
-def _plan_json(p: StrategyPlan) -> dict[str, Any]:
+def _plan_json(p: StrategyPlan, activations_counted: bool) -> dict[str, Any]:
     m, c = p.memory, p.comm
     return {
         "strategy": p.strategy.value,
@@ -318,7 +342,7 @@ def _plan_json(p: StrategyPlan) -> dict[str, Any]:
             "grads": m.grads,
             "optimizer": m.optimizer,
             "gather_buffer": m.gather_buffer,
-            "activations": m.activations,
+            "activations": m.activations if activations_counted else None,  # None: not counted
             "steady": m.steady,
             "peak": m.peak,
         },
@@ -335,7 +359,7 @@ def _plan_json(p: StrategyPlan) -> dict[str, Any]:
     }
 
 
-def _offload_json(p: StrategyPlan) -> dict[str, Any]:
+def _offload_json(p: StrategyPlan, activations_counted: bool) -> dict[str, Any]:
     o = p.offload
     return {
         "device_bytes": {
@@ -343,7 +367,7 @@ def _offload_json(p: StrategyPlan) -> dict[str, Any]:
             "unsharded_grad": o.unsharded_grad,
             "staging": o.staging,
             "reduced": o.reduced,
-            "activations": o.activations,
+            "activations": o.activations if activations_counted else None,
             "forward_peak": o.forward_peak,
             "peak": o.device_peak,
         },
@@ -375,14 +399,19 @@ def _recommendation_json(rec: Recommendation) -> dict[str, Any]:
 
 
 def to_json_dict(report: PlanReport) -> dict[str, Any]:
-    """The report as ``flatshard plan --json`` prints it: exactly the keys inputs, plans, recommendation;
-    with ``inputs.offload`` each plan also has "offload" and the report "offload_recommendation"."""
+    """The report as ``flatshard plan --json`` prints it: exactly the keys inputs, plans, recommendation,
+    activations_counted (False: every plan's "activations" is None and its peaks leave them out) and
+    notes (sentences on what the figures leave out or assume); with ``inputs.offload`` each plan also has
+    "offload" and the report "offload_recommendation"."""
     offload = report.inputs.offload
-    plans = [_plan_json(p) | ({"offload": _offload_json(p)} if offload else {}) for p in report.plans]
+    counted = not activations_missing(report.inputs)
+    plans = [_plan_json(p, counted) | ({"offload": _offload_json(p, counted)} if offload else {}) for p in report.plans]
     out = {
         "inputs": _inputs_json(report.inputs),
         "plans": plans,
         "recommendation": _recommendation_json(report.recommendation),
+        "activations_counted": counted,
+        "notes": notes(report.inputs),
     }
     if offload:
         out["offload_recommendation"] = _recommendation_json(recommend_offload(report.inputs, report.plans))

@@ -5,7 +5,7 @@ The documents count memory in decimal units: "4 x 7 x 10^9 = 28 GB", "16 x 13 = 
 follows them: ``GB`` is 10^9 bytes and every byte figure it prints is decimal. ``GiB`` (2^30 bytes) is
 accepted on input and means what it says. A board sold as "40GB" (the A100-40GB) carries 40 GiB of
 HBM, about 42.9e9 bytes, so ``--gpu-mem 40GB`` is 7% conservative; pass ``40GiB`` for the board's
-real capacity.
+real capacity. A memory size typed without a unit (``--gpu-mem 40``) is an error, not 40 bytes.
 
 Bandwidths are bytes per second per rank per direction (what nccl-tests calls bus bandwidth). A bare
 number is GB/s. ``Gb/s`` and ``Gbps`` are *bits* per second (InfiniBand is sold that way: 200 Gb/s
@@ -33,6 +33,7 @@ _BYTE_SUFFIX = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+_BYTES_EXAMPLE = "40GB (10^9 bytes) or 40GiB (2^30 bytes)"
 _NUMBER = r"([+-]?[0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
 
 
@@ -65,11 +66,16 @@ def parse_count(text: str | int | float, what: str = "parameter count") -> int:
 
 
 def parse_bytes(text: str | int | float, what: str = "memory size") -> int:
-    """``"40GB"`` -> 40e9, ``"40GiB"`` -> 40 * 2^30, a bare number is bytes."""
+    """``"40GB"`` -> 40e9, ``"40GiB"`` -> 40 * 2^30, ``"512B"`` -> 512. A string needs its unit (is
+    ``"40"`` 40 bytes or 40 GB?); a Python int or float is bytes."""
+    if isinstance(text, str) and _split(text, what, _BYTES_EXAMPLE)[1] == "":
+        raise PlanError(
+            f"{what} {text!r} has no unit", f"write {text.strip()}GB (10^9 bytes) or {text.strip()}GiB (2^30 bytes)"
+        )
     size = _read(
         text,
         what,
-        "40GB (10^9 bytes) or 40GiB (2^30 bytes)",
+        _BYTES_EXAMPLE,
         _BYTE_SUFFIX,
         "use B, MB, GB, TB, MiB, GiB or TiB",
         "unit",
