@@ -9,9 +9,10 @@ ARGS ?=
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# constraints/cpu.txt pins the torch build of this project's machines; the package asks only for torch>=2.13
+$(VENV)/.installed: pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[test,lint]'
+	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[examples,test,lint]'
 	touch $@
 
 run: install
