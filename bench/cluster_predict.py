@@ -1,0 +1,210 @@
+"""The planner's step times from a calibration, beside the measured ones: the table and the JSON of
+``make cluster``. Every prediction comes from ``flatshard.planner``'s public API (``PlanInputs``,
+``Links``, ``plan_strategy``); nothing here adjusts the planner's figures.
+
+[Note: cluster predictions]
+The planner is given what the calibration measured and nothing else: ``Links`` (per-rank bandwidth and
+latency within a node and between nodes, [Note: cluster calibration] in cluster_worker.py), the
+forward + backward time of one rank as ``compute_time_s``, the model's units (``PlanInputs.from_module``
+on the GPT, one unit per Block, the rest in the root), fp32, AdamW, and the topology (W = N·P,
+``gpus_per_node`` = P). Its prediction for a flatshard system is ``plan_strategy(...).time.expected_s``
+for that strategy and F; for the run with no communication it is the same inputs at W = 1. DDP and
+FSDP2 are not what the planner models (flatshard's schedule); their rows show the planner's figure for
+the strategy they share, for reference, and take no part in the verdicts. The verdicts: every flatshard
+prediction within 25% of the measured step, and the planner's order of flatshard's strategies equal to
+the measured order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import compare
+
+from flatshard.planner import Links, PlanInputs, plan_strategy
+
+TOLERANCE = 0.25
+
+
+def planned_as(name: str, world: int, nproc: int) -> tuple[str, int] | None:
+    """The planner's (strategy, F) for a system of the worker, or None (no communication)."""
+    if "HYBRID" in name or "HSDP" in name:
+        return "HYBRID_SHARD", nproc
+    for strategy, f in (("FULL_SHARD", world), ("SHARD_GRAD_OP", world), ("NO_SHARD", 1)):
+        if strategy in name:
+            return strategy, f
+    if name == "DDP":
+        return "NO_SHARD", 1
+    return None
+
+
+def links_from(calibration: dict) -> Links:
+    links = calibration["links"]
+    intra = links.get("intra", links["inter"])  # one rank per node: no intra-node class
+    return Links(
+        intra_bandwidth=intra["bandwidth_Bps"],
+        inter_bandwidth=links["inter"]["bandwidth_Bps"],
+        intra_latency_s=intra["latency_s"],
+        inter_latency_s=links["inter"]["latency_s"],
+    )
+
+
+def planner_inputs(result: dict, world: int | None = None) -> PlanInputs:
+    """The planner's inputs for the measured job (or the same model and compute at ``world`` ranks)."""
+    gpt = compare.load_gpt_module()
+    cfg = compare.sizes()[result["size"]]
+    w = world or result["nodes"] * result["nproc"]
+    return PlanInputs.from_module(
+        gpt.GPT(cfg),
+        [gpt.Block],
+        world_size=w,
+        gpus_per_node=min(result["nproc"], w),
+        precision="fp32",
+        optimizer="adam",
+        micro_batch=result["batch_size"],
+        seq_len=result["block_size"],
+        compute_time_s=result["calibration"]["compute"]["forward_backward_s"],
+        links=links_from(result["calibration"]),
+    )
+
+
+def predict(result: dict) -> dict:
+    """Per system: measured median step, the planner's prediction, their ratio, and the bytes."""
+    world, nproc = result["nodes"] * result["nproc"], result["nproc"]
+    inputs, alone = planner_inputs(result), planner_inputs(result, world=1)
+    rows = {}
+    for name, fig in result["systems"].items():
+        measured = fig["step_s_median"]
+        plan = None
+        how = planned_as(name, world, nproc)
+        if how is None:
+            plan = plan_strategy(alone, "NO_SHARD", 1)
+        else:
+            plan = plan_strategy(inputs, *how)
+        predicted = plan.time.expected_s
+        rows[name] = {
+            "planned_as": list(how) if how else ["NO_SHARD", 1, "W=1"],
+            "modelled": name.startswith("flatshard") or how is None,
+            "measured_s": measured,
+            "predicted_s": predicted,
+            "predicted_serial_s": plan.time.serial_s,
+            "predicted_overlapped_s": plan.time.overlapped_s,
+            "predicted_comm_s": plan.time.comm_s,
+            "error": predicted / measured - 1,
+            "ratio_to_compute": measured / result["systems"]["no communication"]["step_s_median"]
+            if "no communication" in result["systems"]
+            else None,
+            "planner_inter_node_bytes_per_rank": plan.comm.inter_node,
+            "planner_intra_node_bytes_per_rank": plan.comm.intra_node,
+            "link_tx_bytes_per_step_per_node": result["link_tx_bytes_per_step_per_node"].get(name),
+        }
+    return {"rows": rows, "verdicts": verdicts(rows), "planner_inputs": _inputs_summary(inputs)}
+
+
+def verdicts(rows: dict) -> dict:
+    modelled = {n: r for n, r in rows.items() if r["modelled"]}
+    within = {n: abs(r["error"]) <= TOLERANCE for n, r in modelled.items()}
+    flat = [n for n in modelled if n.startswith("flatshard")]
+    measured_order = sorted(flat, key=lambda n: rows[n]["measured_s"])
+    predicted_order = sorted(flat, key=lambda n: rows[n]["predicted_s"])
+    return {
+        "within_25_percent": within,
+        "all_within": all(within.values()),
+        "measured_order": measured_order,
+        "predicted_order": predicted_order,
+        "same_order": measured_order == predicted_order,
+    }
+
+
+def _inputs_summary(inputs: PlanInputs) -> dict:
+    links = inputs.links
+    return {
+        "world_size": inputs.world_size,
+        "gpus_per_node": inputs.gpus_per_node,
+        "params": inputs.params,
+        "units": len(inputs.unit_elements) + (1 if inputs.root_elements else 0),
+        "compute_time_s": inputs.compute_time_s,
+        "intra_bandwidth_Bps": links.intra_bandwidth,
+        "inter_bandwidth_Bps": links.inter_bandwidth,
+        "intra_latency_s": links.intra_latency_s,
+        "inter_latency_s": links.inter_latency_s,
+        "prefetch_depth": inputs.prefetch_depth,
+    }
+
+
+# ---- printing ------------------------------------------------------------------------------------------
+def _mb(x) -> str:
+    return "" if x is None else f"{x / 1e6:,.1f}"
+
+
+def print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if Console().is_terminal else Console(width=160)
+    r = report["result"]
+    cal, pred = r["calibration"], report["prediction"]
+    console.print(
+        f"[bold]{report['rate']}[/bold] between nodes, {r['nodes']} nodes x {r['nproc']} ranks, GPT {r['size']} "
+        f"({r['P'] / 1e6:.2f}M parameters), fp32, batch {r['batch_size']}x{r['block_size']} per rank; "
+        f"load average {report['load_average_before'][0]:.2f} before, {report['load_average_after'][0]:.2f} after"
+    )
+    c = Table(title="calibration (every rank at once; per rank, per direction)")
+    for col in ("link class", "latency", "bandwidth", "4 B", "1 MiB", "8 MiB"):
+        c.add_column(col, justify="right")
+    for name, fig in cal["links"].items():
+        s = fig["seconds"]
+        c.add_row(
+            name,
+            f"{fig['latency_s'] * 1e6:,.0f} us",
+            f"{fig['bandwidth_Bps'] / 1e6:,.1f} MB/s",
+            *(f"{s[k] * 1e3:,.2f} ms" for k in ("4B", "1MiB", "8MiB")),
+        )
+    console.print(c)
+    comp = cal["compute"]
+    flops = 6 * r["P"] * r["batch_size"] * r["block_size"] / comp["forward_backward_s"]
+    console.print(
+        f"compute, one rank (all ranks at once): forward+backward {comp['forward_backward_s'] * 1e3:,.1f} ms "
+        f"({flops / 1e9:,.2f} GFLOP/s at 6·P·tokens), AdamW step {comp['optimizer_step_s'] * 1e3:,.1f} ms"
+    )
+    t = Table(title="median step of the slowest rank, measured (interleaved) and predicted (flatshard.planner)")
+    for col in (
+        "system",
+        "measured ms",
+        "/ compute",
+        "predicted ms",
+        "pred / meas",
+        "planner as",
+        "link MB/step/node",
+        "planner inter MB/rank",
+    ):
+        t.add_column(col, justify="right")
+    for name, row in pred["rows"].items():
+        ratio = row["predicted_s"] / row["measured_s"]
+        mark = "" if not row["modelled"] else (" ok" if abs(ratio - 1) <= TOLERANCE else " OFF")
+        how = row["planned_as"]
+        link = row["link_tx_bytes_per_step_per_node"]
+        t.add_row(
+            name,
+            f"{row['measured_s'] * 1e3:,.0f}",
+            "" if row["ratio_to_compute"] is None else f"{row['ratio_to_compute']:.2f}",
+            f"{row['predicted_s'] * 1e3:,.0f}" + ("" if row["modelled"] else " (ref)"),
+            f"{ratio:.2f}{mark}",
+            f"{how[0]} F={how[1]}" + (f" {how[2]}" if len(how) > 2 else ""),
+            _mb(None if link is None else max(link)),
+            _mb(row["planner_inter_node_bytes_per_rank"]),
+        )
+    console.print(t)
+    v = pred["verdicts"]
+    console.print(
+        f"within 25%: {sum(v['within_25_percent'].values())}/{len(v['within_25_percent'])}; "
+        f"measured order: {' < '.join(v['measured_order'])}; predicted order: {' < '.join(v['predicted_order'])} "
+        f"({'same' if v['same_order'] else 'DIFFERENT'})"
+    )
+    agree = report["losses_agree"]
+    bad = [n for n, a in agree.items() if not a["agree"]]
+    worst = max((a["max_rel_diff"] for a in agree.values()), default=math.nan)
+    console.print(
+        f"losses: every system but 'no communication' equals flatshard FULL_SHARD's within 1e-4 "
+        f"(worst {worst:.1e})" + (f"; DIFFERENT: {', '.join(bad)}" if bad else "")
+    )

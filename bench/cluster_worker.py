@@ -1,0 +1,264 @@
+"""What runs in every rank of ``make cluster`` (started by bench/cluster.py inside the namespaces).
+
+    torchrun --nnodes=N --nproc-per-node=P ... bench/cluster_worker.py --out RESULT.json [--steps 8 ...]
+
+Two parts, one job:
+
+1. Calibration, with every rank busy at once as in training ([Note: cluster calibration]).
+2. The systems, interleaved as bench/compare.py interleaves them (its helpers: the same GPT, batches,
+   builders and result gathering): flatshard FULL_SHARD, HYBRID_SHARD (F = P, the shard groups are the
+   nodes), SHARD_GRAD_OP and NO_SHARD; DDP; PyTorch FSDP2 FULL_SHARD and HSDP (a (N, P) mesh); and a
+   run with no communication at all (a plain model per rank, the same per-rank batch: the compute
+   floor). A step's time is the slowest rank's; the figure is the median over the measured steps.
+   Around every step, local rank 0 of each node reads its link interface's byte counters, so the bytes
+   that really crossed the slow link are known per system.
+
+[Note: cluster calibration]
+Link classes are measured the way the planner's ``Links`` defines them: bytes/s *per rank* per direction,
+with every rank communicating at once. Within a node the ranks pair up (local ranks 2k, 2k+1) over
+loopback; between nodes every rank pairs with the rank of the same local rank on the partner node
+(nodes 2m, 2m+1), so the P ranks of a node share its link as the replicate all-reduces of a hybrid do.
+Each exchange sends and receives the same size at once (isend + irecv, as flatshard's gloo exchanges
+do). Latency alpha is the time of a 4-byte exchange; bandwidth beta is the slope between two large
+sizes. "inter (one pair)" repeats the inter-node figure with only local rank 0 of each node active:
+the link's own rate, for comparison. Compute is one rank's forward + backward on its batch with every
+rank computing at once (on a shared CPU they compete for cores, as they do in training); the
+optimizer step is timed apart, because the planner leaves it out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare  # noqa: E402  (bench/compare.py; it puts examples/ on the path for gpt.py)
+
+import flatshard  # noqa: E402
+
+LINK_STATS = Path("/sys/class/net/fs0/statistics")
+SMALL, MID, LARGE = 4, 1 << 20, 8 << 20  # bytes per exchange: latency, then two sizes for the slope
+
+
+# ---- calibration --------------------------------------------------------------------------------------
+def _slowest(values: list[float]) -> list[float]:
+    """Element-wise max over ranks (a timed step lasts as long as its slowest rank)."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return mine.tolist()
+
+
+def _exchange_times(peer: int | None, nbytes: int, reps: int) -> list[float]:
+    """Seconds of ``reps`` exchanges of ``nbytes`` each way with ``peer`` (None: this rank sits out)."""
+    send = torch.ones(max(1, nbytes // 4))
+    recv = torch.empty_like(send)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if peer is not None:
+            works = [dist.isend(send, peer), dist.irecv(recv, peer)]
+            for w in works:
+                w.wait()
+        times.append(time.perf_counter() - t0 if peer is not None else 0.0)
+    return _slowest(times)
+
+
+def _link_figures(peer: int | None, reps_small: int = 20, reps_large: int = 3) -> dict:
+    _exchange_times(peer, MID, 1)  # connect and warm up
+    t_small = statistics.median(_exchange_times(peer, SMALL, reps_small))
+    t_mid = statistics.median(_exchange_times(peer, MID, reps_large))
+    t_large = statistics.median(_exchange_times(peer, LARGE, reps_large))
+    beta = (LARGE - MID) / max(t_large - t_mid, 1e-9)
+    return {"latency_s": t_small, "bandwidth_Bps": beta, "seconds": {"4B": t_small, "1MiB": t_mid, "8MiB": t_large}}
+
+
+def calibrate_links(nodes: int, nproc: int) -> dict:
+    rank = dist.get_rank()
+    node, local = divmod(rank, nproc)
+    out = {}
+    if nproc > 1:
+        intra = rank ^ 1 if (local ^ 1) < nproc else None
+        out["intra"] = _link_figures(intra)
+    partner = node ^ 1
+    inter = partner * nproc + local if partner < nodes else None
+    out["inter"] = _link_figures(inter)
+    out["inter (one pair)"] = _link_figures(inter if local == 0 else None)
+    return out
+
+
+def _timed(fn, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return _slowest(times)
+
+
+def calibrate_compute(gpt, cfg, batch, reps: int) -> dict:
+    """One rank's forward + backward, and its AdamW step on the whole model, every rank at once."""
+    model = gpt.GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = batch
+
+    def fwd_bwd():
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+
+    fwd_bwd()
+    opt.step()
+    compute = statistics.median(_timed(fwd_bwd, reps))
+    optimizer = statistics.median(_timed(opt.step, reps))
+    return {"forward_backward_s": compute, "optimizer_step_s": optimizer}
+
+
+# ---- the systems --------------------------------------------------------------------------------------
+def build_hsdp(cfg, nodes: int, nproc: int):
+    """PyTorch FSDP2's HSDP: ``fully_shard`` over a (replicate = nodes, shard = ranks per node) mesh."""
+    gpt = compare.load_gpt_module()
+    mesh = init_device_mesh("cpu", (nodes, nproc), mesh_dim_names=("replicate", "shard"))
+    model = gpt.GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def builders(gpt, cfg, nodes: int, nproc: int) -> dict:
+    """name -> a function building that system (each called after the same seed)."""
+    fs = compare.build_flatshard
+    return {
+        "flatshard FULL_SHARD": lambda: fs(gpt, cfg, False, "FULL_SHARD"),
+        f"flatshard HYBRID_SHARD F={nproc}": lambda: fs(gpt, cfg, False, "HYBRID_SHARD", sharding_factor=nproc),
+        "flatshard SHARD_GRAD_OP": lambda: fs(gpt, cfg, False, "SHARD_GRAD_OP"),
+        "flatshard NO_SHARD": lambda: fs(gpt, cfg, False, "NO_SHARD"),
+        "DDP": lambda: compare.build_ddp(gpt, cfg),
+        "FSDP2 FULL_SHARD": lambda: compare.build_fsdp2(gpt, cfg, False),
+        f"FSDP2 HSDP ({nodes}x{nproc})": lambda: build_hsdp(cfg, nodes, nproc),
+        "no communication": lambda: gpt.GPT(cfg),
+    }
+
+
+def make_systems(gpt, cfg, nodes: int, nproc: int, seed: int, only: list[str] | None) -> list[compare.System]:
+    systems = []
+    for name, build in builders(gpt, cfg, nodes, nproc).items():
+        if only and not any(o in name for o in only):
+            continue
+        torch.manual_seed(seed)
+        model = build()
+        systems.append(compare.System(name, model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    return systems
+
+
+def _link_counter(local_rank: int) -> int:
+    """Bytes this node's link interface has sent so far (read by local rank 0; 0 elsewhere or off-cluster)."""
+    if local_rank != 0 or not LINK_STATS.exists():
+        return 0
+    return int((LINK_STATS / "tx_bytes").read_text())
+
+
+def run_systems(systems, data_batches, warmup: int, local_rank: int) -> dict[str, list[int]]:
+    """Interleaved steps (the order rotated every step), each between barriers; link bytes per step."""
+    link = {s.name: [] for s in systems}
+    for i, (x, y) in enumerate(data_batches):
+        k = i % len(systems)
+        for system in systems[k:] + systems[:k]:
+            dist.barrier()
+            before = _link_counter(local_rank)
+            t0 = time.perf_counter()
+            system.losses.append(system.step(x, y))
+            elapsed = time.perf_counter() - t0
+            dist.barrier()
+            if i >= warmup:
+                system.times.append(elapsed)
+                link[system.name].append(_link_counter(local_rank) - before)
+    return link
+
+
+def gather_link_bytes(link: dict[str, list[int]], nproc: int) -> dict[str, list[float]]:
+    """Per system, the median bytes per step each node's link sent (from every node's local rank 0)."""
+    world = dist.get_world_size()
+    out = {}
+    for name, values in link.items():
+        mine = torch.tensor([statistics.median(values) if values else 0.0], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        out[name] = [every[r].item() for r in range(0, world, nproc)]
+    return out
+
+
+def shard_groups(systems) -> dict[str, list[int]]:
+    """This rank's shard group per flatshard system (which ranks share its parameters)."""
+    return {s.name: list(flatshard.units(s.model)[0].shard_group_ranks) for s in systems if "flatshard" in s.name}
+
+
+# ---- the job -------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="where rank 0 writes the JSON")
+    p.add_argument("--size", default="3M", choices=["tiny", "3M", "30M"], help="bench/compare.py's GPT sizes")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per system")
+    p.add_argument("--warmup", type=int, default=2, help="steps per system run first and discarded")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--calibration-reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--systems", nargs="*", help="only the systems whose names contain one of these")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nproc, local_rank = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    nodes = world // nproc
+    gpt, cfg = compare.load_gpt_module(), compare.sizes()[args.size]
+    data = compare.load_corpus()
+    steps = args.warmup + args.steps
+    data_batches = compare.batches(data, steps, args.batch_size, cfg.block_size, rank, world, args.seed)
+
+    started = time.perf_counter()
+    calibration = {"links": calibrate_links(nodes, nproc)}
+    calibration["compute"] = calibrate_compute(gpt, cfg, data_batches[0], args.calibration_reps)
+    calibration["seconds"] = time.perf_counter() - started
+
+    systems = make_systems(gpt, cfg, nodes, nproc, args.seed, args.systems)
+    link = run_systems(systems, data_batches, args.warmup, local_rank)
+    n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
+    result = compare.gather_results(systems, n_params, world)
+    result["link_tx_bytes_per_step_per_node"] = gather_link_bytes(link, nproc)
+    groups = shard_groups(systems)
+    every_groups = [None] * world
+    dist.all_gather_object(every_groups, groups)
+    if rank == 0:
+        result.update(
+            size=args.size,
+            batch_size=args.batch_size,
+            block_size=cfg.block_size,
+            steps=args.steps,
+            warmup=args.warmup,
+            nodes=nodes,
+            nproc=nproc,
+            calibration=calibration,
+            shard_groups_per_rank=every_groups,
+        )
+        args.out.write_text(json.dumps(result))
+    dist.barrier()  # every rank is done with the group before any tears it down
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

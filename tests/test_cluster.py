@@ -1,0 +1,110 @@
+"""The emulated cluster (bench/cluster_net.py): two network namespaces joined by a rate-limited veth pair,
+one ``torchrun --nnodes=2`` job across them, and the teardown on success, timeout, Ctrl-C and after a
+crashed run. Needs root, ``ip`` and ``tc``; elsewhere every test here skips and says why."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import cluster_net  # noqa: E402
+
+WHY_NOT = cluster_net.unavailable()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no emulated cluster here: {WHY_NOT}")
+SMOKE = str(ROOT / "bench" / "cluster_smoke.py")
+TIMEOUT_S = 120
+
+
+def ours(pid: int) -> list[str]:
+    """Namespaces of a cluster run by process ``pid`` that still exist."""
+    prefix = f"{cluster_net.PREFIX}{pid}"
+    return [ns for ns in cluster_net._namespaces() if ns.startswith(prefix)]
+
+
+def test_hybrid_job_across_the_link(tmp_path):
+    """2 nodes x 2 ranks at 200 Mbit/s: HYBRID_SHARD's shard groups are the nodes, its replicate
+    all-reduce crosses the link (and only it: the kernel's byte counters say so), and the losses equal
+    a plain model's on the global batch."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with cluster_net.Cluster(cluster_net.Topology(nodes=2, nproc=2, rate_bits=200 * 10**6)) as cluster:
+        job = cluster.run([SMOKE, "--out", str(out), "--steps", "4"], TIMEOUT_S, tmp_path / "logs")
+        assert job.ok, job.tails()
+        qdiscs = cluster.qdiscs()
+    assert ours(os.getpid()) == []
+    assert qdiscs.count("tbf") == 2 and "rate 200Mbit" in qdiscs, qdiscs
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    for r in ranks:
+        assert r["node"] == r["rank"] // 2
+        assert r["shard_members"] == [2 * r["node"], 2 * r["node"] + 1], r  # the shard group is the node
+        assert r["replicate_size"] == 2
+        assert r["counts"]["all_reduce/replicate"] == r["units"] * r["steps"], r["counts"]
+        torch_close = [abs(a - b) <= 1e-5 * abs(b) for a, b in zip(_mean_losses(ranks), r["ref_losses"])]
+        assert all(torch_close), (_mean_losses(ranks), r["ref_losses"])
+    assert len(set(ranks[0]["losses"])) > 1  # it trained: the loss moved
+    for node in range(2):
+        lead = next(r for r in ranks if r["node"] == node and r["local_rank"] == 0)
+        # what must cross: both ranks' replicate all-reduces; the shard groups' gathers and reductions
+        # (three times as many bytes at F = 2) stay on the node's loopback
+        replicate = sum(r["wire_bytes"]["replicate"] for r in ranks if r["node"] == node)
+        shard = sum(r["wire_bytes"]["shard"] for r in ranks if r["node"] == node)
+        assert shard > 2 * replicate
+        sent = lead["link_bytes"]["tx"]
+        assert replicate <= sent <= 1.3 * replicate + 64 * 1024, (sent, replicate, shard)
+
+
+def _mean_losses(ranks: list[dict]) -> list[float]:
+    """The global batch's loss per step: the mean of the ranks' losses on their equal shares of it."""
+    return [sum(r["losses"][s] for r in ranks) / len(ranks) for s in range(ranks[0]["steps"])]
+
+
+def test_timeout_stops_the_job_and_the_links_go(tmp_path):
+    started = time.monotonic()
+    with cluster_net.Cluster(cluster_net.Topology(nodes=2, nproc=1, rate_bits=10**9)) as cluster:
+        job = cluster.run([SMOKE, "--sleep", "120"], 3, tmp_path / "logs")
+        left = [cluster_net._sh("ip", "netns", "pids", ns).stdout.split() for ns in cluster.nodes]
+    assert job.timed_out and not job.ok and job.codes == [None, None]
+    assert left == [[], []], left  # every process of the job was stopped before the namespaces went
+    assert ours(os.getpid()) == []
+    assert time.monotonic() - started < 30
+
+
+def test_ctrl_c_tears_down(tmp_path):
+    """SIGINT to ``bench/cluster.py run`` while the job runs: it exits, and its namespaces are gone."""
+    cmd = [sys.executable, str(ROOT / "bench" / "cluster.py"), "run", "--nodes", "2", "--nproc", "1"]
+    cmd += ["--log-dir", str(tmp_path), "--", SMOKE, "--sleep", "120"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "node1.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the job has started once node 1's log exists
+        assert len(ours(proc.pid)) == 2, "the cluster did not come up"
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, output
+    assert ours(proc.pid) == []
+
+
+def test_a_crashed_run_is_cleaned_up_first():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid now belongs to no process: its namespaces are those of a crashed run
+    stale = f"{cluster_net.PREFIX}{dead.pid}n0"
+    cluster_net._sh("ip", "netns", "add", stale)
+    try:
+        with cluster_net.Cluster(cluster_net.Topology(nodes=2, nproc=1, rate_bits=None)):
+            assert stale not in cluster_net._namespaces()
+    finally:
+        cluster_net._sh("ip", "netns", "del", stale, check=False)
