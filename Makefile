@@ -31,3 +31,7 @@ bench: install  # flatshard vs FSDP2 vs DDP (docs/bench.md); ARGS="--quick" for 
 
 clean:
 	rm -rf $(VENV) src/*.egg-info
+
+.PHONY: cluster
+cluster: install  # as root: an emulated 2-node cluster; calibration, measured and predicted steps (docs/multi_node.md)
+	$(PY) bench/cluster.py measure $(ARGS)
