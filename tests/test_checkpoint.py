@@ -128,6 +128,7 @@ def test_checkpoints(tmp_path, capsys):
     with open(tmp_path / "before_commit" / "manifest.json") as f:
         assert json.load(f)["step"] == 1, "a save killed before commit replaced the previous checkpoint"
     assert os.path.exists(tmp_path / "before_commit.partial" / "manifest.json"), "the kill came after the manifest"
+    assert os.path.exists(tmp_path / "between_renames.partial" / "manifest.json"), "killed with both complete"
     results = run_distributed(worker, 4, str(tmp_path), timeout=300)
     assert all(r["messages"] == results[0]["messages"] for r in results), "every rank raises the same error"
     assert results[3]["resumed_at"] == ["HYBRID_SHARD", "NO_SHARD"], "rank 3 takes part in W=4 loads only"
@@ -176,7 +177,7 @@ def hook(stage):
     if stage == {stage!r}:
         print("PAUSED", flush=True)
         time.sleep(600)
-target = "{tmp}/{stage}" if {stage!r} == "before_commit" else "{tmp}/{stage}-next"
+target = "{tmp}/{stage}" if {stage!r} != "writing" else "{tmp}/{stage}-next"
 from unittest import mock
 with mock.patch("flatshard.checkpoint.save._reached", hook):
     checkpoint.save(target, model, opt, step=2)
@@ -184,11 +185,15 @@ print("NOT KILLED", flush=True)
 """
 
 
+OVERWRITE_STAGES = ("before_commit", "between_renames", "after_commit")
+
+
 def kill_savers(tmp: str) -> None:
-    """Two savers, each killed at its pause point: while writing a new checkpoint, and just before
-    committing one that replaces the checkpoint it saved first."""
+    """Savers killed at their pause points: one while writing a new checkpoint, three while replacing
+    the checkpoint they saved first at the same path (before the commit, between its two renames,
+    after it)."""
     procs = {}
-    for stage in ("writing", "before_commit"):
+    for stage in ("writing",) + OVERWRITE_STAGES:
         code = _SAVER.format(root=ROOT, tmp=tmp, stage=stage, kind=KIND)
         procs[stage] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -228,11 +233,17 @@ def corrupt_worker(rank: int, world: int, tmp: str) -> list[str]:
 
     _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
     opt = make_optimizer("adamw", model)
-    # what the killed savers left: the first checkpoints load, nothing else does
+    # what the killed savers left: the previous checkpoint until the new one committed, then the new one
     assert checkpoint.load(f"{tmp}/writing", model, opt).step == 1
     assert checkpoint.load(f"{tmp}/before_commit", model, opt).step == 1
+    assert checkpoint.load(f"{tmp}/between_renames", model, opt).step == 1
+    assert checkpoint.load(f"{tmp}/after_commit", model, opt).step == 2
     messages = [_error(lambda: checkpoint.load(f"{tmp}/writing-next", model, opt))]
     assert "never finished" in messages[-1], messages[-1]
+    for stage in OVERWRITE_STAGES:  # saving there again works and leaves nothing else behind
+        checkpoint.save(f"{tmp}/{stage}", model, opt, step=3)
+        assert checkpoint.load(f"{tmp}/{stage}", model, opt).step == 3
+        assert [n for n in os.listdir(tmp) if n.startswith(stage)] == [stage], os.listdir(tmp)
     train(model, opt, batch, loss_fn, 0, 2)
     checkpoint.save(f"{tmp}/good", model, opt, step=2)
     before = full_sd(model)

@@ -1,18 +1,31 @@
-"""flatshard's checkpoints on disk: one safetensors file per rank and a JSON manifest; atomic, verified,
-pickle-free, and loadable at any world size, sharding factor or strategy.
+"""flatshard's checkpoints on disk: one safetensors file per rank and a JSON manifest; crash-safe,
+verified, pickle-free, and loadable at any world size, sharding factor or strategy.
 
     from flatshard import checkpoint
-    checkpoint.save("ckpt/step_100", model, opt, step=100, extra={"lr": 3e-4})
-    handle = checkpoint.save("ckpt/step_200", model, opt, step=200, async_save=True); handle.wait()
-    step, extra = checkpoint.load("ckpt/step_200", model, opt)
+    checkpoint.save(checkpoint.step_path("ckpt", 100), model, opt, step=100, extra={"lr": 3e-4}, keep_last=3)
+    handle = checkpoint.save(checkpoint.step_path("ckpt", 200), model, opt, step=200, async_save=True)
+    handle.wait()
+    step, extra = checkpoint.load(checkpoint.latest("ckpt"), model, opt)
 
-save.py writes (its docstring has the layout and [Note: atomic commit]), load.py reads, format.py is
-the bytes of a file ([Note: checksums]), tools.py is ``flatshard consolidate`` and ``flatshard inspect``.
+save.py writes (its docstring has the layout), directory.py decides which directories are complete
+checkpoints ([Note: crash-safe commit], [Note: latest and rotation]), load.py reads, format.py is the
+bytes of a file ([Note: checksums]), and tools.py is ``flatshard consolidate`` and ``flatshard inspect``.
 """
 
 from flatshard.api import CheckpointError
+from flatshard.checkpoint.directory import latest, read_manifest, step_path
 from flatshard.checkpoint.format import shard_file
-from flatshard.checkpoint.load import Loaded, load, read_manifest
+from flatshard.checkpoint.load import Loaded, load
 from flatshard.checkpoint.save import AsyncSave, save
 
-__all__ = ["save", "load", "AsyncSave", "Loaded", "CheckpointError", "read_manifest", "shard_file"]
+__all__ = [
+    "save",
+    "load",
+    "latest",
+    "step_path",
+    "AsyncSave",
+    "Loaded",
+    "CheckpointError",
+    "read_manifest",
+    "shard_file",
+]

@@ -1,9 +1,11 @@
 """Loading a checkpoint (save.py has the format): into any world size, sharding factor or strategy.
 
-Loading reads, for each parameter and optimizer state this rank holds in the *current* layout, the
-byte ranges that hold its elements, from whichever files hold them; it stages them (at most this
-rank's share of the model), agrees with the other ranks that every read succeeded, and only then
-copies them in. RNG states are restored when the world size is the one saved.
+Loading finds the checkpoint committed at the path (directory.py: ``committed``, also while a save
+that replaces it is stopped mid-commit), checks that every rank found the same save, then reads, for
+each parameter and optimizer state this rank holds in the *current* layout, the byte ranges that
+hold its elements, from whichever files hold them; it stages them (at most this rank's share of the
+model), agrees with the other ranks that every read succeeded, and only then copies them in. RNG
+states are restored when the world size is the one saved.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import numpy as np
 import torch
 
 from flatshard.api import CheckpointError, StateDictType
-from flatshard.checkpoint.format import FORMAT, FORMAT_VERSION, MANIFEST, ShardReader, shard_file
+from flatshard.checkpoint.directory import locate, manifest_in
+from flatshard.checkpoint.format import ShardReader, shard_file
 from flatshard.checkpoint.save import wait_pending
-from flatshard.runtime.agree import rank_in, run_agreed, world_of
+from flatshard.runtime.agree import gather_json, rank_in, run_agreed, world_of
 from flatshard.runtime.hooks import traced
 from flatshard.runtime.schedule import Phase
 from flatshard.state.model_view import EntryKind, ModelView, dtype_from, model_view
@@ -37,18 +40,19 @@ def load(path, model, optimizer=None, *, strict: bool = True, rng: bool = True) 
     factor or strategy it was saved with. Collective. Returns ``(step, extra)``. With ``rng`` and the
     same world size, every rank's RNG states (torch, CUDA, numpy, random) are restored too."""
     path = os.path.abspath(os.fspath(path))
-    wait_pending(model)
     view = model_view(model)
+    wait_pending(view, "load")
     with traced("checkpoint.load"), view.phase(Phase.CHECKPOINT):
         return _load(path, view, optimizer, strict, rng)
 
 
 def _load(path: str, view: ModelView, optimizer, strict: bool, rng: bool) -> Loaded:
     group, record = view.group, view.record
-    manifest = run_agreed(lambda: read_manifest(path), group, record=record)
+    where, manifest = run_agreed(lambda: _open(path), group, record=record)
+    _same_save(path, where, manifest, group, record)
     run_agreed(lambda: _check_model(path, manifest, view, optimizer, strict), group, record=record)
     with_rng = rng and manifest["world_size"] == world_of(group)
-    staged = run_agreed(lambda: _read_all(path, manifest, view, optimizer, with_rng), group, record=record)
+    staged = run_agreed(lambda: _read_all(where, manifest, view, optimizer, with_rng), group, record=record)
     copy_into_model(view, staged.params, staged.plain)
     if optimizer is not None:
         optimizer.load_state_dict(staged.optim)
@@ -57,48 +61,20 @@ def _load(path: str, view: ModelView, optimizer, strict: bool, rng: bool) -> Loa
     return Loaded(manifest.get("step"), manifest.get("extra"))
 
 
-def read_manifest(path: str) -> dict:
-    """The manifest of the checkpoint at ``path``, with its files present and of the recorded sizes."""
-    if not os.path.isdir(path):
-        hint = ""
-        if os.path.isdir(path + ".partial"):
-            hint = f"; {path}.partial holds a save that never finished (it is not loadable; the next save removes it)"
-        if os.path.isdir(path + ".replaced"):
-            hint += f"; {path}.replaced holds the checkpoint that a save was replacing when it stopped"
-        raise CheckpointError(f"no checkpoint at {path}{hint}")
-    mpath = os.path.join(path, MANIFEST)
-    if not os.path.exists(mpath):
+def _open(path: str) -> tuple[str, dict]:
+    where = locate(path)
+    return where, manifest_in(where, path)
+
+
+def _same_save(path: str, where: str, manifest: dict, group, record) -> None:
+    """Every rank must read the same save (shared storage): the manifests' save ids are compared."""
+    seen = gather_json([where, manifest.get("save_id")], group, record)
+    if any(i != seen[0][1] for _, i in seen):
+        listed = "; ".join(f"rank {r}: {w} (save {i})" for r, (w, i) in enumerate(seen))
         raise CheckpointError(
-            f"{path} has no {MANIFEST}: the checkpoint is incomplete or not a flatshard checkpoint; "
-            "load an earlier checkpoint"
+            f"the ranks found different checkpoints at {path}: {listed}. Every rank must be given the "
+            "same path and see the same files (a shared file system)"
         )
-    try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except ValueError as exc:
-        raise CheckpointError(
-            f"{mpath} is not valid JSON ({exc}): the manifest is corrupt; load an earlier checkpoint"
-        ) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{mpath} is not a flatshard checkpoint manifest")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has format version {manifest['format_version']}; this flatshard reads up to "
-            f"{FORMAT_VERSION}: upgrade flatshard"
-        )
-    for name, rec in manifest["files"].items():
-        file = os.path.join(path, name)
-        if not os.path.exists(file):
-            raise CheckpointError(
-                f"shard file {file} is missing: the checkpoint is incomplete; restore the file or load "
-                "an earlier checkpoint"
-            )
-        if os.path.getsize(file) != rec["bytes"]:
-            raise CheckpointError(
-                f"shard file {file} is truncated or altered: {os.path.getsize(file)} bytes on disk, the "
-                f"manifest records {rec['bytes']}; restore the file or load an earlier checkpoint"
-            )
-    return manifest
 
 
 def _check_model(path: str, manifest: dict, view, optimizer, strict: bool) -> None:
@@ -205,7 +181,7 @@ def _read_optim(files: _Files, manifest: dict, view: ModelView, optimizer) -> di
             if d["kind"] == "piece":
                 key = f"optim/{name}/{k}"
                 if slot is not None:
-                    state[k] = files.fetch(key, slot.start, slot.end)
+                    state[k] = files.fetch(key, slot.start, slot.end).view(slot.view.shape)  # the shard view's shape
                 else:
                     shape = manifest["tensors"][key]["shape"]
                     state[k] = files.fetch(key, 0, int(torch.Size(shape).numel())).view(shape)

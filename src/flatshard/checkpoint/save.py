@@ -1,23 +1,22 @@
-"""Checkpoints on disk: one safetensors file per rank and a JSON manifest; atomic, verified, pickle-free,
-and loadable at any world size, sharding factor or strategy.
+"""Checkpoints on disk: one safetensors file per rank and a JSON manifest; crash-safe, verified,
+pickle-free, and loadable at any world size, sharding factor or strategy.
 
-    flatshard.checkpoint.save("ckpt/step_100", model, opt, step=100, extra={"lr": 3e-4})
-    handle = flatshard.checkpoint.save("ckpt/step_200", model, opt, step=200, async_save=True); handle.wait()
-    step, extra = flatshard.checkpoint.load("ckpt/step_200", model, opt)
+    flatshard.checkpoint.save(step_path("ckpt", 100), model, opt, step=100, extra={"lr": 3e-4}, keep_last=3)
+    handle = flatshard.checkpoint.save(step_path("ckpt", 200), model, opt, step=200, async_save=True)
+    handle.wait()
+    step, extra = flatshard.checkpoint.load(flatshard.checkpoint.latest("ckpt"), model, opt)
 
 A checkpoint directory holds ``rank-RRRRR-of-WWWWW.safetensors`` per rank and ``manifest.json``
 (written last): every tensor's name, shape, dtype and the flat ranges [start, end) each file holds,
 the layout it was saved from, each file's size and checksums ([Note: checksums],
-format.py), step, extra and the flatshard version. Each rank writes only its own pieces
-(the ranks of the first replica write parameters and optimizer state; global rank 0 adds buffers;
-every rank adds its RNG states).
+format.py), step, extra, the commit time, a save id and the flatshard version. Each rank writes only
+its own pieces (the ranks of the first replica write parameters and optimizer state; global rank 0
+adds buffers; every rank adds its RNG states).
 
-[Note: atomic commit]
-Ranks write into ``PATH.partial``; each fsyncs its file; rank 0 gathers every rank's record, writes
-the manifest, fsyncs, and renames the directory to ``PATH`` (an old ``PATH`` is first renamed to
-``PATH.replaced`` and removed after). ``load`` reads only a directory named ``PATH`` that has a
-manifest, so a save killed at any point leaves either the previous checkpoint or nothing that
-loads; an unfinished ``PATH.partial`` is named in the error and removed by the next save.
+Ranks write into ``PATH.partial`` and fsync; rank 0 gathers every rank's record, writes the manifest
+and commits it to ``PATH`` without ever leaving ``PATH`` without a complete checkpoint ([Note:
+crash-safe commit], directory.py); then it points ``dirname(PATH)/latest`` at it and, with
+``keep_last``, removes older checkpoints beside it ([Note: latest and rotation]).
 
 Loading (load.py) reads, for each parameter and optimizer state this rank holds in the *current*
 layout, the byte ranges that hold its elements. Collectives are recorded under the ``checkpoint`` phase.
@@ -26,10 +25,12 @@ layout, the byte ranges that hold its elements. Collectives are recorded under t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
-import shutil
 import threading
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from flatshard import __version__
 from flatshard.api import CheckpointError
+from flatshard.checkpoint.directory import PARTIAL, commit, prepare, rotate, write_pointer
 from flatshard.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -51,14 +53,17 @@ from flatshard.checkpoint.format import (
 from flatshard.runtime.agree import agree, gather_json, rank_in, run_agreed, world_of
 from flatshard.runtime.hooks import traced
 from flatshard.runtime.schedule import Phase
-from flatshard.runtime.tree import UnitHost, unit_hosts
+from flatshard.runtime.tree import UnitHost
 from flatshard.state.model_view import EntryKind, ModelView, dtype_name, model_view
 from flatshard.state.optim import local_state, merged_meta
+
+logger = logging.getLogger("flatshard")
 
 
 def _reached(stage: str) -> None:
     """Called as a save passes ``"writing"`` (halfway through this rank's file) and, on rank 0,
-    ``"before_commit"`` (manifest written, not yet renamed); tests patch it to stop a save there."""
+    ``"before_commit"`` (manifest written, not yet renamed), ``"between_renames"`` (an old PATH moved
+    aside, the new one not yet in place) and ``"after_commit"``; tests patch it to stop a save there."""
 
 
 @dataclass
@@ -68,6 +73,7 @@ class SavePlan:
     path: str
     rank: int
     world: int
+    keep_last: Optional[int] = None
     items: list = field(default_factory=list)  # (key, full shape, dtype, start, end, 1-D tensor)
     rng: list = field(default_factory=list)  # (key, tensor)
     rng_meta: dict = field(default_factory=dict)
@@ -75,7 +81,7 @@ class SavePlan:
 
     @property
     def partial(self) -> str:
-        return self.path + ".partial"
+        return self.path + PARTIAL
 
     @property
     def file(self) -> str:
@@ -115,24 +121,37 @@ class AsyncSave:
 
 
 def save(
-    path, model, optimizer=None, step: Optional[int] = None, extra: Any = None, async_save: bool = False
+    path,
+    model,
+    optimizer=None,
+    step: Optional[int] = None,
+    extra: Any = None,
+    async_save: bool = False,
+    *,
+    keep_last: Optional[int] = None,
 ) -> Optional[AsyncSave]:
     """Save ``model`` (and ``optimizer``'s state, ``step``, JSON-serialisable ``extra``, this rank's RNG
     states) to the directory ``path``. Collective: every rank of the model's process group calls it.
+
+    Saving again to an existing ``path`` replaces it only once the new checkpoint is complete; killed
+    at any point, ``path`` loads (the previous checkpoint until the new one commits). After the commit
+    ``dirname(path)/latest`` names it (``latest(dirname(path))`` finds it), and with ``keep_last=k``
+    only the k most recently committed checkpoints named like ``path`` beside it are kept
+    (``step_path`` names them; ``path`` itself is always kept).
 
     With ``async_save=True`` the tensors are first copied to host memory and the writing and commit
     run in a background thread on a separate gloo group; the returned ``AsyncSave`` says when it is
     committed. A later ``save`` or ``load`` of the same model waits for it first."""
     path = os.path.abspath(os.fspath(path))
-    wait_pending(model)
     view = model_view(model)
+    wait_pending(view, "save")
     with traced("checkpoint.save"), view.phase(Phase.CHECKPOINT):
-        return _save(path, view, optimizer, step, extra, async_save)
+        return _save(path, view, optimizer, step, extra, async_save, keep_last)
 
 
-def _save(path: str, view: ModelView, optimizer, step, extra, async_save: bool) -> Optional[AsyncSave]:
+def _save(path: str, view: ModelView, optimizer, step, extra, async_save: bool, keep_last) -> Optional[AsyncSave]:
     group, record = view.group, view.record
-    plan = run_agreed(lambda: _prepare(path, view, optimizer, step, extra), group, record=record)
+    plan = run_agreed(lambda: _prepare(path, view, optimizer, step, extra, keep_last), group, record=record)
     if optimizer is not None:
         plan.head["optim"]["state"] = _manifest_optim(merged_meta(plan.head.pop("optim_meta"), view))
     _fresh_partial(plan, group, record)
@@ -162,10 +181,9 @@ def _save(path: str, view: ModelView, optimizer, step, extra, async_save: bool) 
     return handle
 
 
-def wait_pending(model) -> None:
+def wait_pending(view: ModelView, _what: str) -> None:
     """Wait for the model's asynchronous save in flight, if any (``save`` and ``load`` call it first)."""
-    hosts = unit_hosts(model)
-    host = hosts[0] if hosts else None
+    host = _host(view)
     if host is not None and host.pending_save is not None:
         handle, host.pending_save = host.pending_save, None
         handle.wait()
@@ -181,9 +199,13 @@ def _checkpoint_group(host: Optional[UnitHost], group):
     return host.checkpoint_group
 
 
-def _prepare(path: str, view: ModelView, optimizer, step, extra) -> SavePlan:
+def _prepare(path: str, view: ModelView, optimizer, step, extra, keep_last) -> SavePlan:
     group = view.group
-    plan = SavePlan(path, rank_in(group), world_of(group))
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(
+            f"keep_last must be a positive integer (how many checkpoints to keep) or None, got {keep_last!r}"
+        )
+    plan = SavePlan(path, rank_in(group), world_of(group), keep_last)
     _json_check(step, "step")
     _json_check(extra, "extra")
     groups = view.units[0].groups if view.units else None
@@ -284,13 +306,14 @@ def _rng_state() -> tuple[list, dict]:
 
 
 def _fresh_partial(plan: SavePlan, group, record) -> None:
-    """Rank 0 removes a stale ``PATH.partial`` and creates an empty one; the others wait for it."""
+    """Rank 0 finishes what an interrupted save left, checks that ``PATH`` is flatshard's to replace, and
+    creates an empty ``PATH.partial`` ([Note: crash-safe commit]); the others wait for it."""
     message = None
     if plan.rank == 0:
         try:
-            if os.path.exists(plan.partial):
-                shutil.rmtree(plan.partial)
-            os.makedirs(plan.partial)
+            prepare(plan.path)
+        except CheckpointError as exc:
+            message = str(exc)
         except OSError as exc:
             message = f"cannot create {plan.partial}: {exc}; check that the directory is writable"
     agree(message, group, record=record)
@@ -304,16 +327,38 @@ def _write_and_commit(plan: SavePlan, group, record) -> None:
         message = f"writing {os.path.join(plan.partial, plan.file)} failed: {exc}"
     records = gather_json({"record": file_record, "error": message}, group, record)
     agree(next((r["error"] for r in records if r["error"]), None), group, record=record)
+    records = [r["record"] for r in records]
     message = None
     if plan.rank == 0:
         try:
-            write_json_atomic(os.path.join(plan.partial, MANIFEST), _manifest(plan, [r["record"] for r in records]))
+            manifest = _manifest(plan, records)
+            write_json_atomic(os.path.join(plan.partial, MANIFEST), manifest)
             fsync_dir(plan.partial)
             _reached("before_commit")
-            _commit(plan.partial, plan.path)
+            commit(plan.partial, plan.path, _reached)
         except Exception as exc:  # noqa: BLE001
             message = f"committing the checkpoint {plan.path} failed: {exc}"
+        else:
+            _after_commit(plan, manifest)
     agree(message, group, record=record)
+
+
+def _after_commit(plan: SavePlan, manifest: dict) -> None:
+    """Rank 0: the ``latest`` pointer, then ``keep_last`` rotation. The checkpoint is committed already,
+    so a failure here is a warning, not a failed save: ``latest()`` does not need the pointer."""
+    problem = write_pointer(plan.path, manifest["step"], manifest["committed_at"])
+    if problem is not None:
+        logger.warning("flatshard checkpoint: %s", problem)
+    if plan.keep_last is not None:
+        try:
+            rotate(plan.path, plan.keep_last)
+        except OSError as exc:
+            logger.warning(
+                "flatshard checkpoint: keep_last=%d: removing older checkpoints beside %s failed: %s",
+                plan.keep_last,
+                plan.path,
+                exc,
+            )
 
 
 def _write_file(plan: SavePlan) -> dict:
@@ -348,6 +393,8 @@ def _manifest(plan: SavePlan, records: list[dict]) -> dict:
         "format_version": FORMAT_VERSION,
         "flatshard_version": __version__,
         "torch_version": torch.__version__,
+        "committed_at": time.time(),
+        "save_id": uuid.uuid4().hex,
         **plan.head,
         "tensors": tensors,
         "files": files,
@@ -363,15 +410,3 @@ def _check_cover(key: str, entry: dict) -> None:
         at = max(at, b)
     if at < numel:
         raise CheckpointError(f"internal: the pieces of {key} cover only [0, {at}) of {numel} elements")
-
-
-def _commit(partial: str, path: str) -> None:
-    old = path + ".replaced"
-    if os.path.exists(path):
-        if os.path.exists(old):
-            shutil.rmtree(old)
-        os.rename(path, old)
-    os.rename(partial, path)
-    fsync_dir(os.path.dirname(path) or ".")
-    if os.path.exists(old):
-        shutil.rmtree(old)

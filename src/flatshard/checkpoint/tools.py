@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 
 from flatshard.api import CheckpointError
+from flatshard.checkpoint.directory import read_manifest
 from flatshard.checkpoint.format import ShardReader, ShardWriter, fsync_dir, sha256_of
-from flatshard.checkpoint.load import read_manifest
 from flatshard.state.model_view import dtype_from
 
 

@@ -46,7 +46,8 @@ Index of every [Note: ...] in the package
   nested wrappers ................. fsdp.py
   flat ranges as boxes ............ state/sharded_tensors.py
   loading through a plain parent .. state/module.py
-  atomic commit ................... checkpoint/save.py
+  crash-safe commit ............... checkpoint/directory.py
+  latest and rotation ............. checkpoint/directory.py
   checksums ....................... checkpoint/format.py
   bf16-mixed accounting ........... planner/inputs.py
   planner memory model ............ planner/memory.py

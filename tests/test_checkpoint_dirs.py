@@ -1,0 +1,127 @@
+"""Checkpoint directories, in one spawn at W = 2: step directories, the ``latest`` pointer and
+``checkpoint.latest`` (also when the pointer is stale, missing or names a removed checkpoint),
+``keep_last`` rotation that never removes the checkpoint just written, another-named checkpoint or
+anything that is not a complete flatshard checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import torch.distributed as dist
+
+from tests.dist import run_distributed
+from tests.test_checkpoint import KIND, _error, fresh, train
+from tests.test_parity import build, make_optimizer
+from tests.test_state_dict import full_sd
+
+# planted beside the step directories; rotation must leave every one of them
+PLANTED = ["notes.txt", "other", "step-00000009.partial", "step-00000000"]
+
+
+def _plant(d: str) -> None:
+    os.makedirs(f"{d}/other")
+    with open(f"{d}/other/manifest.json", "w") as f:  # a manifest, but not flatshard's
+        json.dump({"hello": 1}, f)
+    os.makedirs(f"{d}/step-00000009.partial")
+    os.makedirs(f"{d}/step-00000000")  # named like a step, but incomplete: a rank file and no manifest
+    with open(f"{d}/step-00000000/rank-00000-of-00002.safetensors", "wb") as f:
+        f.write(b"\0" * 16)
+    with open(f"{d}/notes.txt", "w") as f:
+        f.write("not a checkpoint\n")
+
+
+def directories_worker(rank: int, world: int, tmp: str) -> dict:
+    from flatshard import checkpoint
+
+    _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
+    opt = make_optimizer("adamw", model)
+    d = f"{tmp}/run"
+    assert checkpoint.step_path(d, 100) == os.path.join(d, "step-00000100")
+    assert checkpoint.step_path(d, 123456789) == os.path.join(d, "step-123456789")
+    assert checkpoint.latest(d) is None, "no directory: no checkpoint"
+    if rank == 0:
+        _plant(d)
+    dist.barrier()
+    assert checkpoint.latest(d) is None, "nothing planted is a complete checkpoint"
+    messages = [_error(lambda: checkpoint.save(checkpoint.step_path(d, 1), model, opt, keep_last=0))]
+    assert "keep_last must be a positive integer" in messages[-1], messages[-1]
+    messages.append(_error(lambda: checkpoint.save(f"{d}/other", model, opt)))
+    assert "is not a flatshard checkpoint" in messages[-1], messages[-1]
+    assert os.path.exists(f"{d}/other/manifest.json"), "a failed save removed a directory it does not own"
+
+    checkpoint.save(f"{d}/best", model, opt, step=0)  # another name: never counted by keep_last
+    assert checkpoint.latest(d) == f"{d}/best"
+    for step in range(1, 5):
+        train(model, opt, batch, loss_fn, step, 1)
+        checkpoint.save(checkpoint.step_path(d, step), model, opt, step=step, keep_last=2)
+        assert checkpoint.latest(d) == checkpoint.step_path(d, step), step
+    want = full_sd(model)
+    names = sorted(os.listdir(d))
+    assert names == sorted(PLANTED + ["best", "latest", "step-00000003", "step-00000004"]), names
+    with open(f"{d}/latest") as f:
+        pointer = json.load(f)
+    assert pointer["checkpoint"] == "step-00000004" and pointer["step"] == 4, pointer
+
+    train(model, opt, batch, loss_fn, 5, 1)
+    handle = checkpoint.save(checkpoint.step_path(d, 5), model, opt, step=5, async_save=True, keep_last=3)
+    assert handle.wait() == checkpoint.step_path(d, 5)
+    assert checkpoint.latest(d) == checkpoint.step_path(d, 5)
+    assert sorted(n for n in os.listdir(d) if n.startswith("step-") and n not in PLANTED) == [
+        "step-00000003",
+        "step-00000004",
+        "step-00000005",
+    ]
+
+    m2, o2 = fresh()
+    assert checkpoint.load(checkpoint.latest(d), m2, o2).step == 5
+    stale = stale_pointer(rank, d)
+    dist.barrier()
+    return {"messages": messages, "stale": stale, "want": want if rank == 0 else None}
+
+
+def stale_pointer(rank: int, d: str) -> list:
+    """``latest`` when its pointer is behind (killed between commit and pointer), names a removed
+    checkpoint, is missing or is garbage: always the newest complete checkpoint."""
+    from flatshard import checkpoint
+
+    seen = []
+    if rank == 0:
+        shutil.copy2(f"{d}/latest", f"{d}/latest.old")  # names step 5, with its old time
+        time.sleep(0.05)
+    dist.barrier()
+    _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
+    opt = make_optimizer("adamw", model)
+    checkpoint.save(checkpoint.step_path(d, 6), model, opt, step=6)
+    dist.barrier()
+    if rank == 0:
+        os.replace(f"{d}/latest.old", f"{d}/latest")  # as if killed between the commit and the pointer
+        seen.append(os.path.basename(checkpoint.latest(d)))
+        shutil.rmtree(checkpoint.step_path(d, 6))  # the user removes the newest: the pointer's is next
+        seen.append(os.path.basename(checkpoint.latest(d)))
+        shutil.rmtree(checkpoint.step_path(d, 5))  # the pointer names a removed checkpoint
+        seen.append(os.path.basename(checkpoint.latest(d)))
+        os.remove(f"{d}/latest")
+        seen.append(os.path.basename(checkpoint.latest(d)))
+        with open(f"{d}/latest", "w") as f:
+            f.write("garbage")
+        seen.append(os.path.basename(checkpoint.latest(d)))
+        os.truncate(f"{d}/step-00000004/rank-00001-of-00002.safetensors", 100)  # incomplete: skipped
+        seen.append(os.path.basename(checkpoint.latest(d)))
+    dist.barrier()
+    return seen
+
+
+def test_checkpoint_directories(tmp_path):
+    results = run_distributed(directories_worker, 2, str(tmp_path), timeout=240)
+    assert results[0]["messages"] == results[1]["messages"], "every rank raises the same error"
+    assert results[0]["stale"] == [
+        "step-00000006",  # the pointer is behind: the newer commit wins
+        "step-00000005",  # the newest is removed: the pointer's
+        "step-00000004",  # the pointer's is removed
+        "step-00000004",  # no pointer
+        "step-00000004",  # a pointer that is not one
+        "step-00000003",  # step 4 lost a file: not complete
+    ], results[0]["stale"]
