@@ -1,7 +1,8 @@
 """Checkpoint directories, in one spawn at W = 2: step directories, the ``latest`` pointer and
 ``checkpoint.latest`` (also when the pointer is stale, missing or names a removed checkpoint),
 ``keep_last`` rotation that never removes the checkpoint just written, another-named checkpoint or
-anything that is not a complete flatshard checkpoint."""
+anything that is not a complete flatshard checkpoint; then a save that fails on one rank (the error
+names that rank, on every rank) and an asynchronous save that fails (the next save works)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import json
 import os
 import shutil
 import time
+from unittest import mock
 
 import torch.distributed as dist
 
 from tests.dist import run_distributed
 from tests.test_checkpoint import KIND, _error, fresh, train
 from tests.test_parity import build, make_optimizer
-from tests.test_state_dict import full_sd
+from tests.test_state_dict import assert_state_equal, full_sd
 
 # planted beside the step directories; rotation must leave every one of them
 PLANTED = ["notes.txt", "other", "step-00000009.partial", "step-00000000"]
@@ -114,6 +116,47 @@ def stale_pointer(rank: int, d: str) -> list:
     return seen
 
 
+def failing_rank_worker(rank: int, world: int, tmp: str) -> dict:
+    """Rank 1's file cannot be written: every rank raises naming rank 1; the next save works, after
+    a failed synchronous save, after an asynchronous one whose ``wait()`` raised, and after one that
+    was never waited on (the next save reports that failure once)."""
+    from flatshard import checkpoint
+
+    _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
+    opt = make_optimizer("adamw", model)
+    train(model, opt, batch, loss_fn, 0, 1)
+
+    def disk_full_on_rank_1(stage: str) -> None:
+        if stage == "writing" and rank == 1:
+            raise OSError(28, "No space left on device (injected)")
+
+    messages = []
+    with mock.patch("flatshard.checkpoint.save._reached", disk_full_on_rank_1):
+        messages.append(_error(lambda: checkpoint.save(f"{tmp}/x", model, opt, step=1)))
+        handle = checkpoint.save(f"{tmp}/x", model, opt, step=2, async_save=True)
+        messages.append(_error(handle.wait))
+    for m in messages:
+        assert "rank-00001-of-00002.safetensors failed: [Errno 28] No space left on device" in m, m
+        assert m.endswith("[rank 1 of 2]"), f"the error must name rank 1 alone: {m}"
+    checkpoint.save(f"{tmp}/x", model, opt, step=4)  # after a failed async save whose wait() raised
+    with mock.patch("flatshard.checkpoint.save._reached", disk_full_on_rank_1):
+        unwaited = checkpoint.save(f"{tmp}/y", model, opt, step=5, async_save=True)
+        while not unwaited.done():
+            time.sleep(0.01)
+    messages.append(_error(lambda: checkpoint.save(f"{tmp}/y", model, opt, step=6)))
+    assert messages[-1].startswith(f"the asynchronous save to {tmp}/y failed: writing"), messages[-1]
+    assert messages[-1].count("[rank 1 of 2]") == 1 and "more rank" not in messages[-1], messages[-1]
+    checkpoint.save(f"{tmp}/y", model, opt, step=6)  # reported once: this one saves
+    want = full_sd(model)
+    m2, o2 = fresh()
+    assert checkpoint.load(f"{tmp}/x", m2, o2).step == 4
+    assert checkpoint.load(f"{tmp}/y", m2, o2).step == 6
+    assert_state_equal(full_sd(m2), want, "after the failed saves")
+    assert sorted(os.listdir(tmp)) == ["latest", "x", "y"], sorted(os.listdir(tmp))
+    dist.barrier()
+    return {"messages": messages}
+
+
 def test_checkpoint_directories(tmp_path):
     results = run_distributed(directories_worker, 2, str(tmp_path), timeout=240)
     assert results[0]["messages"] == results[1]["messages"], "every rank raises the same error"
@@ -125,3 +168,8 @@ def test_checkpoint_directories(tmp_path):
         "step-00000004",  # a pointer that is not one
         "step-00000003",  # step 4 lost a file: not complete
     ], results[0]["stale"]
+
+
+def test_failed_saves_name_the_rank_and_leave_the_next_save_working(tmp_path):
+    results = run_distributed(failing_rank_worker, 2, str(tmp_path), timeout=240)
+    assert results[0]["messages"] == results[1]["messages"], "every rank raises the same error"

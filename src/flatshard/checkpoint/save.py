@@ -100,12 +100,14 @@ def _host(view: ModelView) -> Optional[UnitHost]:
 
 class AsyncSave:
     """The handle ``save(..., async_save=True)`` returns: ``wait()`` blocks until the checkpoint is
-    committed on every rank (returns its path) or raises the save's error; ``done()`` polls."""
+    committed on every rank (returns its path) or raises the save's error; ``done()`` polls. A failure
+    that ``wait()`` never raised is raised, once, by the model's next ``save`` or ``load``."""
 
     def __init__(self, path: str):
         self.path = path
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._reported = False
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
@@ -116,6 +118,7 @@ class AsyncSave:
             if self._thread.is_alive():
                 raise TimeoutError(f"the asynchronous save to {self.path} is still running after {timeout}s")
         if self._error is not None:
+            self._reported = True
             raise CheckpointError(str(self._error)) from self._error
         return self.path
 
@@ -181,12 +184,25 @@ def _save(path: str, view: ModelView, optimizer, step, extra, async_save: bool, 
     return handle
 
 
-def wait_pending(view: ModelView, _what: str) -> None:
-    """Wait for the model's asynchronous save in flight, if any (``save`` and ``load`` call it first)."""
+def wait_pending(view: ModelView, what: str) -> None:
+    """Wait for the model's asynchronous save in flight, if any (``save`` and ``load`` call it first).
+    If it failed and no ``wait()`` raised its error, raise it now, once, on every rank, and do nothing
+    else: the call after this one runs as usual."""
     host = _host(view)
-    if host is not None and host.pending_save is not None:
-        handle, host.pending_save = host.pending_save, None
-        handle.wait()
+    handle = host.pending_save if host is not None else None
+    message, failure = None, None
+    if handle is not None:
+        host.pending_save = None
+        if handle._thread is not None:
+            handle._thread.join()
+        if handle._error is not None and not handle._reported:
+            handle._reported, failure = True, handle._error
+            message = (
+                f"the asynchronous save to {handle.path} failed: {failure}. This {what} did nothing; call it again"
+            )
+    first = next((m for m in gather_json(message, view.group, view.record) if m is not None), None)
+    if first is not None:  # the save's error is already the same on every rank and names the rank
+        raise CheckpointError(first) from failure
 
 
 def _checkpoint_group(host: Optional[UnitHost], group):
@@ -325,9 +341,8 @@ def _write_and_commit(plan: SavePlan, group, record) -> None:
         file_record = _write_file(plan)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it
         message = f"writing {os.path.join(plan.partial, plan.file)} failed: {exc}"
-    records = gather_json({"record": file_record, "error": message}, group, record)
-    agree(next((r["error"] for r in records if r["error"]), None), group, record=record)
-    records = [r["record"] for r in records]
+    agree(message, group, record=record)  # each rank its own message: the error names the rank that failed
+    records = gather_json(file_record, group, record)
     message = None
     if plan.rank == 0:
         try:
