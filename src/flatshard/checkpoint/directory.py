@@ -197,7 +197,9 @@ def write_pointer(path: str, step, committed_at: float) -> Optional[str]:
     if os.path.lexists(pointer) and _read_pointer(pointer) is None:
         return f"{pointer} exists and is not flatshard's pointer: left as it is (checkpoint.latest still works)"
     try:
-        write_json_atomic(pointer, {"format": POINTER_FORMAT, "checkpoint": name, "step": step, "at": committed_at})
+        write_json_atomic(
+            pointer, {"format": POINTER_FORMAT, "checkpoint": name, "step": step, "committed_at": committed_at}
+        )
         fsync_dir(parent)
     except OSError as exc:
         return f"writing {pointer} failed: {exc} (checkpoint.latest still works)"
