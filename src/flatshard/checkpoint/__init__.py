@@ -9,7 +9,8 @@ verified, pickle-free, and loadable at any world size, sharding factor or strate
 
 save.py writes (its docstring has the layout), directory.py decides which directories are complete
 checkpoints ([Note: crash-safe commit], [Note: latest and rotation]), load.py reads, format.py is the
-bytes of a file ([Note: checksums]), and tools.py is ``flatshard consolidate`` and ``flatshard inspect``.
+bytes of a file ([Note: checksums]), export.py writes what a plain model or Hugging Face loads, and
+tools.py is ``flatshard consolidate`` and ``flatshard inspect``.
 """
 
 from flatshard.api import CheckpointError

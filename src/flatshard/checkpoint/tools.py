@@ -1,10 +1,11 @@
 """``flatshard consolidate`` and ``flatshard inspect``: checkpoints without processes or a model.
 
 consolidate  streams the model's tensors, one at a time, from a checkpoint directory into a single
-             safetensors file whose keys are the unwrapped model's ``state_dict()`` keys (loadable with
+             safetensors file, or into Hugging Face's sharded layout in a directory (export.py has the
+             formats), keys the unwrapped model's ``state_dict()`` keys (loadable with
              ``safetensors.torch.load_file`` + ``load_state_dict(strict=True)``, and by Hugging Face
-             ``from_pretrained`` for a HF model). Peak memory: the largest tensor, plus one checksum
-             block; never the model. The output is written to a temporary name and renamed.
+             ``from_pretrained`` for a HF model), optionally cast to bf16 or fp16. Peak memory: the
+             largest tensor, plus one checksum block; never the model.
 inspect      prints what a checkpoint holds and verifies every file's SHA-256 and every block CRC.
 """
 
@@ -18,57 +19,22 @@ import torch
 from safetensors import safe_open
 
 from flatshard.api import CheckpointError
-from flatshard.checkpoint.directory import read_manifest
-from flatshard.checkpoint.format import ShardReader, ShardWriter, fsync_dir, sha256_of
-from flatshard.state.model_view import dtype_from
+from flatshard.checkpoint.directory import committed, read_manifest
+from flatshard.checkpoint.export import DEFAULT_SHARD_SIZE, consolidate
+from flatshard.checkpoint.format import ShardReader, sha256_of
 
-
-def consolidate(ckpt: str, out: str, *, verbose: bool = False) -> dict:
-    """Write the full model state of checkpoint ``ckpt`` to ``out``; returns sizes for the caller to print."""
-    manifest = read_manifest(os.path.abspath(ckpt))
-    keys, tensor_of, tensors = manifest["model"]["keys"], manifest["model"]["tensor_of"], manifest["tensors"]
-    specs = [
-        (k, dtype_from(tensors[tensor_of[k]]["dtype"]), tensors[tensor_of[k]]["shape"]) for k in keys if k in tensor_of
-    ]
-    meta = {
-        "format": "pt",
-        "flatshard_checkpoint": os.path.basename(os.path.abspath(ckpt)),
-        "step": str(manifest.get("step")),
-    }
-    tmp = out + ".partial"
-    readers: dict[str, ShardReader] = {}
-    largest = 0
-    try:
-        writer = ShardWriter(tmp, specs, meta)
-        for key, dtype, shape in specs:
-            entry = tensors[tensor_of[key]]
-            numel = int(torch.Size(shape).numel())
-            full = torch.empty(numel, dtype=dtype)  # one tensor at a time
-            for name, a, b in entry["pieces"]:
-                if name not in readers:
-                    path = os.path.join(ckpt, name)
-                    readers[name] = ShardReader(path, manifest["files"][name])
-                readers[name].read_into(tensor_of[key], 0, full[a:b])
-            writer.write(key, full)
-            largest = max(largest, full.numel() * full.element_size())
-            if verbose:
-                print(f"  {key:<50} {str(tuple(shape)):<20} {entry['dtype']}")
-            del full
-        record = writer.close()
-    finally:
-        for r in readers.values():
-            r.close()
-    os.replace(tmp, out)
-    fsync_dir(os.path.dirname(os.path.abspath(out)))
-    return {"tensors": len(specs), "bytes": record["bytes"], "largest_tensor_bytes": largest}
+__all__ = ["consolidate", "inspect", "main"]
 
 
 def inspect(ckpt: str, *, verify: bool = True, out=sys.stdout) -> list[str]:
     """Print a summary of checkpoint ``ckpt``; returns the problems found (empty if it verified)."""
     ckpt = os.path.abspath(ckpt)
     manifest = read_manifest(ckpt)
+    where = committed(ckpt) or ckpt
     layout = manifest["layout"]
     print(f"flatshard checkpoint {ckpt}", file=out)
+    if where != ckpt:
+        print(f"  read from {where}: a save replacing it stopped mid-commit (the next save restores it)", file=out)
     print(
         f"  format {manifest['format_version']}, flatshard {manifest['flatshard_version']}, "
         f"torch {manifest['torch_version']}",
@@ -93,7 +59,7 @@ def inspect(ckpt: str, *, verify: bool = True, out=sys.stdout) -> list[str]:
     print(f"  files: {len(manifest['files'])}, {total:,} bytes", file=out)
     for name, t in ((k, manifest["tensors"][v]) for k, v in manifest["model"]["tensor_of"].items()):
         print(f"    {name:<48} {str(tuple(t['shape'])):<16} {t['dtype']:<9} in {len(t['pieces'])} piece(s)", file=out)
-    problems = _verify(ckpt, manifest) if verify else []
+    problems = _verify(where, manifest) if verify else []
     for p in problems:
         print(f"  PROBLEM {p}", file=out)
     if verify and not problems:
@@ -124,23 +90,7 @@ def _verify(ckpt: str, manifest: dict) -> list[str]:
 
 def main(command: str, argv: list[str]) -> int:
     if command == "consolidate":
-        p = argparse.ArgumentParser(
-            prog="flatshard consolidate", description="stream a flatshard checkpoint into one safetensors file"
-        )
-        p.add_argument("checkpoint")
-        p.add_argument("output", help="the .safetensors file to write")
-        p.add_argument("-v", "--verbose", action="store_true", help="list each tensor as it is written")
-        args = p.parse_args(argv)
-        try:
-            info = consolidate(args.checkpoint, args.output, verbose=args.verbose)
-        except CheckpointError as exc:
-            print(f"flatshard consolidate: {exc}", file=sys.stderr)
-            return 1
-        print(
-            f"wrote {args.output}: {info['tensors']} tensors, {info['bytes']:,} bytes "
-            f"(largest tensor {info['largest_tensor_bytes']:,} bytes)"
-        )
-        return 0
+        return _consolidate_main(argv)
     p = argparse.ArgumentParser(
         prog="flatshard inspect", description="what a flatshard checkpoint holds; verify its checksums"
     )
@@ -153,3 +103,38 @@ def main(command: str, argv: list[str]) -> int:
         print(f"flatshard inspect: {exc}", file=sys.stderr)
         return 1
     return 1 if problems else 0
+
+
+def _consolidate_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="flatshard consolidate",
+        description="stream a flatshard checkpoint into one safetensors file, or into Hugging Face's "
+        "layout in a directory (model.safetensors, or model-0000k-of-0000n.safetensors shards and "
+        "model.safetensors.index.json), keys the plain model's state_dict() keys",
+    )
+    p.add_argument("checkpoint")
+    p.add_argument("output", help="a .safetensors file to write, or an existing directory for Hugging Face's layout")
+    p.add_argument(
+        "--max-shard-size",
+        help=f"the largest shard in a directory output (default {DEFAULT_SHARD_SIZE}); KB, MB, GB are powers of "
+        "1000 as in Hugging Face, KiB, MiB, GiB powers of 1024",
+    )
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point tensors (default: as saved)")
+    p.add_argument("-v", "--verbose", action="store_true", help="list each tensor as it is written")
+    args = p.parse_args(argv)
+    try:
+        info = consolidate(
+            args.checkpoint, args.output, max_shard_size=args.max_shard_size, dtype=args.dtype, verbose=args.verbose
+        )
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"flatshard consolidate: {exc}", file=sys.stderr)
+        return 1
+    files = info["files"]
+    what = files[0] if len(files) == 1 else f"{len(files) - 1} shards and the index in {args.output}"
+    print(
+        f"wrote {what}: {info['tensors']} tensors, {info['bytes']:,} bytes "
+        f"(largest tensor {info['largest_tensor_bytes']:,} bytes)"
+    )
+    for path in info["removed"]:
+        print(f"removed {path} (an earlier export's, not part of this one)")
+    return 0
