@@ -85,6 +85,19 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
+    """Training FLOPs per token (forward and backward) of ``GPT(cfg)`` on sequences of ``seq_len``.
+
+    Every matrix multiply costs 2 FLOPs per weight per token forward and 4 backward, 6 in all: per
+    block the qkv (3·d²), output (d²) and MLP (8·d²) weights, and the (tied) head's d·V; embedding
+    lookups, norms and biases are left out, as is usual. Attention adds its two products per layer,
+    QKᵀ and AV, 2·2·T·d FLOPs per token forward, counted over the full T×T matrix as PaLM's appendix
+    counts them (causal masking skips half: the figure is the one MFU is quoted with)."""
+    d, layers = cfg.dim, cfg.layers
+    matmul_weights = layers * 12 * d * d + d * cfg.vocab
+    return 6 * matmul_weights + 3 * layers * 4 * seq_len * d
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,

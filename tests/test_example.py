@@ -1,23 +1,31 @@
 """examples/train_gpt.py end to end: launched as users launch it (one command, 2 local processes through
-torchrun's machinery), checked through its --json figures.
+torchrun's machinery), checked through its --json figures, its log lines and its metrics file.
 
 A tiny GPT with odd widths (dim 33, so the units' element counts do not divide by 2 and padding is
 exercised) trains for a few steps. The figures must show: a finite, falling loss; per-rank steady bytes
 equal to the per-unit formula (flat shard + grad shard of S_u fp32 elements, AdamW's two moments per
-owned element and one fp32 step per parameter) and within padding of 16·P/F; and bytes sent per step
-equal to the strategy's formula, collective by collective. The formulas are recomputed here from the
-layout figures, not read back from the script.
+owned element and one fp32 step per parameter), within padding of 16·P/F, and equal to the planner's
+figure for rank 0 (the fullest shard); and bytes sent per step equal to the strategy's formula, collective
+by collective, measured and planned alike. The formulas are recomputed here from the layout figures, not
+read back from the script. A second pair of runs, in bf16, checks what a log file shows (a plain line
+per report when stdout is not a terminal), the metrics file, MFU known and unknown, checkpoints every N
+steps with keep_last, and that --resume continues bitwise where the uninterrupted run went.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from flatshard import checkpoint
 from tests.dist import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +69,9 @@ def run_example(tmp_path: Path, strategy: str) -> dict:
     return json.loads(out.read_text())
 
 
+PLANNED_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 def test_train_gpt_figures(tmp_path, strategy):
     fig = run_example(tmp_path, strategy)
@@ -95,7 +106,9 @@ def test_train_gpt_figures(tmp_path, strategy):
             held,
             expected,
         )
-        assert mem["formula_bytes"][r] == expected  # what the table prints beside it
+        if r == 0:  # the planner's figure (what the table prints beside it) is the fullest shard's, rank 0's
+            assert mem["planned_steady_bytes"] == expected
+        assert mem["steady_bytes"][r] <= mem["planned_steady_bytes"]
         assert abs(expected - 16 * P / F) <= 2 * B * (padded - P) + B * n_state
         assert mem["peak_bytes"][r] >= expected
 
@@ -113,10 +126,135 @@ def test_train_gpt_figures(tmp_path, strategy):
     else:
         want = {"backward/all_reduce/replicate": (2 * P * B * ring, M)}
         headline = 2 * P * B * ring
-    assert set(fig["comm_per_step"]) == set(want), fig["comm_per_step"]
+    # (the first step's order checks, kind "order_check", are collectives too, but move no parameters)
+    moved = {k for k in fig["comm_per_step"] if k.split("/")[1] in PLANNED_KINDS}
+    assert moved == set(want), fig["comm_per_step"]
     for key, (nbytes, calls) in want.items():
         assert fig["comm_per_step"][key] == pytest.approx(nbytes, rel=1e-12), key
         assert fig["comm_count_per_step"][key] == calls, key
-        assert fig["comm_formula"][key] == pytest.approx(nbytes, rel=1e-12), key
+        if not key.startswith("optimizer"):  # the planner plans parameter and gradient traffic, by phase
+            assert fig["comm_planned_calls"][key.rpartition("/")[0]] == calls, key
+    for kind in PLANNED_KINDS:  # the planner's bytes per collective kind, both phases together
+        got = sum(v for k, (v, _) in want.items() if k.split("/")[1] == kind and not k.startswith("optimizer"))
+        assert fig["comm_planned"][kind] == pytest.approx(got, rel=1e-12, abs=1e-9), kind
     assert fig["comm_fsdp_per_step"] == pytest.approx(headline, rel=1e-12)
-    assert fig["comm_fsdp_formula"] == pytest.approx(headline, rel=1e-12)
+    assert fig["comm_fsdp_planned"] == pytest.approx(headline, rel=1e-12)
+
+
+# ---------------------------------------------------------------- logs, metrics, checkpoints, resume
+LINE = re.compile(
+    r"^step +(\d+)/12  loss (\d+\.\d{4})  lr \S+  [\d.]+ ms/step  [\d,]+ tok/s  mem/rank [\d.]+ \S+ "
+    r"\(peak [\d.]+ \S+\)  (MFU [\d.]+%|MFU unknown)$"
+)
+METRIC_KEYS = {"step", "elapsed_s", "loss", "lr", "step_ms", "tokens_per_s", "memory", "mfu", "comm_bytes_per_step"}
+
+
+def run_logged(tmp_path: Path, name: str, *extra: str) -> tuple[str, dict, list[dict]]:
+    """A 12-step bf16 run, reports every 2 steps, a checkpoint every 4 (2 kept), stdout not a terminal."""
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        *("--nproc", str(WORLD), "--model", "tiny", "--dim", "33", "--heads", "3", "--precision", "bf16"),
+        *("--steps", "12", "--batch-size", "4", "--log-interval", "2", "--eval-batches", "1", "--sample-tokens", "0"),
+        *("--ckpt-dir", str(tmp_path / "ckpt"), "--save-every", "4", "--keep-last", "2"),
+        *("--metrics", str(tmp_path / f"{name}.jsonl"), "--json", str(tmp_path / f"{name}.json"), *extra),
+    ]
+    log = run_launcher(cmd, ROOT, TIMEOUT_S, "train_gpt.py")
+    fig = json.loads((tmp_path / f"{name}.json").read_text())
+    metrics = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    return log, fig, metrics
+
+
+def _steps_kept(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-"))
+
+
+def test_log_lines_metrics_checkpoints_and_resume(tmp_path):
+    log, fig, metrics = run_logged(tmp_path, "first", "--peak-tflops", "1")
+    assert "\x1b[" not in log, "no terminal codes in a log file"
+    lines = [LINE.match(line) for line in log.splitlines() if line.startswith("step ")]
+    assert all(lines), [line for line in log.splitlines() if line.startswith("step ")]
+    assert [int(m.group(1)) for m in lines] == [1, 3, 5, 7, 9, 11, 12]  # every 2 steps and the last
+    assert [float(m.group(2)) for m in lines] == [round(loss, 4) for _, loss in fig["losses"]]
+    assert all(m.group(3).startswith("MFU ") and m.group(3) != "MFU unknown" for m in lines)
+    # the metrics file: one JSON object per report, the same figures
+    assert [m["step"] for m in metrics] == [1, 3, 5, 7, 9, 11, 12] and all(set(m) == METRIC_KEYS for m in metrics)
+    assert [m["loss"] for m in metrics] == [loss for _, loss in fig["losses"]]
+    for m in metrics:
+        assert len(m["memory"]["now"]) == WORLD and m["memory"]["device_peak"] is None  # CPU: no allocator peak
+        assert all(0 < now <= peak for now, peak in zip(m["memory"]["now"], m["memory"]["peak"]))
+        assert m["mfu"] > 0 and m["tokens_per_s"] > 0 and m["comm_bytes_per_step"] > 0
+    assert fig["mfu"] > 0 and fig["precision"] == "bf16"
+    # bf16 gathers and reductions: 2 bytes an element on the wire (the planner says the same)
+    ring = (WORLD - 1) / WORLD
+    padded = fig["P_padded"]
+    assert fig["comm_per_step"]["forward/all_gather/shard"] == pytest.approx(padded * 2 * ring, rel=1e-12)
+    assert fig["comm_planned"]["reduce_scatter"] == pytest.approx(padded * 2 * ring, rel=1e-12)
+    # a checkpoint every 4 steps and at the end, the last 2 kept
+    assert _steps_kept(tmp_path) == ["step-00000008", "step-00000012"]
+    assert checkpoint.latest(tmp_path / "ckpt").endswith("step-00000012")
+
+    # the run "died" after step 8's checkpoint: --resume continues from it, bitwise as the first run went
+    shutil.rmtree(tmp_path / "ckpt" / "step-00000012")
+    log, again, metrics = run_logged(tmp_path, "again", "--resume")
+    assert f"resuming from {tmp_path / 'ckpt' / 'step-00000008'} at step 8" in log
+    assert again["start_step"] == 8 and [s for s, _ in again["losses"]] == [8, 10, 11]
+    first = dict(fig["losses"])
+    assert [(s, first[s]) for s in (10, 11)] == [(s, loss) for s, loss in again["losses"] if s >= 10]
+    assert "MFU unknown" in log and all(m["mfu"] is None for m in metrics) and again["mfu"] is None
+    assert _steps_kept(tmp_path) == ["step-00000008", "step-00000012"]
+
+
+# ---------------------------------------------------------------- arguments, checked before any rank starts
+def _example(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("train_gpt_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_help_shows_the_defaults(monkeypatch, capsys):
+    example = _example(monkeypatch)
+    with pytest.raises(SystemExit) as exc:
+        example.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    for default in ("(default: 240)", "(default: FULL_SHARD)", "(default: cpu)", "(default: fp32)", "(default: 3)"):
+        assert default in out, default
+
+
+def _bad_arguments(tmp_path: Path) -> list[tuple[list[str], str]]:
+    import torch
+
+    cases = [
+        (["--nproc", "0"], "--nproc must be at least 1"),
+        (["--dim", "33", "--heads", "2"], "must be a multiple of the number of heads"),
+        (["--save-every", "5"], "need --ckpt-dir"),
+        (["--resume"], "need --ckpt-dir"),
+        (["--resume", str(tmp_path / "nothing")], "--resume "),
+        (["--sharding-factor", "3"], "--sharding-factor 3 must divide the world size 2"),
+        (["--peak-tflops", "0"], "--peak-tflops must be positive"),
+        (["--precision", "fp16"], "invalid choice: 'fp16'"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "torch sees no CUDA device here"))
+    return cases
+
+
+def test_bad_arguments_are_one_message(monkeypatch, capsys, tmp_path):
+    example = _example(monkeypatch)
+    for argv, needle in _bad_arguments(tmp_path):
+        with pytest.raises(SystemExit) as exc:
+            example.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2, argv
+        assert err.count("error:") == 1 and needle in err and "Traceback" not in err, (argv, err)
+
+
+def test_bad_arguments_stop_the_launcher_before_any_rank(tmp_path):
+    cmd = [sys.executable, str(SCRIPT), "--nproc", "2", "--dim", "33", "--heads", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("error:") == 1 and "multiple of the number of heads" in out.stderr
+    assert "Traceback" not in out.stderr and "torch.distributed" not in out.stderr  # torchrun never started
