@@ -26,8 +26,10 @@ from flatshard.checkpoint.format import ShardReader, sha256_of
 __all__ = ["consolidate", "inspect", "main"]
 
 
-def inspect(ckpt: str, *, verify: bool = True, out=sys.stdout) -> list[str]:
-    """Print a summary of checkpoint ``ckpt``; returns the problems found (empty if it verified)."""
+def inspect(ckpt: str, *, verify: bool = True, out=None) -> list[str]:
+    """Print a summary of checkpoint ``ckpt`` to ``out`` (default: the current ``sys.stdout``); returns the
+    problems found (empty if it verified)."""
+    out = out if out is not None else sys.stdout
     ckpt = os.path.abspath(ckpt)
     manifest = read_manifest(ckpt)
     where = committed(ckpt) or ckpt
