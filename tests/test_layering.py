@@ -37,7 +37,7 @@ def layer(module: str) -> str:
         return "vocabulary"
     if top in ("planner", "runtime", "state", "checkpoint"):
         return top
-    if top in ("cli", ""):
+    if top in ("cli", "__main__", ""):
         return "entry"
     if top == "testing":
         return "testing"

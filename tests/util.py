@@ -23,8 +23,8 @@ def pairs(model: nn.Module, ref: nn.Module):
         full = refp[name]
         if id(p) in ranges:
             a, b = ranges[id(p)]
-            ref_val = full.detach().reshape(-1)[a:b]
-            ref_grad = None if full.grad is None else full.grad.reshape(-1)[a:b]
+            ref_val = full.detach().reshape(-1)[a:b].view(p.shape)  # a shard view: 1-D, or rows of the parameter
+            ref_grad = None if full.grad is None else full.grad.reshape(-1)[a:b].view(p.shape)
         else:
             ref_val, ref_grad = full.detach(), full.grad
         yield name, p, ref_val, ref_grad

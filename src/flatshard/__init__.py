@@ -43,6 +43,7 @@ _EXPORTS = {
     "MemoryRecorder": "flatshard.runtime.instrument",
     "UnitInfo": "flatshard.runtime.tree",
     "units": "flatshard.runtime.tree",
+    "owned_named_parameters": "flatshard.runtime.tree",
     "param_groups": "flatshard.weight_decay",
 }
 

@@ -56,6 +56,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         *,
         sharding_factor: Union[int, str, None] = None,
         memory_budget: Optional[int] = None,
+        shard_boundaries: str = "flat",
     ):
         """All keywords as in PyTorch FSDP, plus flatshard's own:
 
@@ -64,7 +65,13 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         HYBRID_SHARD and 1 < F < W the units are fully sharded inside groups of F consecutive ranks
         and gradients all-reduced across them. ``"auto"`` asks the planner for the smallest F whose
         per-rank peak (AdamW, no activations) fits ``memory_budget`` bytes (default: the accelerator's
-        free memory); the choice and why are logged on rank 0 and kept in ``model.sharding_decision``."""
+        free memory); the choice and why are logged on rank 0 and kept in ``model.sharding_decision``.
+
+        ``shard_boundaries``: where a unit's flat is cut between ranks ([Note: shard boundaries]):
+        ``"flat"`` (default) anywhere, each rank holding 1-D pieces; ``"rows"`` only between rows, each
+        rank's piece of a matrix a block of rows (``p.dim()`` keeps its meaning); ``"params"`` never
+        inside a parameter: each lives whole on one rank (``flatshard.owned_named_parameters(model)``),
+        so whole-matrix optimizers (Muon, Adafactor) step it locally."""
         super().__init__()
         strategy = sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD
         _check_types(strategy, backward_prefetch, mixed_precision, cpu_offload)
@@ -82,6 +89,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
             param_init_fn=param_init_fn,
             device_id=device_id,
             sync_module_states=sync_module_states,
+            shard_boundaries=shard_boundaries,
         )
         built = build.build_units(module, options, self._host)
         self._host_of(module, built.root, self)

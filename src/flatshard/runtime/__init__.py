@@ -31,6 +31,7 @@ Between steps
 Index of every [Note: ...] in the package
 -----------------------------------------
   flatshard tensors ............... runtime/layout.py
+  shard boundaries ................ runtime/layout.py
   precision of a unit's tensors ... runtime/precision.py
   reductions in flight ............ runtime/schedule.py
   prefetch ........................ runtime/schedule.py

@@ -22,7 +22,7 @@ from torch import nn
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.runtime import collectives, deferred, fingerprint, hooks, optim_check, precision
 from flatshard.runtime.autoshard import auto_sharding_factor
-from flatshard.runtime.layout import FlatLayout, ParamInfo
+from flatshard.runtime.layout import BOUNDARIES, FlatLayout, ParamInfo
 from flatshard.runtime.mesh import ShardGroups, device_of, require_initialized, resolve_groups
 from flatshard.runtime.placement import Placement, check_no_tie_into_wrapped
 from flatshard.runtime.schedule import RunContext, ScheduleConfig
@@ -50,6 +50,7 @@ class BuildOptions:
     param_init_fn: Optional[Callable[[nn.Module], None]] = None
     device_id: Any = None
     sync_module_states: bool = False
+    shard_boundaries: str = "flat"  # "flat" | "rows" | "params" ([Note: shard boundaries], layout.py)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
@@ -64,6 +65,11 @@ class Built:
 
 def build_units(module: nn.Module, options: BuildOptions, make_host: MakeHost) -> Built:
     deferred.check_init_fn(options.param_init_fn)
+    if options.shard_boundaries not in BOUNDARIES:
+        raise ValueError(
+            f'shard_boundaries must be one of {BOUNDARIES}, got {options.shard_boundaries!r}: "flat" cuts anywhere '
+            '(1-D pieces), "rows" only between rows, "params" keeps every parameter whole on one rank'
+        )
     optim_check.install()  # [Note: optimizers on shard views]
     if isinstance(module, UnitHost):
         raise ValueError("this module is already wrapped in FullyShardedDataParallel; wrap it once")
@@ -136,8 +142,8 @@ def build_unit(
         )
     dtype = dtypes.pop() if dtypes else torch.float32
     device = originals[0].device if originals else torch.device("cpu")
-    layout = FlatLayout(infos, groups.shard_size)
-    flat = layout.flatten(originals, dtype=dtype, device=device)
+    layout = FlatLayout(infos, groups.shard_size, options.shard_boundaries)
+    flat = layout.flatten({info.name: p for info, p in params}, dtype=dtype, device=device)
     if options.sync_module_states and torch.distributed.get_world_size(groups.process_group) > 1:
         collectives.broadcast(flat, 0, groups.process_group)
     unit = Unit(
@@ -273,7 +279,12 @@ def _check_same_model(options: BuildOptions, module, chosen, by_unit, paths) -> 
         group = mesh.get_group() if mesh.ndim == 1 else torch.distributed.group.WORLD
     world = torch.distributed.get_world_size(group)
     head = fingerprint.options_line(
-        options.strategy, options.sharding_factor, options.mixed_precision, options.offload_params, world
+        options.strategy,
+        options.sharding_factor,
+        options.mixed_precision,
+        options.offload_params,
+        world,
+        options.shard_boundaries,
     )
     units = [(paths[m] if m is not module else "<root>", by_unit.get(m, [])) for m in [*chosen, module]]
     fingerprint.check_same_model(fingerprint.entries(head, units), group)

@@ -34,29 +34,73 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def all_gather(
-    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False, tag: int = 0
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: ProcessGroup,
+    async_op: bool = False,
+    tag: int = 0,
+    sizes: Optional[list[int]] = None,
 ) -> CollectiveResult:
-    """``output`` (n·len(shard) elements) receives every rank's ``shard`` in group-rank order.
+    """``output`` receives every rank's ``shard`` in group-rank order: n·len(shard) elements, or
+    ``sizes[r]`` from rank r when shards differ in size ([Note: shard boundaries], layout.py).
 
     ``tag`` names a point-to-point exchange (gloo): exchanges in flight at the same time need their own."""
     n = dist.get_world_size(group)
+    ragged = sizes is not None and len(set(sizes)) > 1
     if gloo_exchange.applies(output, group):
-        work = gloo_exchange.all_gather(output, shard, group, n, tag, async_op)
+        work = gloo_exchange.all_gather(output, shard, group, n, tag, async_op, sizes if ragged else None)
+    elif ragged:
+        work = _padded_all_gather(output, shard, group, sizes)
     else:
         work = dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
     return CollectiveResult("all_gather", n, _nbytes(output), float((n - 1) * _nbytes(shard)), work)
 
 
 def reduce_scatter(
-    output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, async_op: bool = False, tag: int = 0
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: ProcessGroup,
+    async_op: bool = False,
+    tag: int = 0,
+    sizes: Optional[list[int]] = None,
 ) -> CollectiveResult:
-    """``output`` receives this rank's chunk of the sum over ranks of ``full``; ``tag`` as for ``all_gather``."""
+    """``output`` receives this rank's chunk of the sum over ranks of ``full`` (chunks of ``sizes``
+    when they differ); ``tag`` as for ``all_gather``. Bytes: what this rank sends, the other ranks' chunks."""
     n = dist.get_world_size(group)
+    ragged = sizes is not None and len(set(sizes)) > 1
     if gloo_exchange.applies(full, group):
-        work = gloo_exchange.reduce_scatter(output, full, group, n, tag, async_op)
+        work = gloo_exchange.reduce_scatter(output, full, group, n, tag, async_op, sizes if ragged else None)
+    elif ragged:
+        work = _padded_reduce_scatter(output, full, group, sizes)
     else:
         work = dist.reduce_scatter_tensor(output, full, op=ReduceOp.SUM, group=group, async_op=async_op)
-    return CollectiveResult("reduce_scatter", n, _nbytes(full), float((n - 1) * _nbytes(output)), work)
+    me = dist.get_rank(group)
+    sent = (sum(sizes) - sizes[me]) * full.element_size() if ragged else (n - 1) * _nbytes(output)
+    return CollectiveResult("reduce_scatter", n, _nbytes(full), float(sent), work)
+
+
+# ---- shards of different sizes on backends that need equal ones (NCCL) --------------------------------
+# Each rank's shard is padded to the largest; the collective runs on the padded buffer and the pieces are
+# copied into (or out of) their places: max(sizes)·n - sum(sizes) elements of padding on the wire and one
+# copy of the unit's flat per collective. Synchronous.
+def _padded_all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, sizes: list[int]) -> None:
+    n, longest = len(sizes), max(sizes)
+    padded = torch.zeros(longest, dtype=shard.dtype, device=shard.device)
+    padded[: shard.numel()].copy_(shard)
+    gathered = torch.empty(n * longest, dtype=shard.dtype, device=shard.device)
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    for piece, row, size in zip(output.split(sizes), gathered.view(n, longest), sizes):
+        piece.copy_(row[:size])
+
+
+def _padded_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, sizes: list[int]) -> None:
+    n, longest = len(sizes), max(sizes)
+    padded = torch.zeros(n, longest, dtype=full.dtype, device=full.device)
+    for row, piece, size in zip(padded, full.split(sizes), sizes):
+        row[:size].copy_(piece)
+    out = torch.empty(longest, dtype=full.dtype, device=full.device)
+    dist.reduce_scatter_tensor(out, padded.view(-1), op=ReduceOp.SUM, group=group)
+    output.copy_(out[: output.numel()])
 
 
 def all_reduce(

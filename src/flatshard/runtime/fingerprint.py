@@ -69,8 +69,8 @@ def _difference(all_lines: list[list[str]]) -> str:
     )
 
 
-def options_line(strategy, factor, mixed_precision, offload: bool, world: int) -> str:
+def options_line(strategy, factor, mixed_precision, offload: bool, world: int, boundaries: str = "flat") -> str:
     return (
         f"wrap: {strategy.name}, sharding_factor={factor!r}, mixed_precision={mixed_precision!r}, "
-        f"offload_params={offload}, world_size={world}"
+        f"offload_params={offload}, shard_boundaries={boundaries!r}, world_size={world}"
     )

@@ -49,8 +49,12 @@ class Exchange:
             send = send_of(dst) if callable(send_of) else send_of
             recv = recv_into(src) if callable(recv_into) else recv_into
             to, frm = dist.get_global_rank(self.group, dst), dist.get_global_rank(self.group, src)
-            self._posted.append(dist.isend(send, to, group=self.group, tag=self.tag))
-            self._posted.append(dist.irecv(recv, frm, group=self.group, tag=self.tag))
+            # an empty tensor (a ragged shard of no elements) is neither sent nor received: both sides
+            # know every shard's size, so they skip it alike
+            if send.numel():
+                self._posted.append(dist.isend(send, to, group=self.group, tag=self.tag))
+            if recv.numel():
+                self._posted.append(dist.irecv(recv, frm, group=self.group, tag=self.tag))
 
     def then(self, step: Callable[[], None]) -> None:
         self._steps.append(step)
@@ -65,24 +69,42 @@ class Exchange:
         return True
 
 
+def _chunks(t: torch.Tensor, n: int, sizes: Optional[list[int]]) -> tuple[torch.Tensor, ...]:
+    return t.split(sizes) if sizes is not None else t.chunk(n)
+
+
 def all_gather(
-    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, n: int, tag: int, async_op: bool
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: ProcessGroup,
+    n: int,
+    tag: int,
+    async_op: bool,
+    sizes: Optional[list[int]] = None,
 ) -> Optional[Exchange]:
+    """Every rank sends its shard to every other rank; ``sizes``: shards of these sizes, in rank order
+    (ragged shards need no padding here: each lands at its own offset)."""
     work = Exchange(group, n, tag)
-    chunks = output.chunk(n)
-    work.exchange(shard, lambda k: chunks[k])  # every rank sends its shard to every other rank
+    chunks = _chunks(output, n, sizes)
+    work.exchange(shard, lambda k: chunks[k])
     chunks[work.rank].copy_(shard)
     return _finish(work, async_op)
 
 
 def reduce_scatter(
-    output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, n: int, tag: int, async_op: bool
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: ProcessGroup,
+    n: int,
+    tag: int,
+    async_op: bool,
+    sizes: Optional[list[int]] = None,
 ) -> Optional[Exchange]:
     """Round k (k = 1 … n-1) sends the chunk of rank r+k to it and receives rank r-k's contribution to
     this rank's chunk, which is added in. The first contribution lands in ``output`` itself; later ones
     need one chunk-sized buffer, so the extra memory is one shard at most (none at n = 2)."""
     work = Exchange(group, n, tag)
-    chunks = full.chunk(n)
+    chunks = _chunks(full, n, sizes)
     own = chunks[work.rank]
     buffer = torch.empty_like(output) if n > 2 else None
     work.exchange(lambda dst: chunks[dst], output, peers=[1])

@@ -19,6 +19,7 @@ This file knows layouts and views only; it never communicates.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,19 +42,69 @@ class ParamInfo:
     uses: tuple[tuple[nn.Module, str], ...]
 
 
-class FlatLayout:
-    """Offsets, padding and per-rank ranges of one unit's flat parameter."""
+BOUNDARIES = ("flat", "rows", "params")
 
-    def __init__(self, infos: list[ParamInfo], shard_size: int):
-        self.infos = infos
-        self.total = sum(i.numel for i in infos)  # T
-        self.shard_numel = math.ceil(self.total / shard_size) if self.total else 0  # S
-        self.padded = self.shard_numel * shard_size  # F·S
-        self.split_sizes = [i.numel for i in infos] + [self.padded - self.total]
+
+class FlatLayout:
+    """Offsets, shard boundaries and per-rank ranges of one unit's flat parameter.
+
+    [Note: shard boundaries]
+    The flat is the unit's parameters concatenated in layout order; rank k of the shard group owns
+    elements [bounds[k], bounds[k+1]). Three ways to place the bounds (``shard_boundaries``):
+      * ``"flat"``   equal shards of S = ceil(T / F) elements, the last zero-padded: the cuts fall
+                     anywhere, so a rank holds 1-D pieces of parameters;
+      * ``"rows"``   each cut moved to the row boundary (dim 0) nearest to k·T/F: a rank's piece of a
+                     parameter is a block of whole rows, its shard view keeps the parameter's ndim;
+      * ``"params"`` every parameter whole on one rank: parameters are dealt to ranks largest first,
+                     each to the rank holding fewest elements so far (ties to the lower rank), and laid
+                     out rank by rank, so each rank's parameters are contiguous in the flat.
+    Shards of ``"rows"`` and ``"params"`` differ in size (``shard_numel_of``); nothing is padded, and
+    the unsharded flat is still the parameters in layout order, so compute views stay zero-copy
+    splits. On gloo the point-to-point exchanges move ragged shards as they are; other backends need
+    equal sizes, paid as padding and one copy per collective (collectives.py).
+    """
+
+    def __init__(self, infos: list[ParamInfo], shard_size: int, boundaries: str = "flat"):
+        if boundaries not in BOUNDARIES:
+            raise ValueError(f"shard_boundaries must be one of {BOUNDARIES}, got {boundaries!r}")
+        self.boundaries = boundaries
+        self.shard_size = shard_size  # F
+        owners = _deal(infos, shard_size) if boundaries == "params" else None
+        self.infos = _in_rank_order(infos, owners) if owners is not None else infos
+        self.total = sum(i.numel for i in self.infos)  # T
+        if boundaries == "flat" or shard_size == 1:
+            S = math.ceil(self.total / shard_size) if self.total else 0
+            self.bounds = [k * S for k in range(shard_size + 1)]
+        elif boundaries == "rows":
+            self.bounds = [0] + [_row_cut(self.infos, self.total * k // shard_size) for k in range(1, shard_size)]
+            self.bounds.append(self.total)
+        else:
+            loads = [0] * shard_size
+            for info, owner in zip(infos, owners):
+                loads[owner] += info.numel
+            self.bounds = [sum(loads[:k]) for k in range(shard_size + 1)]
+        self.padded = self.bounds[-1]  # the unsharded flat: F·S for "flat", T otherwise
+        self.split_sizes = [i.numel for i in self.infos] + [self.padded - self.total]
+
+    @property
+    def shard_numel(self) -> int:
+        """The largest shard (S for ``"flat"``, where every shard has S elements)."""
+        return max(self.shard_sizes)
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        return [b - a for a, b in zip(self.bounds, self.bounds[1:])]
+
+    def shard_numel_of(self, rank: int) -> int:
+        return self.bounds[rank + 1] - self.bounds[rank]
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.shard_sizes)) <= 1
 
     def local_slices(self, rank: int) -> list[tuple[int, int]]:
         """For each parameter, the [start, end) of its piece inside rank ``rank``'s flat shard."""
-        lo_rank, hi_rank = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        lo_rank, hi_rank = self.bounds[rank], self.bounds[rank + 1]
         out = []
         for info in self.infos:
             lo = max(info.offset, lo_rank)
@@ -63,27 +114,68 @@ class FlatLayout:
 
     def param_ranges(self, rank: int) -> list[tuple[int, int]]:
         """For each parameter, the [start, end) of its flattened elements that rank ``rank`` holds."""
+        base = self.bounds[rank]
         return [
-            (lo + rank * self.shard_numel - info.offset, hi + rank * self.shard_numel - info.offset)
-            if hi > lo
-            else (0, 0)
+            (lo + base - info.offset, hi + base - info.offset) if hi > lo else (0, 0)
             for info, (lo, hi) in zip(self.infos, self.local_slices(rank))
         ]
 
-    def flatten(self, tensors: list[torch.Tensor], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The zero-padded concatenation of ``tensors`` (one per parameter, in layout order)."""
+    def flatten(self, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The zero-padded concatenation of ``tensors`` (by parameter name) in layout order."""
         flat = torch.zeros(self.padded, dtype=dtype, device=device)
-        for info, t in zip(self.infos, tensors):
-            flat[info.offset : info.offset + info.numel].copy_(t.detach().reshape(-1))
+        for info in self.infos:
+            flat[info.offset : info.offset + info.numel].copy_(tensors[info.name].detach().reshape(-1))
         return flat
+
+    def local_shape(self, info: ParamInfo, lo: int, hi: int) -> tuple[int, ...]:
+        """The shape of a shard view holding elements [lo, hi) of ``info``'s parameter: 1-D for
+        ``"flat"``; a block of whole rows (the parameter's ndim) for ``"rows"`` and ``"params"``."""
+        n = hi - lo
+        if self.boundaries == "flat" or len(info.shape) == 0:  # a 0-D parameter's view stays 1-D everywhere
+            return (n,)
+        row = math.prod(info.shape[1:])
+        return (n // row if row else 0, *info.shape[1:])
+
+
+def _deal(infos: list[ParamInfo], shard_size: int) -> list[int]:
+    """The owner of each parameter under ``"params"``: largest first, to the least loaded rank."""
+    loads = [0] * shard_size
+    owners = [0] * len(infos)
+    for i in sorted(range(len(infos)), key=lambda i: (-infos[i].numel, i)):
+        owner = min(range(shard_size), key=lambda r: (loads[r], r))
+        owners[i] = owner
+        loads[owner] += infos[i].numel
+    return owners
+
+
+def _in_rank_order(infos: list[ParamInfo], owners: list[int]) -> list[ParamInfo]:
+    """``infos`` laid out rank by rank (in their own order within a rank), with offsets to match."""
+    order = sorted(range(len(infos)), key=lambda i: (owners[i], i))
+    out, offset = [], 0
+    for i in order:
+        out.append(dataclasses.replace(infos[i], offset=offset))
+        offset += infos[i].numel
+    return out
+
+
+def _row_cut(infos: list[ParamInfo], target: int) -> int:
+    """The row boundary (dim 0 of the parameter holding element ``target``) nearest to ``target``."""
+    for info in infos:
+        if info.offset <= target < info.offset + info.numel:
+            row = math.prod(info.shape[1:]) if len(info.shape) > 1 else 1
+            if len(info.shape) == 0:
+                return info.offset
+            rows = round((target - info.offset) / row)
+            return info.offset + rows * row
+    return target
 
 
 def make_shard_views(layout: FlatLayout, flat_shard: torch.Tensor, rank: int) -> list[nn.Parameter]:
     """One ``nn.Parameter`` per original parameter, aliasing its slice of the flat shard."""
     views = []
     for info, (lo, hi) in zip(layout.infos, layout.local_slices(rank)):
-        view = nn.Parameter(flat_shard[lo:hi], requires_grad=info.requires_grad)
-        view.orig_shape = info.shape  # shard views are 1-D; the full shape stays readable
+        view = nn.Parameter(flat_shard[lo:hi].view(layout.local_shape(info, lo, hi)), requires_grad=info.requires_grad)
+        view.orig_shape = info.shape  # a shard view is a piece; the full shape stays readable
         views.append(view)
     return views
 

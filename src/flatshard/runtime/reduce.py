@@ -24,7 +24,7 @@ class ReduceSpec:
     """What a unit's reduction needs to know about the unit."""
 
     groups: ShardGroups
-    shard_numel: int
+    shard_sizes: list[int]  # every shard rank's shard, in rank order (equal unless shard_boundaries is ragged)
     reduce_dtype: torch.dtype
     label: str  # the unit's name, for profiler labels
 
@@ -49,9 +49,11 @@ def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: boo
     groups = spec.groups
     full = grad if grad.dtype == spec.reduce_dtype else grad.to(spec.reduce_dtype)
     if groups.shard_size > 1:
-        out = torch.empty(spec.shard_numel, dtype=spec.reduce_dtype, device=grad.device)
+        out = torch.empty(spec.shard_sizes[groups.shard_rank], dtype=spec.reduce_dtype, device=grad.device)
         with torch.profiler.record_function(f"flatshard::reduce_scatter ({spec.label})"):
-            result = collectives.reduce_scatter(out, full, groups.shard_group, async_op=async_op, tag=tag)
+            result = collectives.reduce_scatter(
+                out, full, groups.shard_group, async_op=async_op, tag=tag, sizes=spec.shard_sizes
+            )
         record(result, "shard")
         return PendingReduction(result.work, full, out, groups.replicate_size > 1)
     if groups.replicate_size > 1:

@@ -73,9 +73,9 @@ def summon(
             if full is None:
                 continue
             if writeback and full.untyped_storage().data_ptr() != unit.flat_shard.untyped_storage().data_ptr():
-                S, rank = unit.layout.shard_numel, unit.groups.shard_rank
+                rank = unit.groups.shard_rank
                 with torch.no_grad():
-                    unit.flat_shard.copy_(full[rank * S : (rank + 1) * S])
+                    unit.flat_shard.copy_(full[unit.layout.bounds[rank] : unit.layout.bounds[rank + 1]])
             set_views_on_modules(unit.layout, unit.shard_views, as_params=True)
 
 
@@ -84,5 +84,5 @@ def _grad_shard(unit: Unit) -> torch.Tensor:
     out = torch.zeros_like(unit.flat_shard)
     for view, (lo, hi) in zip(unit.shard_views, unit.layout.local_slices(unit.groups.shard_rank)):
         if view.grad is not None:
-            out[lo:hi].copy_(view.grad)
+            out[lo:hi].copy_(view.grad.reshape(-1))
     return out

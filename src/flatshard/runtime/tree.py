@@ -7,6 +7,7 @@ Everything below the front ends (state dicts, checkpoints, summon, recorders) fi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -61,13 +62,16 @@ def units_under(module: nn.Module) -> list[Unit]:
 class UnitInfo:
     """One unit as this rank sees it (``flatshard.units(model)``). Element counts are per unit:
     ``numel`` parameter elements T, padded to ``padded_numel`` = F·S, of which this rank's flat
-    shard holds ``shard_numel`` = S (``local_numel`` of them real parameter elements, the rest padding)."""
+    shard holds ``shard_numel`` = S (``local_numel`` of them real parameter elements, the rest padding).
+    With ``shard_boundaries`` "rows" or "params" shards differ in size: ``shard_sizes`` has them all."""
 
     name: str  # the unit's module path in the unwrapped model ("<root>" for the root)
     param_names: tuple[str, ...]  # its parameters, relative to its module, in flat order
     numel: int
     padded_numel: int
     shard_numel: int
+    shard_sizes: tuple[int, ...]  # every shard rank's flat shard, in rank order
+    shard_boundaries: str  # "flat", "rows" or "params" ([Note: shard boundaries])
     local_numel: int
     dtype: torch.dtype  # the master dtype (flat shard, grad shard, optimizer state)
     compute_dtype: torch.dtype  # the gathered parameters' dtype
@@ -92,7 +96,9 @@ def unit_info(unit: Unit) -> UnitInfo:
         param_names=tuple(i.name for i in layout.infos),
         numel=layout.total,
         padded_numel=layout.padded,
-        shard_numel=layout.shard_numel,
+        shard_numel=layout.shard_numel_of(groups.shard_rank),
+        shard_sizes=tuple(layout.shard_sizes),
+        shard_boundaries=layout.boundaries,
         local_numel=local,
         dtype=unit.precision.master,
         compute_dtype=unit.precision.compute,
@@ -104,6 +110,33 @@ def unit_info(unit: Unit) -> UnitInfo:
         is_root=unit.is_root,
         reshard_after_forward=unit.reshard_after_forward,
     )
+
+
+def is_whole(p: torch.Tensor) -> bool:
+    """Whether a parameter is whole on this rank: a plain parameter, or a shard view of all of it."""
+    shape = getattr(p, "orig_shape", None)
+    if shape is None:
+        return True
+    return tuple(p.shape) == tuple(shape) or (len(shape) == 0 and p.numel() == 1)
+
+
+def owned_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Under ``shard_boundaries="params"``: this rank's ``(name, parameter)`` pairs, each whole and in its
+    full shape (parameters no unit manages, held whole by every rank, included), for optimizers that
+    step whole tensors locally: ``Muon([p for _, p in owned if p.ndim == 2])`` and ``AdamW`` for the rest.
+    Each parameter is owned by exactly one rank of its shard group (every replica has its owner)."""
+    units = units_under(module)
+    other = sorted({u.layout.boundaries for u in units} - {"params"})
+    if other:
+        names = [u.name for u in units if u.layout.boundaries != "params"][:5]
+        raise ValueError(
+            f'owned_named_parameters needs every unit built with shard_boundaries="params"; units {names} use '
+            f'{other}. Wrap with FullyShardedDataParallel(..., shard_boundaries="params"): each parameter then '
+            "lives whole on one rank."
+        )
+    for name, p in module.named_parameters():
+        if p.numel() and is_whole(p):
+            yield clean_name(name), p
 
 
 def _ranks(group) -> tuple[int, ...]:

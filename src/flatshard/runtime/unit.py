@@ -116,13 +116,14 @@ class Unit:
         set_views_on_modules(layout, self.shard_views, as_params=True)
 
     def _keep_shard(self, flat_full: torch.Tensor) -> torch.Tensor:
-        S, rank = self.layout.shard_numel, self.groups.shard_rank
+        rank = self.groups.shard_rank
+        lo, hi = self.layout.bounds[rank], self.layout.bounds[rank + 1]
         if self.offload:
-            shard = flat_full.detach()[rank * S : (rank + 1) * S].to("cpu", copy=True)
+            shard = flat_full.detach()[lo:hi].to("cpu", copy=True)
             return shard.pin_memory() if self.compute_device.type == "cuda" else shard
         if self.groups.shard_size == 1:
             return flat_full
-        return flat_full[rank * S : (rank + 1) * S].clone()
+        return flat_full[lo:hi].clone()
 
     @property
     def is_root(self) -> bool:
@@ -153,7 +154,9 @@ class Unit:
             self.ctx.checker.check(order.GATHER, self, self.ctx.phase)
             group, tag = self.groups.shard_group, self.ctx.next_tag(self)
             with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"), self._errors("all_gather"):
-                result = collectives.all_gather(self._gather_target, source, group, async_op=not wait, tag=tag)
+                result = collectives.all_gather(
+                    self._gather_target, source, group, async_op=not wait, tag=tag, sizes=self.layout.shard_sizes
+                )
             self.record(result, "shard")
             if result.work is not None:
                 self._gather = _Gather(result.work, source)
@@ -210,7 +213,7 @@ class Unit:
     # ---- gradients -----------------------------------------------------------------------
     def start_reduction(self, grad: torch.Tensor, async_op: bool) -> None:
         """Issue the reduction of the full-size gradient ``grad`` to this rank's grad shard."""
-        spec = reduce.ReduceSpec(self.groups, self.layout.shard_numel, self.precision.reduce, self.name)
+        spec = self._reduce_spec()
         if self.groups.shard_size > 1 or self.groups.replicate_size > 1:
             self.ctx.checker.check(order.REDUCE, self, self.ctx.phase)
         with self._errors(self._reduction_kind()):
@@ -221,7 +224,7 @@ class Unit:
         if self.reduction is None:
             return
         pending, self.reduction = self.reduction, None
-        spec = reduce.ReduceSpec(self.groups, self.layout.shard_numel, self.precision.reduce, self.name)
+        spec = self._reduce_spec()
         with self._errors(self._reduction_kind()):
             reduced = reduce.finish(pending, spec, self.precision.grad, self.record)
         self._expose_grads(reduced)
@@ -258,14 +261,14 @@ class Unit:
         trainable = [(v, lo, hi) for v, (lo, hi) in zip(self.shard_views, slices) if v.requires_grad]
         if all(v.grad is None for v, _, _ in trainable):
             for view, lo, hi in trainable:
-                _set_grad(view, reduced[lo:hi])
+                _set_grad(view, reduced[lo:hi].view(view.shape))
             self._grad_shard = weakref.ref(reduced)
             return
         for view, lo, hi in trainable:
             if view.grad is None:
-                _set_grad(view, reduced[lo:hi].clone())
+                _set_grad(view, reduced[lo:hi].view(view.shape).clone())
             else:
-                view.grad.add_(reduced[lo:hi])
+                view.grad.add_(reduced[lo:hi].view(view.grad.shape))
 
     # ---- whole flats for summon and state dicts --------------------------------------------
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
@@ -279,13 +282,17 @@ class Unit:
             return source
         full = torch.empty(self.layout.padded, dtype=shard.dtype, device=self.compute_device)
         with self._errors("all_gather"):
-            result = collectives.all_gather(full, source, self.groups.shard_group, tag=self.ctx.next_tag(self))
+            group, tag, sizes = self.groups.shard_group, self.ctx.next_tag(self), self.layout.shard_sizes
+            result = collectives.all_gather(full, source, group, tag=tag, sizes=sizes)
         self.record(result, "shard")
         return full
 
     # ---- accounting ------------------------------------------------------------------------
     def _errors(self, collective: str):
         return order.collective_errors(self, collective)
+
+    def _reduce_spec(self) -> reduce.ReduceSpec:
+        return reduce.ReduceSpec(self.groups, self.layout.shard_sizes, self.precision.reduce, self.name)
 
     def _reduction_kind(self) -> str:
         return "reduce_scatter" if self.groups.shard_size > 1 else "all_reduce"
@@ -317,7 +324,8 @@ class Unit:
         }
 
     def __repr__(self) -> str:
-        return f"Unit({self.name}, T={self.layout.total}, S={self.layout.shard_numel}, {self.state.name})"
+        sizes = self.layout.shard_sizes
+        return f"Unit({self.name}, T={self.layout.total}, S={sizes[self.groups.shard_rank]}, {self.state.name})"
 
 
 def _set_grad(view: torch.Tensor, grad: torch.Tensor) -> None:

@@ -145,7 +145,7 @@ def layout_fingerprint(unit: Unit) -> torch.Tensor:
             unit.groups.shard_size,
             unit.groups.shard_rank,
             unit.layout.total,
-            unit.layout.shard_numel,
+            zlib.crc32(repr(unit.layout.bounds).encode()),
             zlib.crc32(text.encode()),
         ],
         dtype=torch.int64,

@@ -66,14 +66,15 @@ def param_names(optim, view: ModelView) -> tuple[list, list[str], dict]:
     return params, names, slots
 
 
-def describe(value: Any, local_numel: Optional[int], name: str, key: str) -> dict:
-    """How one optimizer state value travels: a piece of the flattened parameter, a scalar tensor, or a value."""
+def describe(value: Any, local_shape: Optional[torch.Size], name: str, key: str) -> dict:
+    """How one optimizer state value travels: a piece of the flattened parameter (shaped like its shard
+    view, ``local_shape``), a scalar tensor, or a value. ``local_shape`` None: a parameter no unit owns."""
     if torch.is_tensor(value):
         if value.dim() == 0:
             return {"kind": "scalar", "value": value.item(), "dtype": dtype_name(value.dtype)}
-        if local_numel is not None and value.dim() == 1 and value.numel() == local_numel:
+        if local_shape is not None and tuple(value.shape) == tuple(local_shape):
             return {"kind": "piece", "dtype": dtype_name(value.dtype)}
-        if local_numel is None:
+        if local_shape is None:
             return {"kind": "whole", "dtype": dtype_name(value.dtype), "shape": list(value.shape)}
         raise CheckpointError(
             f"optimizer state {key!r} of {name} has shape {tuple(value.shape)}, neither a scalar nor one value per "
@@ -131,8 +132,8 @@ def local_state(optim, view: ModelView, osd=None) -> LocalOptimState:
         state = packed.get(i)
         if not state:
             continue
-        numel = p.numel() if slots[name] is not None else None
-        meta[name] = {k: describe(v, numel, name, k) for k, v in state.items()}
+        shape = p.shape if slots[name] is not None else None
+        meta[name] = {k: describe(v, shape, name, k) for k, v in state.items()}
         values[name] = dict(state)
     return LocalOptimState(json_groups(optim, names), meta, values, slots)
 
@@ -204,7 +205,8 @@ def _full(view: ModelView, local: LocalOptimState, meta: dict, keep: bool, move)
         unit_slots = [s for s in view.params_of(unit) if s.fqn in meta]
         keys = sorted({(k, d["dtype"]) for s in unit_slots for k, d in meta[s.fqn].items() if d["kind"] == "piece"})
         for key, dtype in keys:
-            flat = torch.zeros(unit.layout.shard_numel, dtype=dtype_from(dtype), device=unit.flat_shard.device)
+            size = unit.layout.shard_numel_of(unit.groups.shard_rank)
+            flat = torch.zeros(size, dtype=dtype_from(dtype), device=unit.flat_shard.device)
             for s in unit_slots:
                 v = local.values.get(s.fqn, {}).get(key)
                 if v is not None:
@@ -349,9 +351,9 @@ def _covers(piece: ShardedPiece, slot) -> bool:
 def _local_value(v, slot, exchanged, kind, key, held):
     if isinstance(v, ShardedPiece):
         t = exchanged if exchanged is not None else v.tensor.reshape(-1)[slot.start - v.start : slot.end - v.start]
-        return t.clone()
+        return t.clone().view(slot.view.shape)  # shaped like the shard view it belongs to
     if slot is not None and torch.is_tensor(v) and _per_element(v, slot, kind, key, held):
-        return v.reshape(-1)[slot.start : slot.end].clone()
+        return v.reshape(-1)[slot.start : slot.end].clone().view(slot.view.shape)
     return v.clone() if torch.is_tensor(v) else v
 
 

@@ -109,7 +109,8 @@ def sharded_tensor(param: Any, flat: torch.Tensor, record: Record = None) -> Uni
     empty box for the others (_empty_box), and DCP cannot load a ShardedTensor into a rank without local
     shards; so it is a whole 0-D tensor on every rank, broadcast from the rank that holds it (DCP
     writes a tensor that every rank holds once)."""
-    shape, size, info = list(param.info.shape), param.unit.layout.shard_numel, param.info
+    flat = flat.reshape(-1)  # a shard view of "rows" or "params" has the parameter's ndim; its data is one run
+    shape, bounds, info = list(param.info.shape), param.unit.layout.bounds, param.info
     group, ranks = _shard_ranks(param.unit)
     if not shape:
         return _whole_scalar(param, flat, group, ranks, record)
@@ -117,8 +118,8 @@ def sharded_tensor(param: Any, flat: torch.Tensor, record: Record = None) -> Uni
     metas, local = [], []
     for shard_rank, global_rank in enumerate(ranks):
         # the elements of the parameter in shard rank's flat shard (FlatLayout.param_ranges, for one parameter)
-        start = min(max(shard_rank * size - info.offset, 0), info.numel)
-        end = min(max((shard_rank + 1) * size - info.offset, 0), info.numel)
+        start = min(max(bounds[shard_rank] - info.offset, 0), info.numel)
+        end = min(max(bounds[shard_rank + 1] - info.offset, 0), info.numel)
         for offsets, sizes in flat_range_boxes(start, end, shape) or _empty_box(shape):
             meta = ShardMetadata(offsets, sizes, f"rank:{global_rank}/{device}")
             metas.append(meta)
@@ -131,7 +132,8 @@ def sharded_tensor(param: Any, flat: torch.Tensor, record: Record = None) -> Uni
 
 
 def _whole_scalar(param: Any, flat: torch.Tensor, group, ranks: list[int], record: Record) -> torch.Tensor:
-    owner = param.info.offset // param.unit.layout.shard_numel  # the shard rank holding the element
+    bounds = param.unit.layout.bounds  # the shard rank holding the element
+    owner = next(r for r in range(len(bounds) - 1) if bounds[r] <= param.info.offset < bounds[r + 1])
     if len(ranks) == 1:
         return flat.reshape(())
     device = collective_device(group)
