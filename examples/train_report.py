@@ -271,7 +271,7 @@ def print_summary(fig: dict) -> None:
             kind + (" (grad norm)" if phase == "optimizer" else ""),
             phase,
             group,
-            f"{calls[key]:g}",
+            f"{calls[key]:.3g}",
             "not planned" if planned_calls is None else str(planned_calls),
             f"{measured[key]:,.0f}",
         )
