@@ -173,3 +173,23 @@ def test_checkpoint_directories(tmp_path):
 def test_failed_saves_name_the_rank_and_leave_the_next_save_working(tmp_path):
     results = run_distributed(failing_rank_worker, 2, str(tmp_path), timeout=240)
     assert results[0]["messages"] == results[1]["messages"], "every rank raises the same error"
+
+
+def async_group_worker(rank: int, world: int, tmp: str) -> float:
+    from datetime import timedelta
+
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import checkpoint
+    from flatshard.runtime.mesh import group_timeout
+    from tests.models import TinyGPT
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=77))
+    model = FSDP(TinyGPT(), process_group=group)
+    checkpoint.save(f"{tmp}/ckpt", model, async_save=True).wait()
+    return group_timeout(model.checkpoint_group).total_seconds()
+
+
+def test_the_async_save_group_keeps_the_models_timeout(tmp_path):
+    """The gloo group an asynchronous save commits on times out as the model's group does, not after
+    torch's default 30 minutes."""
+    assert run_distributed(async_group_worker, 2, str(tmp_path), timeout=120) == [77.0, 77.0]

@@ -52,6 +52,7 @@ from flatshard.checkpoint.format import (
 )
 from flatshard.runtime.agree import agree, gather_json, rank_in, run_agreed, world_of
 from flatshard.runtime.hooks import traced
+from flatshard.runtime.mesh import group_timeout
 from flatshard.runtime.schedule import Phase
 from flatshard.runtime.tree import UnitHost
 from flatshard.state.model_view import EntryKind, ModelView, dtype_name, model_view
@@ -206,12 +207,15 @@ def wait_pending(view: ModelView, what: str) -> None:
 
 
 def _checkpoint_group(host: Optional[UnitHost], group):
-    """A gloo group of the model's ranks for the background commit (never the training group)."""
+    """A gloo group of the model's ranks for the background commit (never the training group), with
+    the model group's timeout: a stalled peer fails the save after the time the user gave."""
     if world_of(group) == 1 or host is None:
         return group
     if host.checkpoint_group is None:
         ranks = dist.get_process_group_ranks(group)
-        host.checkpoint_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        host.checkpoint_group = dist.new_group(
+            ranks, backend="gloo", use_local_synchronization=True, timeout=group_timeout(group)
+        )
     return host.checkpoint_group
 
 
