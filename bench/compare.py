@@ -69,6 +69,8 @@ ABLATION = {  # name -> flatshard keywords (FULL_SHARD unless said); the first i
     "BACKWARD_PRE + forward_prefetch": dict(backward_prefetch="BACKWARD_PRE", forward_prefetch=True),
     "BACKWARD_PRE, limit_all_gathers=False": dict(backward_prefetch="BACKWARD_PRE", limit_all_gathers=False),
     "NO_SHARD": dict(backward_prefetch="BACKWARD_PRE", strategy="NO_SHARD"),
+    'shard_boundaries="rows"': dict(backward_prefetch="BACKWARD_PRE", shard_boundaries="rows"),
+    'shard_boundaries="params"': dict(backward_prefetch="BACKWARD_PRE", shard_boundaries="params"),
 }
 
 
@@ -390,6 +392,9 @@ def worker(args) -> int:
         add_ratios(res, base)
         res.update(kind="ablation", size=args.ablation_size, world=world, dtype="fp32", agree=losses_agree(res, False))
         res["FULL_SHARD/NO_SHARD"] = res["systems"][base]["step_s_median"] / res["systems"]["NO_SHARD"]["step_s_median"]
+        for mode in ("rows", "params"):  # against the default "flat"
+            name = f'shard_boundaries="{mode}"'
+            res[f"{mode}/flat"] = res["systems"][name]["step_s_median"] / res["systems"][base]["step_s_median"]
         results.append(res)
     if rank == 0:
         Path(args._out).write_text(json.dumps(results))
@@ -559,6 +564,7 @@ def print_report(report: dict) -> None:
             )
         console.print(a)
         console.print(f"FULL_SHARD / NO_SHARD step time: {r['FULL_SHARD/NO_SHARD']:.2f}")
+        console.print(f"shard_boundaries rows / flat: {r['rows/flat']:.2f}, params / flat: {r['params/flat']:.2f}")
 
 
 if __name__ == "__main__":

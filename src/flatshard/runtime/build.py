@@ -108,9 +108,10 @@ def _build_each(module, chosen, by_unit, paths, skip, device_id, groups, options
     else:  # children first (any order would do: parents are looked up before any unit is built)
         units = ((m, by_unit.get(m, [])) for m in [*chosen, module])
     root = None
+    loads = [0] * groups.shard_size  # elements per shard rank so far ([Note: shard boundaries], "params")
     for unit_module, params in units:
         name = "" if unit_module is module else paths[unit_module]
-        unit = build_unit(name, params, groups, options)
+        unit = build_unit(name, params, groups, options, loads)
         if unit_module is module:
             root = unit
         else:
@@ -122,7 +123,11 @@ def _build_each(module, chosen, by_unit, paths, skip, device_id, groups, options
 
 
 def build_unit(
-    name: str, params: list[tuple[ParamInfo, nn.Parameter]], groups: ShardGroups, options: BuildOptions
+    name: str,
+    params: list[tuple[ParamInfo, nn.Parameter]],
+    groups: ShardGroups,
+    options: BuildOptions,
+    loads: Optional[list[int]] = None,
 ) -> Unit:
     """Flatten ``params`` (layout info, original parameter) into one unit on this rank."""
     infos = [info for info, _ in params]
@@ -142,7 +147,7 @@ def build_unit(
         )
     dtype = dtypes.pop() if dtypes else torch.float32
     device = originals[0].device if originals else torch.device("cpu")
-    layout = FlatLayout(infos, groups.shard_size, options.shard_boundaries)
+    layout = FlatLayout(infos, groups.shard_size, options.shard_boundaries, loads)
     flat = layout.flatten({info.name: p for info, p in params}, dtype=dtype, device=device)
     if options.sync_module_states and torch.distributed.get_world_size(groups.process_group) > 1:
         collectives.broadcast(flat, 0, groups.process_group)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -57,19 +58,27 @@ class FlatLayout:
                      parameter is a block of whole rows, its shard view keeps the parameter's ndim;
       * ``"params"`` every parameter whole on one rank: parameters are dealt to ranks largest first,
                      each to the rank holding fewest elements so far (ties to the lower rank), and laid
-                     out rank by rank, so each rank's parameters are contiguous in the flat.
+                     out rank by rank, so each rank's parameters are contiguous in the flat. "So far"
+                     counts the units built before this one in the same wrap call (``loads``): a rank
+                     that took a unit's largest matrix takes less of the next, so the model's bytes per
+                     rank balance even where one unit's cannot.
     Shards of ``"rows"`` and ``"params"`` differ in size (``shard_numel_of``); nothing is padded, and
     the unsharded flat is still the parameters in layout order, so compute views stay zero-copy
     splits. On gloo the point-to-point exchanges move ragged shards as they are; other backends need
     equal sizes, paid as padding and one copy per collective (collectives.py).
     """
 
-    def __init__(self, infos: list[ParamInfo], shard_size: int, boundaries: str = "flat"):
+    def __init__(
+        self, infos: list[ParamInfo], shard_size: int, boundaries: str = "flat", loads: Optional[list[int]] = None
+    ):
+        """``loads``: elements each shard rank holds of the units laid out before this one (``"params"``
+        deals against them and adds this unit's shards to them)."""
         if boundaries not in BOUNDARIES:
             raise ValueError(f"shard_boundaries must be one of {BOUNDARIES}, got {boundaries!r}")
         self.boundaries = boundaries
         self.shard_size = shard_size  # F
-        owners = _deal(infos, shard_size) if boundaries == "params" else None
+        loads = loads if loads is not None else [0] * shard_size
+        owners = _deal(infos, shard_size, loads) if boundaries == "params" and shard_size > 1 else None
         self.infos = _in_rank_order(infos, owners) if owners is not None else infos
         self.total = sum(i.numel for i in self.infos)  # T
         if boundaries == "flat" or shard_size == 1:
@@ -79,10 +88,12 @@ class FlatLayout:
             self.bounds = [0] + [_row_cut(self.infos, self.total * k // shard_size) for k in range(1, shard_size)]
             self.bounds.append(self.total)
         else:
-            loads = [0] * shard_size
+            mine = [0] * shard_size
             for info, owner in zip(infos, owners):
-                loads[owner] += info.numel
-            self.bounds = [sum(loads[:k]) for k in range(shard_size + 1)]
+                mine[owner] += info.numel
+            self.bounds = [sum(mine[:k]) for k in range(shard_size + 1)]
+        for rank, size in enumerate(self.shard_sizes):
+            loads[rank] += size
         self.padded = self.bounds[-1]  # the unsharded flat: F·S for "flat", T otherwise
         self.split_sizes = [i.numel for i in self.infos] + [self.padded - self.total]
 
@@ -137,9 +148,9 @@ class FlatLayout:
         return (n // row if row else 0, *info.shape[1:])
 
 
-def _deal(infos: list[ParamInfo], shard_size: int) -> list[int]:
+def _deal(infos: list[ParamInfo], shard_size: int, before: list[int]) -> list[int]:
     """The owner of each parameter under ``"params"``: largest first, to the least loaded rank."""
-    loads = [0] * shard_size
+    loads = list(before)
     owners = [0] * len(infos)
     for i in sorted(range(len(infos)), key=lambda i: (-infos[i].numel, i)):
         owner = min(range(shard_size), key=lambda r: (loads[r], r))
