@@ -259,13 +259,14 @@ def gpt_init_fn(model, cfg):
 
 
 def batches(cfg, args, rank: int, world: int):
-    """Random windows of the Python standard library's source (as examples/train_gpt.py reads it)."""
-    import torch
+    """Random windows of the Python standard library's source (as examples/train_gpt.py reads it: step
+    k's batch drawn from the seed plus k)."""
     from train_gpt import get_batch, load_corpus
 
-    data, gen = load_corpus(), torch.Generator().manual_seed(args.seed)
+    data, step = load_corpus(), 0
     while True:
-        yield get_batch(data, gen, args.batch_size, cfg.block_size, rank, world)
+        yield get_batch(data, args.seed + step, args.batch_size, cfg.block_size, rank, world)
+        step += 1
 
 
 def rank_main(args) -> int:
