@@ -21,6 +21,7 @@ import argparse
 import copy
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,6 +69,23 @@ def cmd_clean(_args) -> int:
     return 0
 
 
+def source_commit() -> str | None:
+    """The checkout's commit (with "+ changes" when tracked files differ from it), or None outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cluster_net.ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cluster_net.ROOT,
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + (" + changes" if dirty.stdout.strip() else "")
+
+
 def measure_one(rate: str, args, tmp: Path) -> dict:
     """One job at ``rate``: the worker's result, the losses' agreement and the planner's predictions."""
     out = tmp / f"{rate}.json"
@@ -87,6 +105,7 @@ def measure_one(rate: str, args, tmp: Path) -> dict:
     return {
         "rate": rate,
         "command": "python bench/cluster.py " + " ".join(args.argv),
+        "commit": args.commit or source_commit(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "load_average_before": load_before,
@@ -145,6 +164,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     meas.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     meas.add_argument("--systems", nargs="*", help="only the systems whose names contain one of these")
     meas.add_argument("--json-dir", type=Path, default=RESULTS, help="where cluster_<rate>.json goes")
+    meas.add_argument("--commit", help="the source measured, for the JSON (default: this checkout's git HEAD)")
     meas.set_defaults(func=cmd_measure)
 
     clean = sub.add_parser("clean", help="remove namespaces left by killed runs")

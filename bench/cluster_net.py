@@ -13,8 +13,10 @@ Needs root (network namespaces), ``ip`` and ``tc`` (iproute2); ``unavailable()``
 * Links: with 2 nodes one veth pair joins them; with more, each node's veth ends in a bridge ``br0``
   inside a namespace of its own (``fsc<pid>br``), a switch with one port per node. A ``tbf`` qdisc on
   both ends of every veth limits each direction to the rate (the node's upload on its own end, its
-  download on the switch's end); ``--delay`` adds a ``netem`` delay beneath it where the kernel has
-  netem (not every kernel does: the script says so and stops rather than run without it).
+  download on the switch's end), with a queue of ``queue_ms`` (100 ms) at the rate: deep enough that
+  TCP sees delay rather than drops (at 20 ms, 200 Mbit/s dropped packets and each drop costs a 200 ms
+  retransmission timeout). ``--delay`` adds a ``netem`` delay beneath it where the kernel has netem
+  (not every kernel does: the script says so and stops rather than run without it).
 * Ranks on one node talk over that namespace's loopback (gloo binds to ``fs0``'s address, and the kernel
   routes traffic to a local address through ``lo``): the fast link. Ranks on different nodes talk over
   the veth: the slow link. So the two link classes of a real cluster are both here, and only the
@@ -138,13 +140,14 @@ def remove_stale() -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """N nodes of P ranks; every link between nodes limited to ``rate_bits`` per direction (None: no
-    limit), with ``delay_ms`` one-way delay added (netem; 0 adds none)."""
+    limit), with ``delay_ms`` one-way delay added (netem; 0 adds none) and a queue of ``queue_ms`` at
+    the rate on each end."""
 
     nodes: int = 2
     nproc: int = 2
     rate_bits: int | None = 10**9
     delay_ms: float = 0.0
-    queue_ms: float = 20.0
+    queue_ms: float = 100.0
 
     def __post_init__(self) -> None:
         if not 2 <= self.nodes <= 200:

@@ -4,7 +4,8 @@
 
 Two parts, one job:
 
-1. Calibration, with every rank busy at once as in training ([Note: cluster calibration]).
+1. The calibration (bench/cluster_calibrate.py, [Note: cluster calibration]): the links per class, one
+   rank's compute, and the collectives of one unit.
 2. The systems, interleaved as bench/compare.py interleaves them (its helpers: the same GPT, batches,
    builders and result gathering): flatshard FULL_SHARD, HYBRID_SHARD (F = P, the shard groups are the
    nodes), SHARD_GRAD_OP and NO_SHARD; DDP; PyTorch FSDP2 FULL_SHARD and HSDP (a (N, P) mesh); and a
@@ -12,23 +13,12 @@ Two parts, one job:
    floor). A step's time is the slowest rank's; the figure is the median over the measured steps.
    Around every step, local rank 0 of each node reads its link interface's byte counters, so the bytes
    that really crossed the slow link are known per system.
-
-[Note: cluster calibration]
-Link classes are measured the way the planner's ``Links`` defines them: bytes/s *per rank* per direction,
-with every rank communicating at once. Within a node the ranks pair up (local ranks 2k, 2k+1) over
-loopback; between nodes every rank pairs with the rank of the same local rank on the partner node
-(nodes 2m, 2m+1), so the P ranks of a node share its link as the replicate all-reduces of a hybrid do.
-Each exchange sends and receives the same size at once (isend + irecv, as flatshard's gloo exchanges
-do). Latency alpha is the time of a 4-byte exchange; bandwidth beta is the slope between two large
-sizes. "inter (one pair)" repeats the inter-node figure with only local rank 0 of each node active:
-the link's own rate, for comparison. Compute is one rank's forward + backward on its batch with every
-rank computing at once (on a shared CPU they compete for cores, as they do in training); the
-optimizer step is timed apart, because the planner leaves it out.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -43,85 +33,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cluster_calibrate  # noqa: E402
 import compare  # noqa: E402  (bench/compare.py; it puts examples/ on the path for gpt.py)
 
 import flatshard  # noqa: E402
 
 LINK_STATS = Path("/sys/class/net/fs0/statistics")
-SMALL, MID, LARGE = 4, 1 << 20, 8 << 20  # bytes per exchange: latency, then two sizes for the slope
-
-
-# ---- calibration --------------------------------------------------------------------------------------
-def _slowest(values: list[float]) -> list[float]:
-    """Element-wise max over ranks (a timed step lasts as long as its slowest rank)."""
-    mine = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return mine.tolist()
-
-
-def _exchange_times(peer: int | None, nbytes: int, reps: int) -> list[float]:
-    """Seconds of ``reps`` exchanges of ``nbytes`` each way with ``peer`` (None: this rank sits out)."""
-    send = torch.ones(max(1, nbytes // 4))
-    recv = torch.empty_like(send)
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if peer is not None:
-            works = [dist.isend(send, peer), dist.irecv(recv, peer)]
-            for w in works:
-                w.wait()
-        times.append(time.perf_counter() - t0 if peer is not None else 0.0)
-    return _slowest(times)
-
-
-def _link_figures(peer: int | None, reps_small: int = 20, reps_large: int = 3) -> dict:
-    _exchange_times(peer, MID, 1)  # connect and warm up
-    t_small = statistics.median(_exchange_times(peer, SMALL, reps_small))
-    t_mid = statistics.median(_exchange_times(peer, MID, reps_large))
-    t_large = statistics.median(_exchange_times(peer, LARGE, reps_large))
-    beta = (LARGE - MID) / max(t_large - t_mid, 1e-9)
-    return {"latency_s": t_small, "bandwidth_Bps": beta, "seconds": {"4B": t_small, "1MiB": t_mid, "8MiB": t_large}}
-
-
-def calibrate_links(nodes: int, nproc: int) -> dict:
-    rank = dist.get_rank()
-    node, local = divmod(rank, nproc)
-    out = {}
-    if nproc > 1:
-        intra = rank ^ 1 if (local ^ 1) < nproc else None
-        out["intra"] = _link_figures(intra)
-    partner = node ^ 1
-    inter = partner * nproc + local if partner < nodes else None
-    out["inter"] = _link_figures(inter)
-    out["inter (one pair)"] = _link_figures(inter if local == 0 else None)
-    return out
-
-
-def _timed(fn, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return _slowest(times)
-
-
-def calibrate_compute(gpt, cfg, batch, reps: int) -> dict:
-    """One rank's forward + backward, and its AdamW step on the whole model, every rank at once."""
-    model = gpt.GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = batch
-
-    def fwd_bwd():
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-
-    fwd_bwd()
-    opt.step()
-    compute = statistics.median(_timed(fwd_bwd, reps))
-    optimizer = statistics.median(_timed(opt.step, reps))
-    return {"forward_backward_s": compute, "optimizer_step_s": optimizer}
+FLOOR = "no communication"
 
 
 # ---- the systems --------------------------------------------------------------------------------------
@@ -146,19 +64,52 @@ def builders(gpt, cfg, nodes: int, nproc: int) -> dict:
         "DDP": lambda: compare.build_ddp(gpt, cfg),
         "FSDP2 FULL_SHARD": lambda: compare.build_fsdp2(gpt, cfg, False),
         f"FSDP2 HSDP ({nodes}x{nproc})": lambda: build_hsdp(cfg, nodes, nproc),
-        "no communication": lambda: gpt.GPT(cfg),
+        FLOOR: lambda: gpt.GPT(cfg),
     }
 
 
+@dataclasses.dataclass
+class ComputeFloor(compare.System):
+    """The system with no communication, its step timed in two parts: forward + backward, then the
+    optimizer. Interleaved with the others, it is the compute calibration ([Note: cluster calibration])."""
+
+    parts: list = dataclasses.field(default_factory=list)  # (forward + backward s, optimizer s) per step
+
+    def step(self, x, y) -> torch.Tensor:
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        t1 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.parts.append((t1 - t0, time.perf_counter() - t1))
+        return loss.detach()
+
+
 def make_systems(gpt, cfg, nodes: int, nproc: int, seed: int, only: list[str] | None) -> list[compare.System]:
+    """The systems (those named in ``only``, and always the compute floor), each from the same seed."""
     systems = []
     for name, build in builders(gpt, cfg, nodes, nproc).items():
-        if only and not any(o in name for o in only):
+        floor = name == FLOOR
+        if only and not floor and not any(o in name for o in only):
             continue
         torch.manual_seed(seed)
         model = build()
-        systems.append(compare.System(name, model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+        kind = ComputeFloor if floor else compare.System
+        systems.append(kind(name, model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
     return systems
+
+
+def compute_figures(systems, warmup: int) -> dict:
+    """Median over measured steps of the slowest rank's forward + backward and optimizer step (the floor)."""
+    floor = next(s for s in systems if isinstance(s, ComputeFloor))
+    fwd_bwd = cluster_calibrate.slowest([a for a, _ in floor.parts[warmup:]])
+    opt = cluster_calibrate.slowest([b for _, b in floor.parts[warmup:]])
+    return {
+        "forward_backward_s": statistics.median(fwd_bwd),
+        "optimizer_step_s": statistics.median(opt),
+        "source": f"the '{FLOOR}' system, interleaved with the others",
+    }
 
 
 def _link_counter(local_rank: int) -> int:
@@ -211,7 +162,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="measured steps per system")
     p.add_argument("--warmup", type=int, default=2, help="steps per system run first and discarded")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
-    p.add_argument("--calibration-reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--systems", nargs="*", help="only the systems whose names contain one of these")
     return p.parse_args(argv)
@@ -230,12 +180,17 @@ def main(argv=None) -> int:
     data_batches = compare.batches(data, steps, args.batch_size, cfg.block_size, rank, world, args.seed)
 
     started = time.perf_counter()
-    calibration = {"links": calibrate_links(nodes, nproc)}
-    calibration["compute"] = calibrate_compute(gpt, cfg, data_batches[0], args.calibration_reps)
+    calibration = {"links": cluster_calibrate.calibrate_links(nodes, nproc)}
+    unit = sum(p.numel() for p in gpt.Block(cfg).parameters())
+    calibration["collectives"] = {
+        "unit_numel": unit,
+        "seconds": cluster_calibrate.calibrate_collectives(unit, nodes, nproc),
+    }
     calibration["seconds"] = time.perf_counter() - started
 
     systems = make_systems(gpt, cfg, nodes, nproc, args.seed, args.systems)
     link = run_systems(systems, data_batches, args.warmup, local_rank)
+    calibration["compute"] = compute_figures(systems, args.warmup)
     n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
     result = compare.gather_results(systems, n_params, world)
     result["link_tx_bytes_per_step_per_node"] = gather_link_bytes(link, nproc)
