@@ -54,7 +54,8 @@ def directories_worker(rank: int, world: int, tmp: str) -> dict:
     assert "is not a flatshard checkpoint" in messages[-1], messages[-1]
     assert os.path.exists(f"{d}/other/manifest.json"), "a failed save removed a directory it does not own"
 
-    checkpoint.save(f"{d}/best", model, opt, step=0)  # another name: never counted by keep_last
+    checkpoint.save(f"{d}/run2-step-00000001", model, opt, step=1)  # another run's: never counted by keep_last
+    checkpoint.save(f"{d}/best", model, opt, step=0)  # another name: never counted either
     assert checkpoint.latest(d) == f"{d}/best"
     for step in range(1, 5):
         train(model, opt, batch, loss_fn, step, 1)
@@ -62,7 +63,9 @@ def directories_worker(rank: int, world: int, tmp: str) -> dict:
         assert checkpoint.latest(d) == checkpoint.step_path(d, step), step
     want = full_sd(model)
     names = sorted(os.listdir(d))
-    assert names == sorted(PLANTED + ["best", "latest", "step-00000003", "step-00000004"]), names
+    assert names == sorted(PLANTED + ["best", "latest", "run2-step-00000001", "step-00000003", "step-00000004"]), names
+    relative = os.path.relpath(d)
+    assert checkpoint.latest(relative) == os.path.join(relative, "step-00000004"), "the caller's form of the path"
     with open(f"{d}/latest") as f:
         pointer = json.load(f)
     assert pointer["checkpoint"] == "step-00000004" and pointer["step"] == 4, pointer
@@ -193,3 +196,25 @@ def test_the_async_save_group_keeps_the_models_timeout(tmp_path):
     """The gloo group an asynchronous save commits on times out as the model's group does, not after
     torch's default 30 minutes."""
     assert run_distributed(async_group_worker, 2, str(tmp_path), timeout=120) == [77.0, 77.0]
+
+
+def test_rotation_counts_only_names_like_the_new_one(tmp_path):
+    """In one process, on manifests alone: keep_last's rotation varies only the last number of the new
+    checkpoint's name (another run's step directories beside it stay), orders by commit time, not by
+    name, and never removes the checkpoint just written."""
+    from flatshard.checkpoint.directory import rotate
+    from flatshard.checkpoint.format import FORMAT, FORMAT_VERSION
+
+    def fake(name: str, at: float) -> str:
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "manifest.json", "w") as f:
+            json.dump({"format": FORMAT, "format_version": FORMAT_VERSION, "files": {}, "committed_at": at}, f)
+        return str(tmp_path / name)
+
+    for i, name in enumerate(["run1-step-00000001", "run1-step-00000002", "run1-step-00000003"]):
+        fake(name, 1000.0 + i)
+    fake("run2-step-00000001", 500.0)  # the oldest of all: the first to go, were it counted
+    newest = fake("run1-step-00000009", 900.0)  # resumed from an earlier step, with a clock behind: still kept
+    removed = rotate(newest, 2)
+    assert sorted(os.path.basename(p) for p in removed) == ["run1-step-00000001", "run1-step-00000002"], removed
+    assert sorted(os.listdir(tmp_path)) == ["run1-step-00000003", "run1-step-00000009", "run2-step-00000001"]

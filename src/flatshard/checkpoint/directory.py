@@ -30,12 +30,13 @@ fsynced). A file named ``latest`` that is not flatshard's pointer is left alone.
 the newest complete checkpoint directly under ``dir``: the pointer's, when it names a complete
 checkpoint and no manifest beside it is newer than the pointer itself; otherwise (killed between the
 commit and the pointer, a removed or copied checkpoint, no pointer) the complete checkpoint with the
-latest commit time (the manifest's ``committed_at``). ``keep_last=k`` then keeps the k most recently
-committed complete checkpoints among PATH and its siblings whose names are PATH's with other numbers
-(``step-00000100``, ``step-00000200``; ``best`` beside them is never counted), always keeping PATH;
-each one removed is first renamed to ``NAME.removing`` (so it stops being a checkpoint at once),
-then deleted. Directories that are not complete flatshard checkpoints (no manifest, a missing or
-truncated file, another program's manifest) are never removed.
+latest commit time (the manifest's ``committed_at``). ``keep_last=k`` then keeps k checkpoints: PATH
+and the k - 1 most recently committed complete checkpoints among its siblings whose names are PATH's
+with another number in place of its last one (``step-00000100``, ``step-00000200``; ``best`` or
+``run2-step-00000100`` beside them are never counted); each other one is removed, first renamed to
+``NAME.removing`` (so it stops being a checkpoint at once), then deleted. Directories that are not
+complete flatshard checkpoints (no manifest, a missing or truncated file, another program's
+manifest) are never removed.
 """
 
 from __future__ import annotations
@@ -256,9 +257,11 @@ def _newest_first(found: dict[str, str]) -> list[str]:
 
 
 def latest(directory) -> Optional[str]:
-    """The newest complete checkpoint directly under ``directory`` (its path), or None if there is none
-    ([Note: latest and rotation]). Local: it reads the file system and runs no collective."""
-    directory = os.path.abspath(os.fspath(directory))
+    """The newest complete checkpoint directly under ``directory`` (its path, ``directory`` joined with
+    its name as ``step_path`` does), or None if there is none ([Note: latest and rotation]). Local: it
+    reads the file system and runs no collective."""
+    given = os.fspath(directory)
+    directory = os.path.abspath(given)
     found = _candidates(directory)
     pointer = os.path.join(directory, POINTER)
     name = _read_pointer(pointer) if os.path.isfile(pointer) else None
@@ -267,9 +270,9 @@ def latest(directory) -> Optional[str]:
         since = os.stat(pointer).st_mtime_ns
         newer = [p for p, w in found.items() if p != target and _mtime_ns(w) >= since]
         if not newer and _newest_first({target: found[target]}):
-            return target
+            return os.path.join(given, name)
     ranked = _newest_first(found)
-    return ranked[0] if ranked else None
+    return os.path.join(given, os.path.basename(ranked[0])) if ranked else None
 
 
 def _mtime_ns(where: str) -> int:
@@ -279,19 +282,29 @@ def _mtime_ns(where: str) -> int:
         return 0
 
 
+def _named_like(name: str) -> re.Pattern:
+    """Names that are ``name`` with another number in place of its last one (``step-00000100``:
+    ``step-00000200``, ``step-123456789``); a name without digits matches only itself."""
+    digits = list(re.finditer(r"\d+", name))
+    if not digits:
+        return re.compile(re.escape(name))
+    last = digits[-1]
+    return re.compile(re.escape(name[: last.start()]) + r"\d+" + re.escape(name[last.end() :]))
+
+
 def rotate(path: str, keep_last: int) -> list[str]:
-    """Remove all but the ``keep_last`` most recently committed complete checkpoints named like ``path``
-    beside it, never ``path`` itself ([Note: latest and rotation]); returns the paths removed."""
+    """Keep ``path`` and the ``keep_last - 1`` most recently committed other complete checkpoints named
+    like it beside it; remove the rest of those ([Note: latest and rotation]). Returns the paths removed."""
     parent, name = os.path.split(path)
-    like = re.compile(re.sub(r"\d+", lambda _: r"\d+", re.escape(name)))
+    like = _named_like(name)
     for leftover in os.listdir(parent):  # a rotation killed while deleting
         if leftover.endswith(REMOVING) and like.fullmatch(leftover[: -len(REMOVING)]):
             shutil.rmtree(os.path.join(parent, leftover), ignore_errors=True)
     found = {p: w for p, w in _candidates(parent).items() if like.fullmatch(os.path.basename(p))}
-    ranked = _newest_first(found)
-    keep = set(ranked[:keep_last]) | {path}
+    others = [p for p in _newest_first(found) if p != path]
+    keep = set(others[: keep_last - 1])  # and path, always: k in all
     removed = []
-    for p in ranked:
+    for p in others:
         if p in keep:
             continue
         doomed = p + REMOVING

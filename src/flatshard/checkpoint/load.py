@@ -41,8 +41,8 @@ def load(path, model, optimizer=None, *, strict: bool = True, rng: bool = True) 
     same world size, every rank's RNG states (torch, CUDA, numpy, random) are restored too."""
     path = os.path.abspath(os.fspath(path))
     view = model_view(model)
-    wait_pending(view, "load")
     with traced("checkpoint.load"), view.phase(Phase.CHECKPOINT):
+        wait_pending(view, "load")
         return _load(path, view, optimizer, strict, rng)
 
 

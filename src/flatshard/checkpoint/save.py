@@ -148,8 +148,8 @@ def save(
     committed. A later ``save`` or ``load`` of the same model waits for it first."""
     path = os.path.abspath(os.fspath(path))
     view = model_view(model)
-    wait_pending(view, "save")
     with traced("checkpoint.save"), view.phase(Phase.CHECKPOINT):
+        wait_pending(view, "save")
         return _save(path, view, optimizer, step, extra, async_save, keep_last)
 
 
