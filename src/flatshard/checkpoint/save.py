@@ -140,8 +140,8 @@ def save(
     Saving again to an existing ``path`` replaces it only once the new checkpoint is complete; killed
     at any point, ``path`` loads (the previous checkpoint until the new one commits). After the commit
     ``dirname(path)/latest`` names it (``latest(dirname(path))`` finds it), and with ``keep_last=k``
-    only the k most recently committed checkpoints named like ``path`` beside it are kept
-    (``step_path`` names them; ``path`` itself is always kept).
+    k checkpoints are kept: ``path`` and the k - 1 most recently committed others beside it whose
+    names differ from its name in their last number only (``step_path`` names them so).
 
     With ``async_save=True`` the tensors are first copied to host memory and the writing and commit
     run in a background thread on a separate gloo group; the returned ``AsyncSave`` says when it is
