@@ -118,6 +118,7 @@ def _consolidate_main(argv: list[str]) -> int:
     p.add_argument("output", help="a .safetensors file to write, or an existing directory for Hugging Face's layout")
     p.add_argument(
         "--max-shard-size",
+        metavar="SIZE",
         help=f"the largest shard in a directory output (default {DEFAULT_SHARD_SIZE}); KB, MB, GB are powers of "
         "1000 as in Hugging Face, KiB, MiB, GiB powers of 1024",
     )
