@@ -33,7 +33,7 @@ MODULES = {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
 def layer(module: str) -> str:
     tail = module.removeprefix("flatshard").lstrip(".")
     top = tail.split(".")[0]
-    if top in ("api", "wrap", "weight_decay"):
+    if top in ("api", "wrap", "weight_decay", "interop"):
         return "vocabulary"
     if top in ("planner", "runtime", "state", "checkpoint"):
         return top

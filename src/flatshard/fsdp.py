@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from flatshard import interop
 from flatshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.runtime import build, grad, hooks, summon
 from flatshard.runtime.instrument import CommRecorder, MemoryRecorder
@@ -73,6 +74,10 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         inside a parameter: each lives whole on one rank (``flatshard.owned_named_parameters(model)``),
         so whole-matrix optimizers (Muon, Adafactor) step it locally."""
         super().__init__()
+        # PyTorch FSDP's own enums and configs are taken as flatshard's (a script with one import unswapped)
+        sharding_strategy, backward_prefetch, mixed_precision, cpu_offload = map(
+            interop.translate, (sharding_strategy, backward_prefetch, mixed_precision, cpu_offload)
+        )
         strategy = sharding_strategy if sharding_strategy is not None else ShardingStrategy.FULL_SHARD
         _check_types(strategy, backward_prefetch, mixed_precision, cpu_offload)
         options = build.BuildOptions(
@@ -171,6 +176,25 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         error_msgs,  # noqa: ARG002
     ) -> None:
         state_module.load_from_parent(self, state_dict, prefix, missing_keys, unexpected_keys)
+
+    # [Note: get_state_dict on the wrapper]
+    # PyTorch's get_state_dict / get_model_state_dict / get_optimizer_state_dict / set_state_dict know
+    # PyTorch's FSDP classes and DTensor parameters; to them this wrapper is a plain module, so they would
+    # take each rank's 1-D optimizer-state pieces for whole tensors and write a checkpoint missing most of
+    # them, without an error. Every one of those functions first walks the model asking each module for
+    # ``_fqn_modifiers`` (their extension point for modules that rename state-dict keys): here that
+    # question raises, on every rank (every rank calls the function), before anything is written.
+    @property
+    def _fqn_modifiers(self):
+        raise NotBuiltError(
+            "torch.distributed.checkpoint.state_dict (get_state_dict, get_model_state_dict, "
+            "get_optimizer_state_dict, set_state_dict, ...) does not understand flatshard's "
+            "FullyShardedDataParallel: its optimizer state would be saved as each rank's 1-D piece. Use "
+            "flatshard.checkpoint.save/load; or, for torch.distributed.checkpoint, "
+            "FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT) with "
+            "model.state_dict() and FullyShardedDataParallel.optim_state_dict(model, optim); or flatshard's "
+            "fully_shard, whose DTensor parameters get_state_dict supports."
+        )
 
     @staticmethod
     def state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):

@@ -45,6 +45,7 @@ Index of every [Note: ...] in the package
   optimizers on shard views ....... runtime/optim_check.py
   bounded recorders ............... runtime/instrument.py
   nested wrappers ................. fsdp.py
+  get_state_dict on the wrapper ... fsdp.py
   flat ranges as boxes ............ state/sharded_tensors.py
   loading through a plain parent .. state/module.py
   crash-safe commit ............... checkpoint/directory.py

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from flatshard import interop
 from flatshard.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -39,6 +40,9 @@ def settings_of(module: nn.Module) -> StateDictSettings:
 def set_state_dict_type(
     module, state_dict_type, state_dict_config=None, optim_state_dict_config=None
 ) -> StateDictSettings:
+    state_dict_type, state_dict_config, optim_state_dict_config = map(
+        interop.translate, (state_dict_type, state_dict_config, optim_state_dict_config)
+    )
     if not isinstance(state_dict_type, StateDictType):
         raise TypeError(f"state_dict_type must be a flatshard.StateDictType, got {state_dict_type!r}")
     config_cls, optim_cls = CONFIGS[state_dict_type]
