@@ -25,6 +25,7 @@ import compare
 from flatshard.planner import Links, PlanInputs, plan_strategy
 
 TOLERANCE = 0.25
+TIE = 0.05  # two systems measured closer than this are a tie: run to run, medians move about that much
 
 
 def planned_as(name: str, world: int, nproc: int) -> tuple[str, int] | None:
@@ -178,6 +179,7 @@ def verdicts(rows: dict) -> dict:
             "same_order": order == measured_order,
             "misordered_pairs": _misordered(rows, flat, key),
         }
+        out[label]["same_order_but_ties"] = all(m["measured_gap"] <= TIE for m in out[label]["misordered_pairs"])
     return out
 
 
@@ -298,9 +300,12 @@ def print_report(report: dict) -> None:
         gaps = ", ".join(
             f"{' / '.join(m['pair'])} ({m['measured_gap']:.0%} apart measured)" for m in w["misordered_pairs"]
         )
+        if w["same_order"]:
+            order = "same"
+        else:
+            order = ("same but for a tie: " if w["same_order_but_ties"] else "DIFFERENT: ") + gaps
         console.print(
-            f"{label}: within 25% {sum(w['within_25_percent'].values())}/{len(w['within_25_percent'])}; "
-            f"order {'same' if w['same_order'] else 'DIFFERENT: ' + gaps}"
+            f"{label}: within 25% {sum(w['within_25_percent'].values())}/{len(w['within_25_percent'])}; order {order}"
         )
     agree = report["losses_agree"]
     bad = [n for n, a in agree.items() if not a["agree"]]
