@@ -5,7 +5,7 @@
     python bench/compare.py --sizes 30M --world 2 --dtypes bf16 --steps 12 --no-ablation
 
 For each world size W the command starts W local processes through torchrun's own machinery
-(``torch.distributed.run``, ``--standalone``, gloo on CPU), as examples/train_gpt.py does. In the ranks,
+(``torch.distributed.run``, gloo on CPU, every socket on 127.0.0.1), as examples/train_gpt.py does. In the ranks,
 for each size and dtype, the same GPT (examples/gpt.py: same seed, so the same initial weights; the same
 batches on each rank) is built three ways:
 
@@ -405,25 +405,14 @@ def worker(args) -> int:
 
 # ---- the launcher and the report (one process) -----------------------------------------------------
 def launch(world: int, argv: list[str], out: Path) -> list[dict]:
-    """Run the worker on ``world`` local ranks through torchrun's machinery; its results."""
-    from torch.distributed import run as torchrun
+    """Run the worker on ``world`` local ranks through torchrun's machinery, every socket of the job on
+    127.0.0.1 (examples/local_launch.py); its results."""
+    from local_launch import run_local
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
-    parser = torchrun.get_args_parser()
-    launch_args = parser.parse_args(
-        [
-            "--standalone",
-            f"--nproc-per-node={world}",
-            str(Path(__file__).resolve()),
-            *argv,
-            "--_worker",
-            "--_out",
-            str(out),
-        ]
-    )
     try:
-        torchrun.run(launch_args)
+        run_local(world, str(Path(__file__).resolve()), [*argv, "--_worker", "--_out", str(out)])
     except ChildFailedError as err:
         raise SystemExit(f"the benchmark's ranks failed at W={world} (torchrun printed why above)") from err
     return json.loads(out.read_text())

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -142,12 +141,6 @@ def unavailable_reason() -> str | None:
 
 
 # ---- launcher -------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_capped(name: str, cap: int, argv: list[str], env: dict, count: int) -> tuple[list[int], list[MemoryCap], float]:
     """Start ``count`` copies of this script (``env`` + RANK) each in its own cgroup; wait for all."""
     caps = [MemoryCap(f"{name}-r{r}", cap) for r in range(count)]
@@ -180,14 +173,20 @@ def launch(args) -> int:
             f"16·P = {16 * P / GiB:.2f} GiB is less than twice the cap ({args.cap / GiB:.2f} GiB): "
             "raise --layers/--dim or lower --cap (or pass --allow-small)"
         )
+    from local_launch import LOOPBACK, loopback_env, loopback_store
+
     forwarded = [a for a in sys.argv[1:] if a not in ("--no-baseline",)]
     tag = f"flatshard-big-{os.getpid()}"
+    # The ranks' store, hosted here on 127.0.0.1 only, and their gloo sockets on the loopback interface
+    # ([Note: loopback-only local launch] in local_launch.py): nothing of the job listens elsewhere.
+    store, port = loopback_store()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "figures.json"
         env = {
             **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
+            **loopback_env(),
+            "MASTER_ADDR": LOOPBACK,
+            "MASTER_PORT": str(port),
             "WORLD_SIZE": str(args.world),
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.world)),
         }
@@ -280,7 +279,9 @@ def rank_main(args) -> int:
     from flatshard import param_groups
     from flatshard.wrap import ModuleWrapPolicy
 
-    dist.init_process_group("gloo")
+    # a client of the store the launcher hosts on 127.0.0.1 (a rank that hosted it would listen everywhere)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = model_config(args)

@@ -16,8 +16,9 @@ node, with the same endpoint (host:port of the first node):
         examples/train_gpt.py --strategy HYBRID_SHARD
 
 Not under torchrun and asked for more than one process, the script checks its arguments and then starts
-itself through torchrun's own machinery (``torch.distributed.run``: its argument parser and ``run``, with
-``--standalone``), so both ways of launching are the same code path in the ranks. With ``--device cuda``
+itself through torchrun's own machinery (``torch.distributed.run``: its argument parser and ``run``), so
+both ways of launching are the same code path in the ranks; its rendezvous and the ranks' sockets listen
+on 127.0.0.1 only (local_launch.py). With ``--device cuda``
 each rank uses the GPU its ``LOCAL_RANK`` names and NCCL; on CPU, gloo.
 Reads top to bottom: config → dist init → data → model → optimizer → resume → loop → evaluation →
 summary. Rank 0 reports every ``--log-interval`` steps (a bar on a terminal, a plain line otherwise,
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from gpt import GPT, PRESETS, Block, flops_per_token, generate
+from local_launch import run_local
 from train_report import STEP_PHASES, TrainLog, figures, gather_memory, peak_flops, print_summary
 
 import flatshard
@@ -166,17 +168,14 @@ def world_size(args) -> int:
 
 
 def relaunch_with_torchrun(nproc: int) -> int:
-    """Start ``nproc`` copies of this script through torchrun's own machinery and wait for them."""
-    from torch.distributed import run as torchrun
+    """Start ``nproc`` copies of this script through torchrun's own machinery and wait for them. Every
+    socket of the job listens on 127.0.0.1 only ([Note: loopback-only local launch], local_launch.py)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     # Split the cores between the ranks (torchrun would otherwise set 1 and warn about it).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    parser = torchrun.get_args_parser()
-    parser.allow_abbrev = False  # else torchrun reads our --nproc as an ambiguous abbreviation of its --nproc-per-node
-    launch = parser.parse_args(["--standalone", f"--nproc-per-node={nproc}", os.path.abspath(__file__), *sys.argv[1:]])
     try:
-        torchrun.run(launch)
+        run_local(nproc, os.path.abspath(__file__), sys.argv[1:])
     except ChildFailedError:
         return 1  # torchrun has already printed which rank failed and why
     return 0
