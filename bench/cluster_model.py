@@ -42,23 +42,27 @@ class LinkModel:
     ranks_per_node: int
 
 
-def _exchange(link: LinkModel, n: int, g: int, chunk: float) -> float:
+def _exchange(link: LinkModel, n: int, g: int, chunk: float) -> tuple[float, float]:
+    """(seconds, bytes crossing one node's link) of an all-gather or reduce-scatter."""
     if n == 1:
-        return 0.0
+        return 0.0, 0.0
     if g >= n:  # inside one node
-        return (n - 1) * link.intra_alpha + (n - 1) * chunk / link.intra_bw
-    cross = max((n - g) * chunk / link.rank_bw, link.ranks_per_node * (n - g) * chunk / link.node_bw)
-    return (n - 1) * link.inter_alpha + (g - 1) * chunk / link.intra_bw + cross
+        return (n - 1) * link.intra_alpha + (n - 1) * chunk / link.intra_bw, 0.0
+    node_bytes = link.ranks_per_node * (n - g) * chunk
+    cross = max((n - g) * chunk / link.rank_bw, node_bytes / link.node_bw)
+    return (n - 1) * link.inter_alpha + (g - 1) * chunk / link.intra_bw + cross, node_bytes
 
 
-def _ring_all_reduce(link: LinkModel, n: int, g: int, volume: float) -> float:
+def _ring_all_reduce(link: LinkModel, n: int, g: int, volume: float) -> tuple[float, float]:
+    """(seconds, bytes crossing one node's link) of a ring all-reduce moving ``volume`` per rank."""
     if n == 1:
-        return 0.0
+        return 0.0, 0.0
     if g >= n:
-        return 2 * (n - 1) * link.intra_alpha + volume / link.intra_bw
-    cross = max(volume / link.rank_bw, (link.ranks_per_node / g) * volume / link.node_bw)
+        return 2 * (n - 1) * link.intra_alpha + volume / link.intra_bw, 0.0
+    node_bytes = (link.ranks_per_node / g) * volume
+    cross = max(volume / link.rank_bw, node_bytes / link.node_bw)
     hop = max(volume / link.intra_bw if g > 1 else 0.0, cross)
-    return 2 * (n - 1) * link.inter_alpha + hop
+    return 2 * (n - 1) * link.inter_alpha + hop, node_bytes
 
 
 def step_time(
@@ -72,24 +76,31 @@ def step_time(
     optimizer_s: float,
     elem_bytes: int = 4,
 ) -> dict:
-    """Seconds of one step (serial), and its parts, for ``strategy`` at sharding factor ``f``."""
+    """Seconds of one step (serial), its parts, and the bytes crossing one node's link per step, for
+    ``strategy`` at sharding factor ``f``."""
     G = link.ranks_per_node
     r = world // f
     g_shard = min(f, G)  # contiguous shard groups: G ranks per node when they span nodes
     g_rep = max(1, G // f) if f < G else 1  # replicate groups: strided, one rank per node when f >= G
-    comm = 0.0
+    calls: list[tuple[float, float]] = []
     sizes = ([(root, True)] if root else []) + [(t, False) for t in units]
     for numel, is_root in sizes:
         if strategy == "NO_SHARD":
-            comm += _ring_all_reduce(link, world, min(world, G), 2 * (world - 1) / world * numel * elem_bytes)
+            calls.append(_ring_all_reduce(link, world, min(world, G), 2 * (world - 1) / world * numel * elem_bytes))
             continue
         chunk = math.ceil(numel / f) * elem_bytes
         gathers = 1 + (strategy in ("FULL_SHARD", "HYBRID_SHARD") and not is_root)
-        comm += gathers * _exchange(link, f, g_shard, chunk) + _exchange(link, f, g_shard, chunk)
+        calls += [_exchange(link, f, g_shard, chunk)] * (gathers + 1)  # all-gathers, then the reduce-scatter
         if r > 1:
-            comm += _ring_all_reduce(link, r, g_rep, 2 * (r - 1) / r * chunk)
+            calls.append(_ring_all_reduce(link, r, g_rep, 2 * (r - 1) / r * chunk))
+    comm = sum(t for t, _ in calls)
     opt = optimizer_s / f
-    return {"step_s": compute_s + opt + comm, "comm_s": comm, "optimizer_s": opt}
+    return {
+        "step_s": compute_s + opt + comm,
+        "comm_s": comm,
+        "optimizer_s": opt,
+        "node_crossing_bytes": sum(b for _, b in calls),
+    }
 
 
 def link_model(calibration: dict, ranks_per_node: int) -> LinkModel:

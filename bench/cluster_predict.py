@@ -94,8 +94,9 @@ def predict(result: dict) -> dict:
             "predicted_overlapped_s": plan.time.overlapped_s,
             "predicted_comm_s": plan.time.comm_s,
             "error": predicted / measured - 1,
-            "proposed_s": proposed,
-            "proposed_error": proposed / measured - 1,
+            "proposed_s": proposed["step_s"],
+            "proposed_error": proposed["step_s"] / measured - 1,
+            "proposed_node_crossing_bytes": proposed["node_crossing_bytes"],
             "ratio_to_compute": measured / result["systems"]["no communication"]["step_s_median"]
             if "no communication" in result["systems"]
             else None,
@@ -111,13 +112,13 @@ def predict(result: dict) -> dict:
     }
 
 
-def _proposed(result: dict, inputs: PlanInputs, how: tuple[str, int] | None) -> float:
+def _proposed(result: dict, inputs: PlanInputs, how: tuple[str, int] | None) -> dict:
     """The step by bench/cluster_model.py's model ([Note: cluster link model]), for comparison only."""
     comp = result["calibration"]["compute"]
     link = cluster_model.link_model(result["calibration"], result["nproc"])
     strategy, f = how or ("NO_SHARD", 1)
     world = inputs.world_size if how else 1
-    fig = cluster_model.step_time(
+    return cluster_model.step_time(
         link,
         strategy,
         world,
@@ -127,7 +128,6 @@ def _proposed(result: dict, inputs: PlanInputs, how: tuple[str, int] | None) -> 
         comp["forward_backward_s"],
         comp["optimizer_step_s"],
     )
-    return fig["step_s"]
 
 
 def collective_predictions(result: dict) -> dict:
@@ -219,7 +219,7 @@ def print_report(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console() if Console().is_terminal else Console(width=180)
+    console = Console() if Console().is_terminal else Console(width=200)
     r = report["result"]
     cal, pred = r["calibration"], report["prediction"]
     console.print(
@@ -265,11 +265,12 @@ def print_report(report: dict) -> None:
         "measured ms",
         "/ compute",
         "planner ms",
-        "planner / meas",
+        "/ measured",
         "proposed ms",
-        "proposed / meas",
-        "link MB/step/node",
-        "planner inter MB/rank",
+        "/ measured",
+        "link MB/node",
+        "proposed MB/node",
+        "planner MB/rank",
     ):
         t.add_column(col, justify="right")
     for name, row in pred["rows"].items():
@@ -281,17 +282,20 @@ def print_report(report: dict) -> None:
             name,
             f"{row['measured_s'] * 1e3:,.0f}",
             "" if row["ratio_to_compute"] is None else f"{row['ratio_to_compute']:.2f}",
-            f"{row['predicted_s'] * 1e3:,.0f}" + ("" if row["modelled"] else f" (as {how[0]})"),
+            f"{row['predicted_s'] * 1e3:,.0f}" + ("" if row["modelled"] else f" ({how[0]})"),
             f"{ratio:.2f}{mark}",
             f"{row['proposed_s'] * 1e3:,.0f}",
             f"{ratio2:.2f}{mark2}",
             _mb(None if link is None else max(link)),
+            _mb(row["proposed_node_crossing_bytes"]),
             _mb(row["planner_inter_node_bytes_per_rank"]),
         )
     console.print(t)
     console.print(
-        "planner: plan_strategy(...).time.expected_s; proposed: bench/cluster_model.py ([Note: cluster link model]), "
-        "not the planner; DDP and FSDP2 are not modelled (their planner figure is their strategy's, for reference)"
+        "planner: plan_strategy(...).time.expected_s. proposed: bench/cluster_model.py ([Note: cluster link model]), "
+        "not the planner. DDP and FSDP2 are not what the planner models: their figures are their strategy's, for "
+        "reference. link MB/node: bytes the node's link interface sent per step (kernel counter); proposed MB/node: "
+        "the bytes the proposed model says cross; planner MB/rank: the planner's inter-node bytes per rank"
     )
     v = pred["verdicts"]
     console.print(f"measured order: {' < '.join(v['measured_order'])}")

@@ -1,6 +1,7 @@
 """The emulated cluster (bench/cluster_net.py): two network namespaces joined by a rate-limited veth pair,
 one ``torchrun --nnodes=2`` job across them, and the teardown on success, timeout, Ctrl-C and after a
-crashed run. Needs root, ``ip`` and ``tc``; elsewhere every test here skips and says why."""
+crashed run. Those need root, ``ip`` and ``tc``; elsewhere they skip and say why. The last test reads a
+recorded measurement (bench/results/cluster_*.json) and runs anywhere."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import cluster_net  # noqa: E402
 
 WHY_NOT = cluster_net.unavailable()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no emulated cluster here: {WHY_NOT}")
+needs_cluster = pytest.mark.skipif(WHY_NOT is not None, reason=f"no emulated cluster here: {WHY_NOT}")
 SMOKE = str(ROOT / "bench" / "cluster_smoke.py")
 TIMEOUT_S = 120
 
@@ -30,6 +31,7 @@ def ours(pid: int) -> list[str]:
     return [ns for ns in cluster_net._namespaces() if ns.startswith(prefix)]
 
 
+@needs_cluster
 def test_hybrid_job_across_the_link(tmp_path):
     """2 nodes x 2 ranks at 200 Mbit/s: HYBRID_SHARD's shard groups are the nodes, its replicate
     all-reduce crosses the link (and only it: the kernel's byte counters say so), and the losses equal
@@ -67,6 +69,7 @@ def _mean_losses(ranks: list[dict]) -> list[float]:
     return [sum(r["losses"][s] for r in ranks) / len(ranks) for s in range(ranks[0]["steps"])]
 
 
+@needs_cluster
 def test_timeout_stops_the_job_and_the_links_go(tmp_path):
     started = time.monotonic()
     with cluster_net.Cluster(cluster_net.Topology(nodes=2, nproc=1, rate_bits=10**9)) as cluster:
@@ -78,6 +81,7 @@ def test_timeout_stops_the_job_and_the_links_go(tmp_path):
     assert time.monotonic() - started < 30
 
 
+@needs_cluster
 def test_ctrl_c_tears_down(tmp_path):
     """SIGINT to ``bench/cluster.py run`` while the job runs: it exits, and its namespaces are gone."""
     cmd = [sys.executable, str(ROOT / "bench" / "cluster.py"), "run", "--nodes", "2", "--nproc", "1"]
@@ -98,6 +102,7 @@ def test_ctrl_c_tears_down(tmp_path):
     assert ours(proc.pid) == []
 
 
+@needs_cluster
 def test_a_crashed_run_is_cleaned_up_first():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # its pid now belongs to no process: its namespaces are those of a crashed run
@@ -108,3 +113,25 @@ def test_a_crashed_run_is_cleaned_up_first():
             assert stale not in cluster_net._namespaces()
     finally:
         cluster_net._sh("ip", "netns", "del", stale, check=False)
+
+
+@pytest.mark.parametrize("rate", ["1gbit", "200mbit"])
+def test_link_model_counts_the_bytes_that_crossed(rate):
+    """bench/cluster_model.py's bytes crossing a node's link per step equal what the kernel counted on the
+    link in the recorded run (for every system: the payload, plus at most 6% of headers), where the planner's
+    inter-node bytes do not."""
+    import cluster_predict
+
+    report = json.loads((ROOT / "bench" / "results" / f"cluster_{rate}.json").read_text())
+    rows = cluster_predict.predict(report["result"])["rows"]
+    for name, row in rows.items():
+        counted = max(row["link_tx_bytes_per_step_per_node"])
+        proposed = row["proposed_node_crossing_bytes"]
+        if proposed == 0:
+            assert counted < 0.01 * 2**20, (name, counted)  # barriers only
+            continue
+        # the payload must cross; the counter adds TCP/IP headers (under 5% at a 1500-byte MTU) and barriers
+        assert proposed <= counted <= 1.06 * proposed, (name, counted, proposed)
+    full = rows["flatshard FULL_SHARD"]
+    planner_node = full["planner_inter_node_bytes_per_rank"] * report["result"]["nproc"]
+    assert planner_node > 1.4 * max(full["link_tx_bytes_per_step_per_node"])  # the miss docs/multi_node.md reports
