@@ -4,11 +4,13 @@ The public names mirror ``torch.distributed.fsdp``; change the imports of a PyTo
 ``flatshard`` and it runs (on CPU with gloo too). The package, by layer (each imports only those
 below it; tests/test_layering.py holds it so):
 
-  fsdp.py      front end: FullyShardedDataParallel, FSDP1's API, translated onto the engine
+  fsdp.py      front end 1: FullyShardedDataParallel, FSDP1's API, translated onto the engine
+  fsdp2.py     front end 2: fully_shard, FSDP2's API (DTensor parameters) on the same engine
   checkpoint/  files on disk: save, load, consolidate, inspect
   state/       in-memory state dicts (FULL, LOCAL, SHARDED; optimizer), torch.distributed.checkpoint
   runtime/     the engine: units, layout, collectives, hooks, construction (its docstring: one step of one unit)
-  api.py, wrap.py, weight_decay.py   enums and configs, wrap policies, parameter groups
+  api.py, wrap.py, weight_decay.py, interop.py   enums and configs, wrap policies, parameter groups,
+               PyTorch FSDP's own enums and configs accepted
   planner/     the cost model (pure; imports no torch), cli.py the ``flatshard`` command
 
 Names load on first use, so ``flatshard plan`` (pure arithmetic) starts without importing torch.
@@ -39,6 +41,12 @@ _EXPORTS = {
     "StateDictSettings": "flatshard.api",
     "CheckpointError": "flatshard.api",
     "FullyShardedDataParallel": "flatshard.fsdp",
+    "fully_shard": "flatshard.fsdp2",
+    "FSDPModule": "flatshard.fsdp2",
+    "MixedPrecisionPolicy": "flatshard.fsdp2",
+    "OffloadPolicy": "flatshard.fsdp2",
+    "CPUOffloadPolicy": "flatshard.fsdp2",
+    "UnshardHandle": "flatshard.fsdp2",
     "CommRecorder": "flatshard.runtime.instrument",
     "MemoryRecorder": "flatshard.runtime.instrument",
     "UnitInfo": "flatshard.runtime.tree",
@@ -50,7 +58,12 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "FSDP"])
 
 
+_SUBPACKAGES = ("checkpoint", "planner", "testing", "wrap")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:  # ``flatshard.checkpoint.save(...)`` after a bare ``import flatshard``
+        return importlib.import_module(f"flatshard.{name}")
     if name == "FSDP":
         name = "FullyShardedDataParallel"
     if name not in _EXPORTS:

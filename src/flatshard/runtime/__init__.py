@@ -11,6 +11,7 @@ Construction (once)
   build.py:become_root          one run context (schedule.py:RunContext) for every unit under the root
 Forward
   hooks.py:forward              the front end's forward: cast inputs, RunContext.begin_forward (root)
+                                (fully_shard: the same steps as module hooks, forward_pre_hook/forward_post_hook)
   hooks.py:pre_forward          unit.py:Unit.unshard -> collectives.py:all_gather (gloo_exchange.py on CPU);
                                 Unit.use_compute_views (layout.py:make_compute_views, set_views_on_modules);
                                 RunContext.record_forward, RunContext.prefetch_forward
@@ -32,6 +33,7 @@ Index of every [Note: ...] in the package
 -----------------------------------------
   flatshard tensors ............... runtime/layout.py
   shard boundaries ................ runtime/layout.py
+  chunked layout .................. runtime/chunked.py
   precision of a unit's tensors ... runtime/precision.py
   reductions in flight ............ runtime/schedule.py
   prefetch ........................ runtime/schedule.py

@@ -22,6 +22,7 @@ from torch import nn
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.runtime import collectives, deferred, fingerprint, hooks, optim_check, precision
 from flatshard.runtime.autoshard import auto_sharding_factor
+from flatshard.runtime.chunked import ChunkedLayout
 from flatshard.runtime.layout import BOUNDARIES, FlatLayout, ParamInfo
 from flatshard.runtime.mesh import ShardGroups, device_of, require_initialized, resolve_groups
 from flatshard.runtime.placement import Placement, check_no_tie_into_wrapped
@@ -50,7 +51,8 @@ class BuildOptions:
     param_init_fn: Optional[Callable[[nn.Module], None]] = None
     device_id: Any = None
     sync_module_states: bool = False
-    shard_boundaries: str = "flat"  # "flat" | "rows" | "params" ([Note: shard boundaries], layout.py)
+    # "flat" | "rows" | "params" ([Note: shard boundaries], layout.py); "chunks" ([Note: chunked layout])
+    shard_boundaries: str = "flat"
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
@@ -65,7 +67,7 @@ class Built:
 
 def build_units(module: nn.Module, options: BuildOptions, make_host: MakeHost) -> Built:
     deferred.check_init_fn(options.param_init_fn)
-    if options.shard_boundaries not in BOUNDARIES:
+    if options.shard_boundaries not in (*BOUNDARIES, "chunks"):
         raise ValueError(
             f'shard_boundaries must be one of {BOUNDARIES}, got {options.shard_boundaries!r}: "flat" cuts anywhere '
             '(1-D pieces), "rows" only between rows, "params" keeps every parameter whole on one rank'
@@ -147,7 +149,10 @@ def build_unit(
         )
     dtype = dtypes.pop() if dtypes else torch.float32
     device = originals[0].device if originals else torch.device("cpu")
-    layout = FlatLayout(infos, groups.shard_size, options.shard_boundaries, loads)
+    if options.shard_boundaries == "chunks":  # fully_shard: FSDP2's dim-0 chunks ([Note: chunked layout])
+        layout = ChunkedLayout(infos, groups.shard_size)
+    else:
+        layout = FlatLayout(infos, groups.shard_size, options.shard_boundaries, loads)
     flat = layout.flatten({info.name: p for info, p in params}, dtype=dtype, device=device)
     if options.sync_module_states and torch.distributed.get_world_size(groups.process_group) > 1:
         collectives.broadcast(flat, 0, groups.process_group)

@@ -68,6 +68,33 @@ def forward(unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict) -> A
     return output
 
 
+# ---- the forward of fully_shard: module hooks instead of a wrapper's forward --------------------------
+def forward_pre_hook(unit: Unit, _module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """fully_shard's forward pre-hook: what ``forward`` does before calling the module."""
+    ctx = unit.ctx
+    ctx.start()
+    p = unit.precision
+    if p.mixed and (p.cast_forward_inputs or (unit.is_root and p.cast_root_forward_inputs)):
+        args, kwargs = precision.cast_floating((args, kwargs), p.compute)
+    if unit.is_root:
+        ctx.begin_forward()
+    pre_forward(unit)
+    return args, kwargs
+
+
+def forward_post_hook(unit: Unit, output_dtype, _module: torch.nn.Module, _args: tuple, output: Any) -> Any:
+    """fully_shard's forward hook: what ``forward`` does after the module returned (``output_dtype``:
+    MixedPrecisionPolicy's cast of the outputs)."""
+    post_forward(unit)
+    if unit.is_root:
+        unit.ctx.end_forward(True)
+    if output_dtype is not None:
+        output = precision.cast_floating(output, output_dtype)
+    if torch.is_grad_enabled():
+        register_pre_backward(output, unit)
+    return output
+
+
 def pre_forward(unit: Unit) -> None:
     with label("pre_forward", unit):
         if unit.refresh_requires_grad():  # requires_grad changed on a shard view since the last forward
@@ -76,7 +103,11 @@ def pre_forward(unit: Unit) -> None:
         _use_compute_views(unit)
         if not unit.ctx.in_backward:
             unit.ctx.record_forward(unit)
-            unit.ctx.prefetch_forward()
+            if unit.forward_prefetch:  # explicit targets (fully_shard's set_modules_to_forward_prefetch)
+                for target in unit.forward_prefetch:
+                    target.unshard(wait=False)
+            else:
+                unit.ctx.prefetch_forward()
 
 
 # [Note: recomputation in backward]
@@ -118,7 +149,8 @@ def _on_split_backward(unit: Unit, grad_outputs) -> None:
         unit.view_grad_bytes = sum(g.untyped_storage().nbytes() for g in grad_outputs if g is not None)
         unit.ctx.sample_memory()
         ctx = unit.ctx
-        if unit.open_splits == 0 and ctx.in_backward and (ctx.sync_gradients or unit.reshard_after_forward):
+        early = unit.reshard_after_backward and (unit.sync or unit.reshard_after_forward)
+        if unit.open_splits == 0 and ctx.in_backward and early:
             unit.use_shard_views()
             unit.reshard()
     return None
@@ -143,7 +175,11 @@ def pre_backward(unit: Unit) -> None:
         unit.unshard()
         if not unit.compute_views_set:
             _use_compute_views(unit)
-        unit.ctx.prefetch_backward(unit, pre=True)
+        if unit.backward_prefetch:  # explicit targets (fully_shard's set_modules_to_backward_prefetch)
+            for target in unit.backward_prefetch:
+                target.unshard(wait=False)
+        else:
+            unit.ctx.prefetch_backward(unit, pre=True)
 
 
 def register_post_backward(unit: Unit) -> None:
@@ -166,9 +202,9 @@ def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:
         ctx.settle_reductions(keep=0)
         ctx.sample_memory()
         unit.use_shard_views()
-        if not ctx.sync_gradients:
+        if not unit.sync:
             # no_sync: the full-size gradient stays on the unsharded flat and accumulates there.
-            if unit.reshard_after_forward:
+            if unit.reshard_after_forward and unit.reshard_after_backward:
                 unit.reshard()
             return
         ctx.prefetch_backward(unit, pre=False)  # BACKWARD_POST: the next gather goes before this reduction
@@ -177,7 +213,8 @@ def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:
         with label("post_backward_reduce", unit):
             unit.start_reduction(grad, async_op=in_flight)
         del grad
-        unit.reshard()
+        if unit.reshard_after_backward:
+            unit.reshard()
         if in_flight:
             ctx.pending_reductions.append(unit)  # finished at the next post-backward or the end of backward
         else:

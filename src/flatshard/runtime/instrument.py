@@ -212,7 +212,8 @@ class MemoryRecorder:
             tensors += [unit.flat_shard, unit.unsharded]
             if unit.unsharded.grad is not None:
                 tensors.append(unit.unsharded.grad)
-            tensors += [v.grad for v in unit.shard_views if v.grad is not None]
+            # (a DTensor gradient of fully_shard: its local tensor is what is stored)
+            tensors += [getattr(v.grad, "_local_tensor", v.grad) for v in unit.shard_views if v.grad is not None]
         for p in self._extra:
             tensors += [p] + ([p.grad] if p.grad is not None else [])
         if self.optimizer is not None:

@@ -97,6 +97,17 @@ class FlatLayout:
         self.padded = self.bounds[-1]  # the unsharded flat: F·S for "flat", T otherwise
         self.split_sizes = [i.numel for i in self.infos] + [self.padded - self.total]
 
+    rank_major = False  # the unsharded flat is gathered as it is (runtime/chunked.py is the other kind)
+
+    def segment(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s flat shard cut from the whole flat ``full`` (a view)."""
+        return full[self.bounds[rank] : self.bounds[rank + 1]]
+
+    @property
+    def signature(self) -> str:
+        """What must match for a LOCAL state dict to load: the mode and every shard's bounds."""
+        return f"{self.boundaries} {self.bounds}"
+
     @property
     def shard_numel(self) -> int:
         """The largest shard (S for ``"flat"``, where every shard has S elements)."""

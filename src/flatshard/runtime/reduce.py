@@ -27,6 +27,7 @@ class ReduceSpec:
     shard_sizes: list[int]  # every shard rank's shard, in rank order (equal unless shard_boundaries is ragged)
     reduce_dtype: torch.dtype
     label: str  # the unit's name, for profiler labels
+    divide_factor: Optional[float] = None  # what the summed gradient is divided by (None: the data-parallel size)
 
 
 @dataclass
@@ -73,6 +74,7 @@ def finish(pending: PendingReduction, spec: ReduceSpec, master_dtype: torch.dtyp
     if pending.all_reduce_after:
         with torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
             record(collectives.all_reduce(out, groups.replicate_group), "replicate")
-    if groups.data_parallel_size > 1:
-        out.div_(groups.data_parallel_size)
+    factor = spec.divide_factor if spec.divide_factor is not None else groups.data_parallel_size
+    if factor != 1:
+        out.div_(factor)
     return out if out.dtype == master_dtype else out.to(master_dtype)

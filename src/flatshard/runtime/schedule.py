@@ -80,6 +80,9 @@ class RunContext:
         # [Note: order checks] (order.py)
         self.checker = Checker(units, root.groups.process_group, lambda r: self.record(r, "world", "<order check>"))
         self.passes = 0  # forward passes the root has begun
+        self.is_last_backward = (
+            True  # fully_shard's set_is_last_backward (changes nothing: reductions end each backward)
+        )
         self._order_changed_warned = False
         self._exchanges = 0  # tags for point-to-point exchanges ([Note: exchange tags], gloo_exchange.py)
 
@@ -144,7 +147,7 @@ class RunContext:
             for unit in pending:  # in the order issued: the same on every rank
                 unit.finish_reduction()
             for unit in self.units:
-                unit.finish_backward(self.sync_gradients)
+                unit.finish_backward()
             self.sample_memory()
             self.checker.first_step = False
         finally:

@@ -28,7 +28,7 @@ from torch import nn
 from flatshard.runtime.hooks import traced
 from flatshard.runtime.layout import make_compute_views, set_views_on_modules
 from flatshard.runtime.schedule import Phase
-from flatshard.runtime.unit import Unit
+from flatshard.runtime.unit import Unit, local
 
 
 @contextlib.contextmanager
@@ -75,7 +75,7 @@ def summon(
             if writeback and full.untyped_storage().data_ptr() != unit.flat_shard.untyped_storage().data_ptr():
                 rank = unit.groups.shard_rank
                 with torch.no_grad():
-                    unit.flat_shard.copy_(full[unit.layout.bounds[rank] : unit.layout.bounds[rank + 1]])
+                    unit.flat_shard.copy_(unit.layout.segment(full, rank))
             set_views_on_modules(unit.layout, unit.shard_views, as_params=True)
 
 
@@ -84,5 +84,5 @@ def _grad_shard(unit: Unit) -> torch.Tensor:
     out = torch.zeros_like(unit.flat_shard)
     for view, (lo, hi) in zip(unit.shard_views, unit.layout.local_slices(unit.groups.shard_rank)):
         if view.grad is not None:
-            out[lo:hi].copy_(view.grad.reshape(-1))
+            out[lo:hi].copy_(local(view.grad).reshape(-1))
     return out

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from flatshard.api import MixedPrecision, ShardingStrategy
 from flatshard.runtime import collectives, order, reduce
@@ -55,6 +57,7 @@ class _Gather:
 
     work: Any
     source: torch.Tensor
+    then: Optional[Any] = None  # run once it has arrived (a rank-major layout's copy into the unsharded flat)
 
 
 class Unit:
@@ -111,19 +114,25 @@ class Unit:
         self.trainable = tuple(i.requires_grad for i in layout.infos)  # as the shard views say, last forward
         self.post_backward_hook: Optional[Any] = None  # the unsharded flat's post-accumulate-grad hook (hooks.py)
         self.originals: dict[int, weakref.ref] = {}  # id -> the parameters flattened here (placement.py)
+        # per-unit settings of the fully_shard front end (FSDP2's set_* methods); FSDP1 leaves the defaults
+        self.requires_gradient_sync = True  # False: this unit's gradients accumulate unreduced (no_sync)
+        self.reshard_after_backward = True
+        self.gradient_divide_factor: Optional[float] = None  # None: divide by the data-parallel size
+        self.forward_prefetch: list[Unit] = []  # explicit prefetch targets (else the run context's schedule)
+        self.backward_prefetch: list[Unit] = []
+        self.grad_as: Optional[Any] = None  # fully_shard: (index, local gradient) -> its DTensor gradient
         self.strategy: Optional[ShardingStrategy] = None  # what the wrap call asked for (checkpoint manifests)
         self.mixed_precision: Optional[MixedPrecision] = None  # the policy ``precision`` was resolved from
         set_views_on_modules(layout, self.shard_views, as_params=True)
 
     def _keep_shard(self, flat_full: torch.Tensor) -> torch.Tensor:
         rank = self.groups.shard_rank
-        lo, hi = self.layout.bounds[rank], self.layout.bounds[rank + 1]
         if self.offload:
-            shard = flat_full.detach()[lo:hi].to("cpu", copy=True)
+            shard = self.layout.segment(flat_full.detach(), rank).to("cpu", copy=True)
             return shard.pin_memory() if self.compute_device.type == "cuda" else shard
-        if self.groups.shard_size == 1:
+        if self.groups.shard_size == 1:  # one rank holds everything (rank-major and param-major agree)
             return flat_full
-        return flat_full[lo:hi].clone()
+        return self.layout.segment(flat_full, rank).clone()
 
     @property
     def is_root(self) -> bool:
@@ -153,13 +162,21 @@ class Unit:
         else:
             self.ctx.checker.check(order.GATHER, self, self.ctx.phase)
             group, tag = self.groups.shard_group, self.ctx.next_tag(self)
+            target, then = self._gather_target, None
+            if self.layout.rank_major:  # [Note: chunked layout]: gather rank after rank, then copy out
+                target = torch.empty(
+                    self.groups.shard_size * self.layout.shard_numel, dtype=source.dtype, device=source.device
+                )
+                then = functools.partial(self.layout.from_rank_major, target, self._gather_target)
             with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"), self._errors("all_gather"):
                 result = collectives.all_gather(
-                    self._gather_target, source, group, async_op=not wait, tag=tag, sizes=self.layout.shard_sizes
+                    target, source, group, async_op=not wait, tag=tag, sizes=self.layout.shard_sizes
                 )
             self.record(result, "shard")
             if result.work is not None:
-                self._gather = _Gather(result.work, source)
+                self._gather = _Gather(result.work, source, then)
+            elif then is not None:
+                then()
         self._gathered_version = self.flat_shard._version
         self.state = UnitState.UNSHARDED
         self.ctx.sample_memory()
@@ -168,6 +185,8 @@ class Unit:
         if self._gather is not None:
             with self._errors("all_gather"):
                 self._gather.work.wait()
+            if self._gather.then is not None:
+                self._gather.then()
             self._gather = None
 
     @property
@@ -216,6 +235,8 @@ class Unit:
         spec = self._reduce_spec()
         if self.groups.shard_size > 1 or self.groups.replicate_size > 1:
             self.ctx.checker.check(order.REDUCE, self, self.ctx.phase)
+        if self.layout.rank_major and self.groups.shard_size > 1:  # [Note: chunked layout]: copy in
+            grad = self.layout.to_rank_major(grad)
         with self._errors(self._reduction_kind()):
             self.reduction = reduce.start(grad, spec, self.record, async_op=async_op, tag=self.ctx.next_tag(self))
 
@@ -230,11 +251,16 @@ class Unit:
         self._expose_grads(reduced)
         self.ctx.sample_memory()
 
-    def finish_backward(self, synced: bool) -> None:
+    @property
+    def sync(self) -> bool:
+        """Whether this backward reduces this unit's gradient (not under no_sync / set_requires_gradient_sync)."""
+        return self.ctx.sync_gradients and self.requires_gradient_sync
+
+    def finish_backward(self) -> None:
         """End of backward: put shard views back and reshard what is still gathered."""
         self.open_splits = 0
         self.use_shard_views()
-        if synced or self.reshard_after_forward:
+        if self.reshard_after_backward and (self.sync or self.reshard_after_forward):
             self.reshard()
 
     @property
@@ -246,7 +272,7 @@ class Unit:
             return None
         ptr = grad.untyped_storage().data_ptr()
         views = [v for v in self.shard_views if v.requires_grad]
-        if any(v.grad is None or v.grad.untyped_storage().data_ptr() != ptr for v in views):
+        if any(v.grad is None or local(v.grad).untyped_storage().data_ptr() != ptr for v in views):
             return None
         return grad
 
@@ -258,17 +284,18 @@ class Unit:
         if self.offload:
             reduced = reduced.to(self.flat_shard.device)
         slices = self.layout.local_slices(self.groups.shard_rank)
-        trainable = [(v, lo, hi) for v, (lo, hi) in zip(self.shard_views, slices) if v.requires_grad]
-        if all(v.grad is None for v, _, _ in trainable):
-            for view, lo, hi in trainable:
-                _set_grad(view, reduced[lo:hi].view(view.shape))
+        trainable = [(i, v, lo, hi) for i, (v, (lo, hi)) in enumerate(zip(self.shard_views, slices)) if v.requires_grad]
+        wrap = self.grad_as or (lambda _i, g: g)
+        if all(v.grad is None for _, v, _, _ in trainable):
+            for i, view, lo, hi in trainable:
+                _set_grad(view, wrap(i, reduced[lo:hi].view(local(view).shape)))
             self._grad_shard = weakref.ref(reduced)
             return
-        for view, lo, hi in trainable:
+        for i, view, lo, hi in trainable:
             if view.grad is None:
-                _set_grad(view, reduced[lo:hi].view(view.shape).clone())
+                _set_grad(view, wrap(i, reduced[lo:hi].view(local(view).shape).clone()))
             else:
-                view.grad.add_(reduced[lo:hi].view(view.grad.shape))
+                local(view.grad).add_(reduced[lo:hi].view(local(view.grad).shape))
 
     # ---- whole flats for summon and state dicts --------------------------------------------
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
@@ -280,11 +307,16 @@ class Unit:
         source = shard.to(self.compute_device).contiguous()
         if self.groups.shard_size == 1:
             return source
-        full = torch.empty(self.layout.padded, dtype=shard.dtype, device=self.compute_device)
+        n = self.groups.shard_size * self.layout.shard_numel if self.layout.rank_major else self.layout.padded
+        full = torch.empty(n, dtype=shard.dtype, device=self.compute_device)
         with self._errors("all_gather"):
             group, tag, sizes = self.groups.shard_group, self.ctx.next_tag(self), self.layout.shard_sizes
             result = collectives.all_gather(full, source, group, tag=tag, sizes=sizes)
         self.record(result, "shard")
+        if self.layout.rank_major:
+            flat = torch.empty(self.layout.padded, dtype=shard.dtype, device=self.compute_device)
+            self.layout.from_rank_major(full, flat)
+            return flat
         return full
 
     # ---- accounting ------------------------------------------------------------------------
@@ -292,7 +324,9 @@ class Unit:
         return order.collective_errors(self, collective)
 
     def _reduce_spec(self) -> reduce.ReduceSpec:
-        return reduce.ReduceSpec(self.groups, self.layout.shard_sizes, self.precision.reduce, self.name)
+        return reduce.ReduceSpec(
+            self.groups, self.layout.shard_sizes, self.precision.reduce, self.name, self.gradient_divide_factor
+        )
 
     def _reduction_kind(self) -> str:
         return "reduce_scatter" if self.groups.shard_size > 1 else "all_reduce"
@@ -305,7 +339,7 @@ class Unit:
         grad_storages = {}
         for v in self.shard_views:
             if v.grad is not None:
-                storage = v.grad.untyped_storage()
+                storage = local(v.grad).untyped_storage()
                 grad_storages[storage.data_ptr()] = storage.nbytes()
         grads = sum(grad_storages.values())
         gathered = 0 if self.plan.aliased else self.unsharded.untyped_storage().nbytes()
@@ -326,6 +360,11 @@ class Unit:
     def __repr__(self) -> str:
         sizes = self.layout.shard_sizes
         return f"Unit({self.name}, T={self.layout.total}, S={sizes[self.groups.shard_rank]}, {self.state.name})"
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (fully_shard's parameters and gradients); any other tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _set_grad(view: torch.Tensor, grad: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
+from flatshard.api import NotBuiltError
 from flatshard.runtime import agree
 from flatshard.runtime.collectives import CollectiveResult
 from flatshard.runtime.layout import ParamInfo
@@ -96,6 +97,12 @@ class ModelView:
 
 def model_view(module: nn.Module, prefix: str = "") -> ModelView:
     hosts = unit_hosts(module)
+    if any(h._unit.grad_as is not None for h in hosts):
+        raise NotBuiltError(
+            "flatshard's state dicts and checkpoints read FullyShardedDataParallel models; fully_shard's parameters "
+            "are DTensors: save and load them with torch.distributed.checkpoint (get_model_state_dict / "
+            "get_optimizer_state_dict, dcp.save, dcp.load, set_model_state_dict / set_optimizer_state_dict)."
+        )
     owners = {}
     for h in hosts:
         unit = h._unit
@@ -145,7 +152,7 @@ def layout_fingerprint(unit: Unit) -> torch.Tensor:
             unit.groups.shard_size,
             unit.groups.shard_rank,
             unit.layout.total,
-            zlib.crc32(repr(unit.layout.bounds).encode()),
+            zlib.crc32(unit.layout.signature.encode()),
             zlib.crc32(text.encode()),
         ],
         dtype=torch.int64,

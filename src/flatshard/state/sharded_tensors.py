@@ -110,7 +110,8 @@ def sharded_tensor(param: Any, flat: torch.Tensor, record: Record = None) -> Uni
     shards; so it is a whole 0-D tensor on every rank, broadcast from the rank that holds it (DCP
     writes a tensor that every rank holds once)."""
     flat = flat.reshape(-1)  # a shard view of "rows" or "params" has the parameter's ndim; its data is one run
-    shape, bounds, info = list(param.info.shape), param.unit.layout.bounds, param.info
+    shape, layout, info = list(param.info.shape), param.unit.layout, param.info
+    index = next(i for i, x in enumerate(layout.infos) if x is info)
     group, ranks = _shard_ranks(param.unit)
     if not shape:
         return _whole_scalar(param, flat, group, ranks, record)
@@ -118,8 +119,7 @@ def sharded_tensor(param: Any, flat: torch.Tensor, record: Record = None) -> Uni
     metas, local = [], []
     for shard_rank, global_rank in enumerate(ranks):
         # the elements of the parameter in shard rank's flat shard (FlatLayout.param_ranges, for one parameter)
-        start = min(max(bounds[shard_rank] - info.offset, 0), info.numel)
-        end = min(max(bounds[shard_rank + 1] - info.offset, 0), info.numel)
+        start, end = layout.param_ranges(shard_rank)[index]
         for offsets, sizes in flat_range_boxes(start, end, shape) or _empty_box(shape):
             meta = ShardMetadata(offsets, sizes, f"rank:{global_rank}/{device}")
             metas.append(meta)
@@ -132,8 +132,9 @@ def sharded_tensor(param: Any, flat: torch.Tensor, record: Record = None) -> Uni
 
 
 def _whole_scalar(param: Any, flat: torch.Tensor, group, ranks: list[int], record: Record) -> torch.Tensor:
-    bounds = param.unit.layout.bounds  # the shard rank holding the element
-    owner = next(r for r in range(len(bounds) - 1) if bounds[r] <= param.info.offset < bounds[r + 1])
+    layout = param.unit.layout  # the shard rank holding the element
+    index = next(i for i, x in enumerate(layout.infos) if x is param.info)
+    owner = next(r for r in range(param.unit.groups.shard_size) if layout.param_ranges(r)[index][1] > 0)
     if len(ranks) == 1:
         return flat.reshape(())
     device = collective_device(group)

@@ -1,0 +1,300 @@
+"""``fully_shard``: front end 2, PyTorch FSDP2's API on flatshard's engine. (The file is fsdp2.py, not
+fully_shard.py: a submodule named like the function would replace it as ``flatshard.fully_shard``.)
+
+    from flatshard import fully_shard, MixedPrecisionPolicy      # was: from torch.distributed.fsdp import ...
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+Each call makes the module's parameters not already under an inner ``fully_shard`` one unit (the engine's,
+runtime/build.py) in FSDP2's layout ([Note: chunked layout], runtime/chunked.py), registers them on the
+module as DTensors (``Shard(0)`` over the shard mesh dim, ``Replicate()`` over the replicate dim), swaps
+the module's class for one that also is an ``FSDPModule`` (as FSDP2 does) and hooks its forward. The
+outermost call is the root: it hands one run context to every unit under it. DTensor parameters are
+what PyTorch's own tools read: ``torch.nn.utils.clip_grad_norm_``, ``p.full_tensor()`` and
+``torch.distributed.checkpoint``'s ``get_model_state_dict`` / ``get_optimizer_state_dict`` / ``set_*``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from flatshard import interop
+from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
+from flatshard.runtime import build, hooks
+from flatshard.runtime.layout import set_views_on_modules
+from flatshard.runtime.tree import UnitHost, unit_hosts
+from flatshard.runtime.unit import Unit
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's names and defaults: gathered parameters in ``param_dtype``, gradients reduced in
+    ``reduce_dtype`` (default ``param_dtype``), outputs cast to ``output_dtype``, floating inputs cast to
+    ``param_dtype`` when ``cast_forward_inputs``."""
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading (FSDP2's default)."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Parameters, gradients and optimizer state in (pinned) CPU memory; needs an accelerator."""
+
+    pin_memory: bool = True
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns: ``wait()`` blocks until the parameters have arrived."""
+
+    def __init__(self, unit: Unit):
+        self._unit = unit
+
+    def wait(self) -> None:
+        self._unit.wait_for_unshard()
+
+
+def _not_built(name: str, instead: str):
+    def method(self, *args, **kwargs):  # noqa: ARG001 - any call raises
+        raise NotBuiltError(f"FSDPModule.{name} is not built in flatshard's fully_shard; {instead}")
+
+    method.__name__ = name
+    return method
+
+
+class FSDPModule(UnitHost):
+    """FSDP2's methods on a module ``fully_shard`` was applied to (a mixin of its new class)."""
+
+    def _units(self, recurse: bool) -> list[Unit]:
+        return [h._unit for h in unit_hosts(self)] if recurse else [self._unit]
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """All-gather this module's parameters now (its forward then finds them gathered)."""
+        self._unit.unshard(wait=not async_op)
+        return UnshardHandle(self._unit) if async_op else None
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters."""
+        self._unit.use_shard_views()
+        self._unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: gradients accumulate unreduced over the following backwards (gradient accumulation);
+        the first backward after setting True again reduces the sum."""
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise NotBuiltError("set_reshard_after_forward takes True or False in flatshard")
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' parameters as this module's forward begins (instead of the recorded order)."""
+        self._unit.forward_prefetch = [_host_unit(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' parameters as this module's backward begins."""
+        self._unit.backward_prefetch = [_host_unit(m, "set_modules_to_backward_prefetch") for m in modules]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2's scripts: flatshard finishes every backward's reductions at its end, so
+        whether a backward is the last of an accumulation changes no result and no schedule."""
+        self._unit.ctx.is_last_backward = bool(is_last_backward)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the data-parallel size."""
+        for unit in self._units(True):
+            unit.gradient_divide_factor = float(factor)
+
+    set_reduce_scatter_divide_factor = set_gradient_divide_factor
+
+    set_post_optim_event = _not_built("set_post_optim_event", "it has no streams to synchronise on CPU or here")
+    set_unshard_in_backward = _not_built("set_unshard_in_backward", "use set_reshard_after_forward(False)")
+    set_custom_all_gather = _not_built("set_custom_all_gather", "flatshard's collectives are runtime/collectives.py")
+    set_custom_reduce_scatter = _not_built("set_custom_reduce_scatter", "see runtime/collectives.py")
+    set_all_reduce_hook = _not_built("set_all_reduce_hook", "use MixedPrecisionPolicy(reduce_dtype=...)")
+    set_requires_all_reduce = _not_built("set_requires_all_reduce", "use set_requires_gradient_sync(False)")
+    set_force_sum_reduction_for_comms = _not_built(
+        "set_force_sum_reduction_for_comms", "use set_gradient_divide_factor(1)"
+    )
+    set_allocate_memory_from_process_group_for_comm = _not_built(
+        "set_allocate_memory_from_process_group_for_comm", "collective buffers are ordinary tensors"
+    )
+    set_reduce_scatter_max_input_buffers = _not_built("set_reduce_scatter_max_input_buffers", "leave the default")
+    set_reduce_scatter_unused_params = _not_built("set_reduce_scatter_unused_params", "every rank must use every unit")
+    set_separate_reduce_scatter_group = _not_built("set_separate_reduce_scatter_group", "leave the default")
+    set_symm_mem_for_comm = _not_built("set_symm_mem_for_comm", "leave the default")
+    reset_iter_state = _not_built("reset_iter_state", "nothing to reset between iterations")
+
+
+def _host_unit(module: nn.Module, what: str) -> Unit:
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"{what} takes modules fully_shard was applied to; {type(module).__name__} is not one")
+    return module._unit
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def fully_shard(
+    module: Union[nn.Module, list[nn.Module]],
+    *,
+    mesh=None,
+    reshard_after_forward: Union[bool, int, None] = None,
+    shard_placement_fn=None,
+    mp_policy: Any = MixedPrecisionPolicy(),
+    offload_policy: Any = OffloadPolicy(),
+    ignored_params: Optional[set[nn.Parameter]] = None,
+    dp_mesh_dims=None,
+) -> nn.Module:
+    """Shard ``module``'s parameters (those not under an inner ``fully_shard``) as one unit, FSDP2's way.
+
+    ``mesh``: a 1-D DeviceMesh (shard) or a 2-D one (replicate, shard) for HSDP; default a 1-D mesh over
+    the world. ``reshard_after_forward``: free the gathered parameters after forward (True, FSDP2's
+    default; the root is kept anyway) or not (False); an int must be the shard dim's size (True) or 1
+    (False). Returns ``module``, whose class now also is ``FSDPModule``."""
+    if isinstance(module, (list, tuple)):
+        raise NotBuiltError("fully_shard of a list of modules (one group) is not built: call it once per module")
+    if isinstance(module, UnitHost):
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once")
+    for name, value in (("shard_placement_fn", shard_placement_fn), ("dp_mesh_dims", dp_mesh_dims)):
+        if value is not None:
+            raise NotBuiltError(f"fully_shard({name}=...) is not built: parameters are sharded on dim 0 (Shard(0))")
+    mesh, placements = _mesh(mesh, module)
+    shard_size = mesh.size(mesh.ndim - 1)
+    reshard = _reshard_after_forward(reshard_after_forward, shard_size)
+    mp, output_dtype = _precision(mp_policy)
+    options = build.BuildOptions(
+        strategy=_strategy(mesh, reshard),
+        process_group=mesh.get_group() if mesh.ndim == 1 else None,
+        device_mesh=mesh if mesh.ndim == 2 else None,
+        ignored_states=list(ignored_params) if ignored_params else None,
+        mixed_precision=mp,
+        offload_params=_offload(offload_policy),
+        shard_boundaries="chunks",
+    )
+    built = build.build_units(module, options, _no_nested)
+    unit = built.root
+    _as_dtensors(unit, mesh, placements)
+    module.__class__ = _fsdp_class(type(module))
+    module._unit = unit
+    module.register_forward_pre_hook(functools.partial(hooks.forward_pre_hook, unit), prepend=True, with_kwargs=True)
+    module.register_forward_hook(functools.partial(hooks.forward_post_hook, unit, output_dtype))
+    config = build.schedule_config(unit.compute_device)
+    build.become_root(module, config, mp)
+    return module
+
+
+def _no_nested(module: nn.Module, unit: Unit) -> nn.Module:  # noqa: ARG001 - build's host factory
+    raise AssertionError("fully_shard builds one unit per call; there is no auto-wrap policy to nest units")
+
+
+def _mesh(mesh, module: nn.Module):
+    if mesh is None:
+        device = next((p.device.type for p in module.parameters() if not p.is_meta), "cpu")
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+    if mesh.ndim == 1:
+        return mesh, (Shard(0),)
+    if mesh.ndim == 2:
+        return mesh, (Replicate(), Shard(0))
+    raise ValueError(f"fully_shard takes a 1-D (shard) or 2-D (replicate, shard) mesh; got {mesh.ndim}-D")
+
+
+def _reshard_after_forward(value, shard_size: int) -> bool:
+    if value is None or isinstance(value, bool):
+        return value is not False
+    if isinstance(value, int) and value in (1, shard_size):
+        return value == shard_size
+    raise NotBuiltError(
+        f"reshard_after_forward={value!r}: resharding to a smaller group after forward is not built; pass True "
+        f"(free the parameters after forward, or the shard size {shard_size}) or False (keep them gathered)"
+    )
+
+
+def _strategy(mesh, reshard: bool) -> ShardingStrategy:
+    if mesh.ndim == 2:
+        return ShardingStrategy.HYBRID_SHARD if reshard else ShardingStrategy._HYBRID_SHARD_ZERO2
+    return ShardingStrategy.FULL_SHARD if reshard else ShardingStrategy.SHARD_GRAD_OP
+
+
+def _precision(policy) -> tuple[Optional[MixedPrecision], Optional[torch.dtype]]:
+    if isinstance(policy, interop.TORCH_MIXED_PRECISION_POLICY):
+        policy = MixedPrecisionPolicy(
+            policy.param_dtype, policy.reduce_dtype, policy.output_dtype, policy.cast_forward_inputs
+        )
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {policy!r}")
+    if policy.param_dtype is None and policy.reduce_dtype is None:
+        return None, policy.output_dtype
+    mp = MixedPrecision(
+        param_dtype=policy.param_dtype,
+        reduce_dtype=policy.reduce_dtype,
+        cast_forward_inputs=policy.cast_forward_inputs,
+        cast_root_forward_inputs=policy.cast_forward_inputs,
+    )
+    return mp, policy.output_dtype
+
+
+def _offload(policy) -> bool:
+    if isinstance(policy, interop.TORCH_OFFLOAD_POLICIES):
+        policy = (
+            CPUOffloadPolicy(policy.pin_memory)
+            if isinstance(policy, interop.TORCH_CPU_OFFLOAD_POLICY)
+            else OffloadPolicy()
+        )
+    if not isinstance(policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got {policy!r}")
+    return isinstance(policy, CPUOffloadPolicy)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, out = 1, []
+    for size in reversed(shape):
+        out.append(stride)
+        stride *= size
+    return tuple(reversed(out))
+
+
+def _as_dtensors(unit: Unit, mesh, placements) -> None:
+    """The unit's shard views become DTensor parameters over the same storage (no copy); its reduced
+    gradients become DTensor gradients alike."""
+    infos = unit.layout.infos
+
+    def dtensor(i: int, local: torch.Tensor) -> DTensor:
+        shape = infos[i].shape
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
+        )
+
+    unit.shard_views = [
+        nn.Parameter(dtensor(i, v.data), requires_grad=v.requires_grad) for i, v in enumerate(unit.shard_views)
+    ]
+    unit.grad_as = dtensor
+    set_views_on_modules(unit.layout, unit.shard_views, as_params=True)

@@ -1,0 +1,142 @@
+"""The layout of ``fully_shard``: every parameter cut along dim 0 into F chunks, FSDP2's sharding.
+
+[Note: chunked layout]
+FSDP2's parameters are DTensors with ``Shard(0)``: rank k of the shard group holds rows
+[k·c, min((k+1)·c, d0)) of each parameter, c = ceil(d0 / F) (``torch.chunk``'s cut; a trailing rank may
+hold none). So rank k's *flat shard* is its chunk of every parameter in layout order, each padded to c
+rows: S = Σ c·row elements on every rank, equal shards, and each chunk a contiguous run of its
+parameter's flattening, so the state-dict and checkpoint code (flat ranges per parameter) serve this
+layout unchanged. The unsharded flat stays the parameters concatenated (param-major), so compute views
+are zero-copy splits and backward makes one flat gradient, as for ``FlatLayout``; the price is two
+copies per unit and step, as in FSDP2: after each all-gather the rank-major buffer (F·S, rank after
+rank) is copied into the unsharded flat (``from_rank_major``), and before each reduce-scatter the flat
+gradient into a rank-major buffer (``to_rank_major``). 0-D parameters have no dim 0: not built.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flatshard.api import NotBuiltError
+from flatshard.runtime.layout import ParamInfo
+
+
+class ChunkedLayout:
+    """Per-rank dim-0 chunks of every parameter (see the Note); the same interface as ``FlatLayout``."""
+
+    boundaries = "chunks"
+    rank_major = True
+
+    def __init__(self, infos: list[ParamInfo], shard_size: int):
+        scalars = [i.name for i in infos if len(i.shape) == 0]
+        if scalars:
+            raise NotBuiltError(
+                f"fully_shard shards parameters along dim 0; {scalars} are 0-D. Make them 1-D (shape (1,)), or "
+                "pass them in ignored_params."
+            )
+        self.infos = infos
+        self.shard_size = shard_size  # F
+        self.total = sum(i.numel for i in infos)  # T
+        self.padded = self.total  # the unsharded flat: the parameters, param-major, no padding
+        self.split_sizes = [i.numel for i in infos] + [0]
+        self.rows = [i.shape[0] for i in infos]
+        self.row_numel = [math.prod(i.shape[1:]) for i in infos]
+        self.chunk_rows = [math.ceil(d0 / shard_size) for d0 in self.rows]
+        self.seg_offsets, offset = [], 0  # where each parameter's chunk starts in a flat shard
+        for c, r in zip(self.chunk_rows, self.row_numel):
+            self.seg_offsets.append(offset)
+            offset += c * r
+        self.seg_numel = offset  # S
+
+    # ---- sizes ---------------------------------------------------------------------------------------
+    @property
+    def shard_sizes(self) -> list[int]:
+        return [self.seg_numel] * self.shard_size
+
+    @property
+    def shard_numel(self) -> int:
+        return self.seg_numel
+
+    def shard_numel_of(self, rank: int) -> int:  # noqa: ARG002 - every shard has S elements
+        return self.seg_numel
+
+    uniform = True
+
+    @property
+    def signature(self) -> str:
+        return f"chunks F={self.shard_size} S={self.seg_numel}"
+
+    def _rows_of(self, i: int, rank: int) -> int:
+        return max(0, min(self.chunk_rows[i], self.rows[i] - rank * self.chunk_rows[i]))
+
+    # ---- where each rank's pieces are ------------------------------------------------------------------
+    def local_slices(self, rank: int) -> list[tuple[int, int]]:
+        """For each parameter, the [start, end) of its piece (its chunk, unpadded) in rank ``rank``'s flat shard."""
+        out = []
+        for i in range(len(self.infos)):
+            n = self._rows_of(i, rank) * self.row_numel[i]
+            out.append((self.seg_offsets[i], self.seg_offsets[i] + n) if n else (0, 0))
+        return out
+
+    def param_ranges(self, rank: int) -> list[tuple[int, int]]:
+        """For each parameter, the [start, end) of its flattened elements that rank ``rank`` holds."""
+        out = []
+        for i in range(len(self.infos)):
+            n = self._rows_of(i, rank) * self.row_numel[i]
+            start = rank * self.chunk_rows[i] * self.row_numel[i]
+            out.append((start, start + n) if n else (0, 0))
+        return out
+
+    def local_shape(self, info: ParamInfo, lo: int, hi: int) -> tuple[int, ...]:
+        row = math.prod(info.shape[1:])
+        return ((hi - lo) // row if row else 0, *info.shape[1:])
+
+    # ---- moving between the param-major flat and rank-major shards -------------------------------------
+    def flatten(self, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The parameters concatenated in layout order (param-major), as the unsharded flat holds them."""
+        flat = torch.empty(self.padded, dtype=dtype, device=device)
+        for info in self.infos:
+            flat[info.offset : info.offset + info.numel].copy_(tensors[info.name].detach().reshape(-1))
+        return flat
+
+    def segment(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s flat shard (S elements, padding zero) cut from the param-major ``full``."""
+        out = torch.zeros(self.seg_numel, dtype=full.dtype, device=full.device)
+        for info, (a, b), (lo, hi) in zip(self.infos, self.param_ranges(rank), self.local_slices(rank)):
+            if hi > lo:
+                out[lo:hi].copy_(full[info.offset + a : info.offset + b])
+        return out
+
+    def to_rank_major(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (param-major, e.g. the flat gradient) as F·S elements, rank after rank, padding zero."""
+        out = torch.zeros(self.shard_size, self.seg_numel, dtype=full.dtype, device=full.device)
+        for i, info in enumerate(self.infos):
+            c, r = self.chunk_rows[i] * self.row_numel[i], self.row_numel[i]
+            param = full[info.offset : info.offset + info.numel]
+            padded_rows = self.chunk_rows[i] * self.shard_size
+            block = out[:, self.seg_offsets[i] : self.seg_offsets[i] + c]
+            if padded_rows == self.rows[i]:  # even: one strided copy
+                block.copy_(param.view(self.shard_size, c))
+            else:
+                for rank in range(self.shard_size):
+                    n = self._rows_of(i, rank) * r
+                    if n:
+                        block[rank, :n].copy_(param[rank * c : rank * c + n])
+        return out.view(-1)
+
+    def from_rank_major(self, staging: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the F·S gathered ``staging`` (rank after rank) into the param-major ``out``."""
+        rows = staging.view(self.shard_size, self.seg_numel)
+        for i, info in enumerate(self.infos):
+            c, r = self.chunk_rows[i] * self.row_numel[i], self.row_numel[i]
+            param = out[info.offset : info.offset + info.numel]
+            block = rows[:, self.seg_offsets[i] : self.seg_offsets[i] + c]
+            if self.chunk_rows[i] * self.shard_size == self.rows[i]:
+                param.view(self.shard_size, c).copy_(block)
+            else:
+                for rank in range(self.shard_size):
+                    n = self._rows_of(i, rank) * r
+                    if n:
+                        param[rank * c : rank * c + n].copy_(block[rank, :n])
