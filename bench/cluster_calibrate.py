@@ -1,4 +1,4 @@
-"""The calibration of ``make cluster``, run in the ranks before the systems (bench/cluster_worker.py).
+"""The calibration of ``make cluster``, run in the ranks by bench/cluster_worker.py before the systems.
 
 [Note: cluster calibration]
 Link classes are measured the way the planner's ``Links`` defines them: bytes/s *per rank* per direction,

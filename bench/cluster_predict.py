@@ -4,7 +4,7 @@
 
 [Note: cluster predictions]
 The planner is given what the calibration measured and nothing else: ``Links`` (per-rank bandwidth and
-latency within a node and between nodes, [Note: cluster calibration] in cluster_worker.py), the
+latency within a node and between nodes, [Note: cluster calibration] in cluster_calibrate.py), the
 forward + backward time of one rank as ``compute_time_s``, the model's units (``PlanInputs.from_module``
 on the GPT, one unit per Block, the rest in the root), fp32, AdamW, and the topology (W = N·P,
 ``gpus_per_node`` = P). Its prediction for a flatshard system is ``plan_strategy(...).time.expected_s``

@@ -4,8 +4,8 @@
 
 Two parts, one job:
 
-1. The calibration (bench/cluster_calibrate.py, [Note: cluster calibration]): the links per class, one
-   rank's compute, and the collectives of one unit.
+1. The calibration (bench/cluster_calibrate.py, [Note: cluster calibration]): the links per class and
+   the collectives of one unit; compute comes from the no-communication system of part 2.
 2. The systems, interleaved as bench/compare.py interleaves them (its helpers: the same GPT, batches,
    builders and result gathering): flatshard FULL_SHARD, HYBRID_SHARD (F = P, the shard groups are the
    nodes), SHARD_GRAD_OP and NO_SHARD; DDP; PyTorch FSDP2 FULL_SHARD and HSDP (a (N, P) mesh); and a
