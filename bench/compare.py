@@ -243,6 +243,17 @@ def build_flatshard(gpt, cfg, bf16: bool, strategy="FULL_SHARD", backward_prefet
     )
 
 
+def build_fully_shard(gpt, cfg, bf16: bool):
+    """flatshard's FSDP2 front end, built exactly as bench/fsdp2_reference.py builds PyTorch's."""
+    import flatshard
+
+    mp = flatshard.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else flatshard.MixedPrecisionPolicy()
+    model = gpt.GPT(cfg)
+    for block in model.blocks:
+        flatshard.fully_shard(block, mp_policy=mp)
+    return flatshard.fully_shard(model, mp_policy=mp)
+
+
 def build_fsdp2(gpt, cfg, bf16: bool):
     # PyTorch's FSDP2 is the reference the benchmark measures flatshard against; the package never
     # imports it: the builder lives in bench/fsdp2_reference.py.
@@ -262,6 +273,7 @@ def make_systems(gpt, cfg, bf16: bool, seed: int, variants: dict | None) -> list
     builders = {}
     if variants is None:
         builders["flatshard"] = lambda: build_flatshard(gpt, cfg, bf16)
+        builders["flatshard fully_shard"] = lambda: build_fully_shard(gpt, cfg, bf16)
         builders["FSDP2"] = lambda: build_fsdp2(gpt, cfg, bf16)
         builders["DDP"] = lambda: build_ddp(gpt, cfg)
     else:
@@ -379,11 +391,14 @@ def worker(args) -> int:
                 res[f"flatshard/{name}"] = (
                     res["systems"]["flatshard"]["step_s_median"] / res["systems"][name]["step_s_median"]
                 )
+            res["fully_shard/FSDP2"] = (
+                res["systems"]["flatshard fully_shard"]["step_s_median"] / res["systems"]["FSDP2"]["step_s_median"]
+            )
             results.append(res)
             if rank == 0:
                 print(
                     f"[W={world} {size} {dtype}] flatshard/FSDP2 {res['flatshard/FSDP2']:.3f}  "
-                    f"flatshard/DDP {res['flatshard/DDP']:.3f}",
+                    f"flatshard/DDP {res['flatshard/DDP']:.3f}  fully_shard/FSDP2 {res['fully_shard/FSDP2']:.3f}",
                     flush=True,
                 )
     if args.ablation and world == args.ablation_world:

@@ -55,8 +55,8 @@ def test_bench_smoke(tmp_path):
     comparisons = [r for r in report["results"] if r["kind"] == "comparison"]
     assert [(r["size"], r["world"], r["dtype"]) for r in comparisons] == [("tiny", 2, "fp32"), ("tiny", 2, "bf16")]
     for r in comparisons:
-        assert list(r["systems"]) == ["flatshard", "FSDP2", "DDP"]
-        assert r["flatshard/FSDP2"] > 0 and r["flatshard/DDP"] > 0
+        assert list(r["systems"]) == ["flatshard", "flatshard fully_shard", "FSDP2", "DDP"]
+        assert r["flatshard/FSDP2"] > 0 and r["flatshard/DDP"] > 0 and r["fully_shard/FSDP2"] > 0
         for name, fig in r["systems"].items():
             assert SYSTEM_FIELDS <= set(fig), name
             assert len(fig["step_s"]) == 2 and fig["step_s_median"] > 0
@@ -71,6 +71,9 @@ def test_bench_smoke(tmp_path):
         # the same units and precision: the same bytes as FSDP2 (flatshard's as point-to-point sends on gloo)
         assert flat["bytes_per_step"] == pytest.approx(r["systems"]["FSDP2"]["bytes_per_step"])
         assert set(flat["comm_per_step"]) == {"send"}
+        ours = r["systems"]["flatshard fully_shard"]  # FSDP2's layout, flatshard's exchanges: FSDP2's bytes
+        assert ours["bytes_per_step"] == pytest.approx(r["systems"]["FSDP2"]["bytes_per_step"])
+        assert ours["bytes_per_step"] == pytest.approx(ours["recorder_bytes_per_step"])
     fp32, bf16 = (r["systems"]["flatshard"]["recorder_bytes_per_step_by_kind"]["all_gather"] for r in comparisons)
     assert bf16 == fp32 / 2
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from flatshard import interop
 from flatshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.runtime import build, grad, hooks, summon
+from flatshard.runtime import build, grad, hooks, recording, summon
 from flatshard.runtime.instrument import CommRecorder, MemoryRecorder
 from flatshard.runtime.schedule import RunContext
 from flatshard.runtime.tree import WRAPPED, UnitHost, clean_name, unit_hosts, units_under
@@ -343,13 +343,8 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         """Count every collective this model issues inside the block: totals by phase, kind and group
         (``count``, ``wire_bytes``, ``summary``). ``events=True`` also keeps every collective, in order,
         in ``.events`` (one record each, for as long as the block runs: [Note: bounded recorders])."""
-        ctx = self._require_root("record_comms")
-        recorder = CommRecorder(events=events)
-        ctx.comm_recorders.append(recorder)
-        try:
+        with recording.record_comms(self._require_root("record_comms"), events=events) as recorder:
             yield recorder
-        finally:
-            ctx.comm_recorders.remove(recorder)
 
     @contextlib.contextmanager
     def record_memory(
@@ -358,18 +353,12 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         """Follow the bytes flatshard manages on this rank (and the optimizer's state) and their peak.
         ``timeline=True`` also keeps every sample in ``.timeline`` ([Note: bounded recorders])."""
         ctx = self._require_root("record_memory")
-        recorder = MemoryRecorder(ctx.units, optimizer, extra_params=list(self._ignored_params), timeline=timeline)
-        recorder.sample()
-        ctx.memory_recorders.append(recorder)
-        try:
+        with recording.record_memory(ctx, optimizer, list(self._ignored_params), timeline=timeline) as recorder:
             yield recorder
-        finally:
-            ctx.memory_recorders.remove(recorder)
 
     def memory_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
         """Bytes held on this rank now, by category: params, grads, optimizer, gathered."""
-        ctx = self._require_root("memory_bytes")
-        return MemoryRecorder(ctx.units, optimizer, extra_params=list(self._ignored_params)).current()
+        return recording.memory_bytes(self._require_root("memory_bytes"), optimizer, list(self._ignored_params))
 
     def _require_root(self, what: str) -> RunContext:
         if not self._unit.is_root:

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from flatshard import interop
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.runtime import build, hooks
+from flatshard.runtime import build, hooks, recording
 from flatshard.runtime.layout import set_views_on_modules
 from flatshard.runtime.tree import UnitHost, unit_hosts
 from flatshard.runtime.unit import Unit
@@ -116,6 +116,18 @@ class FSDPModule(UnitHost):
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' parameters as this module's backward begins."""
         self._unit.backward_prefetch = [_host_unit(m, "set_modules_to_backward_prefetch") for m in modules]
+
+    # ---- flatshard's recorders, as on FullyShardedDataParallel (the root's) -----------------------------
+    def record_comms(self, *, events: bool = False):
+        """Count every collective flatshard issues for this model inside the block (the root's run context)."""
+        return recording.record_comms(self._unit.ctx, events=events)
+
+    def record_memory(self, optimizer: Optional[torch.optim.Optimizer] = None, *, timeline: bool = False):
+        """Follow the bytes flatshard manages on this rank (and the optimizer's state) and their peak."""
+        return recording.record_memory(self._unit.ctx, optimizer, [], timeline=timeline)
+
+    def memory_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+        return recording.memory_bytes(self._unit.ctx, optimizer, [])
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2's scripts: flatshard finishes every backward's reductions at its end, so

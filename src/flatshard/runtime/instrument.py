@@ -271,7 +271,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     seen, total = set(), 0
     for state in optimizer.state.values():
         for value in state.values():
-            if torch.is_tensor(value) and value.untyped_storage().data_ptr() not in seen:
-                seen.add(value.untyped_storage().data_ptr())
-                total += value.untyped_storage().nbytes()
+            if not torch.is_tensor(value):
+                continue
+            storage = getattr(value, "_local_tensor", value).untyped_storage()  # a DTensor's: its local tensor's
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
     return total
