@@ -109,6 +109,61 @@ def test_fully_shard_matches_pytorch_fsdp2_step_by_step(world, hsdp, mp):
             assert out["bitwise_steps"] == out["steps"], out
 
 
+def smaller_group_worker(rank: int, world: int) -> dict:
+    """reshard_after_forward=2 at W = 4: each block keeps half its parameters after forward, and backward
+    gathers them within pairs of ranks; results equal flatshard's own run that frees them (to the bit)
+    and PyTorch's FSDP2 with the same setting (its 4-way reduce-scatter sums in another order)."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    import flatshard
+
+    torch.manual_seed(0)
+    base = TinyGPT()
+    theirs, ours, freed = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    for model, shard, after in (
+        (theirs, torch_fsdp.fully_shard, 2),
+        (ours, flatshard.fully_shard, 2),
+        (freed, flatshard.fully_shard, True),
+    ):
+        for block in model.blocks:
+            shard(block, reshard_after_forward=after)
+        shard(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours, freed)]
+    out = {"bitwise": 0}
+    for step in range(3):
+        x = torch.randint(0, 37, (PER_RANK, 8), generator=torch.Generator().manual_seed(step + 10 * rank))
+        losses = []
+        for model, opt in zip((theirs, ours, freed), opts):
+            if model is ours:
+                with ours.record_comms(events=True) as rec:
+                    loss = _loss(model, x)
+                    loss.backward()
+            else:
+                loss = _loss(model, x)
+                loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        a, b, c = _locals(theirs), _locals(ours), _locals(freed)
+        for t_a, t_b in zip(a, b):
+            torch.testing.assert_close(t_b, t_a)
+        out["bitwise"] += all(map(torch.equal, b, c)) and losses[1] == losses[2]
+    blocks = [u for u in flatshard.units(ours) if u.name.startswith("blocks.")]
+    half = [-(-u.padded_numel // 2) for u in blocks]  # rank r keeps piece r mod 2: the first half, or the rest
+    piece = [h if u.shard_rank % 2 == 0 else u.padded_numel - h for h, u in zip(half, blocks)]
+    gathers = sorted(e.wire_bytes for e in rec.events if e.group == "post_forward")
+    out["post_forward gathers"] = gathers == sorted(float(p * 4) for p in piece)  # one piece sent to one peer
+    out["full backward gathers"] = sum(
+        1 for e in rec.events if e.kind == "all_gather" and e.phase == "backward" and e.group == "shard"
+    )
+    return out
+
+
+def test_reshard_after_forward_to_a_smaller_group():
+    for out in run_distributed(smaller_group_worker, 4, timeout=300):
+        assert out == {"bitwise": 3, "post_forward gathers": True, "full backward gathers": 0}, out
+
+
 # ---- DCP checkpoints across the two implementations ------------------------------------------------------
 def dcp_save_worker(rank: int, world: int, path: str, writer: str) -> list:
     import torch.distributed.checkpoint as dcp

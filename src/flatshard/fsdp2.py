@@ -31,8 +31,9 @@ from flatshard import interop
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.runtime import build, hooks, recording
 from flatshard.runtime.layout import set_views_on_modules
+from flatshard.runtime.mesh import group_timeout
 from flatshard.runtime.tree import UnitHost, unit_hosts
-from flatshard.runtime.unit import Unit
+from flatshard.runtime.unit import PostForwardGroup, Unit
 
 
 @dataclass(frozen=True)
@@ -190,8 +191,9 @@ def fully_shard(
 
     ``mesh``: a 1-D DeviceMesh (shard) or a 2-D one (replicate, shard) for HSDP; default a 1-D mesh over
     the world. ``reshard_after_forward``: free the gathered parameters after forward (True, FSDP2's
-    default; the root is kept anyway) or not (False); an int must be the shard dim's size (True) or 1
-    (False). Returns ``module``, whose class now also is ``FSDPModule``."""
+    default; the root is kept anyway) or not (False), or an int g dividing the shard dim's size: keep 1/g
+    after forward and gather within groups of g ranks in backward (FSDP2's meaning; g = the size is True,
+    1 is False). Returns ``module``, whose class now also is ``FSDPModule``."""
     if isinstance(module, (list, tuple)):
         raise NotBuiltError("fully_shard of a list of modules (one group) is not built: call it once per module")
     if isinstance(module, UnitHost):
@@ -201,7 +203,7 @@ def fully_shard(
             raise NotBuiltError(f"fully_shard({name}=...) is not built: parameters are sharded on dim 0 (Shard(0))")
     mesh, placements = _mesh(mesh, module)
     shard_size = mesh.size(mesh.ndim - 1)
-    reshard = _reshard_after_forward(reshard_after_forward, shard_size)
+    reshard, post_forward_size = _reshard_after_forward(reshard_after_forward, shard_size)
     mp, output_dtype = _precision(mp_policy)
     options = build.BuildOptions(
         strategy=_strategy(mesh, reshard),
@@ -214,6 +216,8 @@ def fully_shard(
     )
     built = build.build_units(module, options, _no_nested)
     unit = built.root
+    if post_forward_size:
+        unit.post_forward = _post_forward_group(mesh, post_forward_size, unit.layout.padded)
     _as_dtensors(unit, mesh, placements)
     module.__class__ = _fsdp_class(type(module))
     module._unit = unit
@@ -239,15 +243,34 @@ def _mesh(mesh, module: nn.Module):
     raise ValueError(f"fully_shard takes a 1-D (shard) or 2-D (replicate, shard) mesh; got {mesh.ndim}-D")
 
 
-def _reshard_after_forward(value, shard_size: int) -> bool:
+def _reshard_after_forward(value, shard_size: int) -> tuple[bool, int]:
+    """(free after forward, the post-forward group's size: 0 for none)."""
     if value is None or isinstance(value, bool):
-        return value is not False
+        return value is not False, 0
     if isinstance(value, int) and value in (1, shard_size):
-        return value == shard_size
-    raise NotBuiltError(
-        f"reshard_after_forward={value!r}: resharding to a smaller group after forward is not built; pass True "
-        f"(free the parameters after forward, or the shard size {shard_size}) or False (keep them gathered)"
+        return value == shard_size, 0
+    if isinstance(value, int) and 1 < value < shard_size and shard_size % value == 0:
+        return True, value
+    raise ValueError(
+        f"reshard_after_forward={value!r}: an int must divide the shard dim's size {shard_size} (1 keeps the "
+        f"parameters gathered, {shard_size} frees them, a size between reshards to groups of that many ranks)"
     )
+
+
+def _post_forward_group(mesh, size: int, total: int) -> PostForwardGroup:
+    """[Note: reshard after forward to a smaller group] (unit.py): groups of ``size`` consecutive ranks of
+    every shard group, made by every rank in the same order (``new_group`` is collective)."""
+    rows = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
+    me = dist.get_rank()
+    timeout = group_timeout(mesh.get_group(mesh.ndim - 1))
+    mine = None
+    for row in rows:
+        for start in range(0, len(row), size):
+            ranks = row[start : start + size]
+            group = dist.new_group(ranks, timeout=timeout)
+            if me in ranks:
+                mine = PostForwardGroup.of(group, size, ranks.index(me), total)
+    return mine
 
 
 def _strategy(mesh, reshard: bool) -> ShardingStrategy:

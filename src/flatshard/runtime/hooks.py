@@ -122,7 +122,7 @@ def post_forward(unit: Unit) -> None:
             return
         unit.use_shard_views()
         if (unit.reshard_after_forward and not unit.is_root) or not torch.is_grad_enabled():
-            unit.reshard()
+            unit.reshard(after_forward=torch.is_grad_enabled())
 
 
 def _use_compute_views(unit: Unit) -> None:

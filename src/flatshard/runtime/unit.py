@@ -60,6 +60,31 @@ class _Gather:
     then: Optional[Any] = None  # run once it has arrived (a rank-major layout's copy into the unsharded flat)
 
 
+# [Note: reshard after forward to a smaller group]
+# FSDP2's ``reshard_after_forward=g`` (1 < g < F): after forward a unit keeps 1/g of its unsharded flat
+# instead of nothing, and backward gathers it within a group of g consecutive ranks of the shard group
+# (a node, say) instead of the whole shard group. The unsharded flat is the same on every rank, so rank
+# r keeps piece r mod g of it (pieces of ceil(T / g) elements, the last shorter); the gather is a
+# ragged all-gather of those pieces straight into the unsharded flat. If the flat shard changed in
+# between (the parameters were written), the piece is stale and the unit gathers from the flat shards.
+@dataclass(frozen=True)
+class PostForwardGroup:
+    group: Any  # the process group of this rank's g consecutive shard ranks
+    size: int  # g
+    rank: int  # this rank's position in it
+    sizes: list[int]  # every piece's length
+
+    @classmethod
+    def of(cls, group, size: int, rank: int, total: int) -> PostForwardGroup:
+        piece = -(-total // size)
+        sizes = [max(0, min(piece, total - k * piece)) for k in range(size)]
+        return cls(group, size, rank, sizes)
+
+    def piece(self, unsharded: torch.Tensor) -> torch.Tensor:
+        start = sum(self.sizes[: self.rank])
+        return unsharded[start : start + self.sizes[self.rank]]
+
+
 class Unit:
     def __init__(
         self,
@@ -121,6 +146,8 @@ class Unit:
         self.forward_prefetch: list[Unit] = []  # explicit prefetch targets (else the run context's schedule)
         self.backward_prefetch: list[Unit] = []
         self.grad_as: Optional[Any] = None  # fully_shard: (index, local gradient) -> its DTensor gradient
+        self.post_forward: Optional[PostForwardGroup] = None  # fully_shard's reshard_after_forward=int
+        self._partial: Optional[tuple[torch.Tensor, int]] = None  # (this rank's piece, flat shard version)
         self.strategy: Optional[ShardingStrategy] = None  # what the wrap call asked for (checkpoint manifests)
         self.mixed_precision: Optional[MixedPrecision] = None  # the policy ``precision`` was resolved from
         set_views_on_modules(layout, self.shard_views, as_params=True)
@@ -154,6 +181,10 @@ class Unit:
         nbytes = self.layout.padded * self.unsharded.element_size()
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
+        partial, self._partial = self._partial, None
+        if partial is not None and partial[1] == self.flat_shard._version:  # the smaller group's gather
+            self._unshard_from(partial[0], wait)
+            return
         source = self.flat_shard
         if self.offload or self.precision.mixed:  # to the compute device and dtype (pinned: asynchronous)
             source = self.flat_shard.to(self.compute_device, self.precision.compute, non_blocking=True, copy=True)
@@ -181,6 +212,22 @@ class Unit:
         self.state = UnitState.UNSHARDED
         self.ctx.sample_memory()
 
+    def _unshard_from(self, piece: torch.Tensor, wait: bool) -> None:
+        """All-gather the unsharded flat from the pieces the post-forward group kept."""
+        group = self.post_forward
+        self.ctx.checker.check(order.GATHER, self, self.ctx.phase)
+        tag = self.ctx.next_tag(self)
+        with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"), self._errors("all_gather"):
+            result = collectives.all_gather(
+                self._gather_target, piece, group.group, async_op=not wait, tag=tag, sizes=group.sizes
+            )
+        self.record(result, "post_forward")
+        if result.work is not None:
+            self._gather = _Gather(result.work, piece)
+        self._gathered_version = self.flat_shard._version
+        self.state = UnitState.UNSHARDED
+        self.ctx.sample_memory()
+
     def wait_for_unshard(self) -> None:
         if self._gather is not None:
             with self._errors("all_gather"):
@@ -194,11 +241,16 @@ class Unit:
         """Whether this unit holds (or is receiving) its unsharded flat in memory of its own."""
         return not self.plan.aliased and self.state is UnitState.UNSHARDED
 
-    def reshard(self) -> None:
-        """Free the unsharded flat (its tensor object stays, for autograd's saved views)."""
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the unsharded flat (its tensor object stays, for autograd's saved views). ``after_forward``
+        with a post-forward group ([Note: reshard after forward to a smaller group]): keep this rank's
+        piece of it for the backward's gather within that group."""
         if self.state is UnitState.SHARDED or self.plan.aliased:
             return
         self.wait_for_unshard()  # never free memory a collective is still writing
+        if after_forward and self.post_forward is not None:
+            piece = self.post_forward.piece(self.unsharded.data)
+            self._partial = (piece.clone(), self.flat_shard._version)
         self.unsharded.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
         self.ctx.sample_memory()
@@ -346,6 +398,8 @@ class Unit:
         if self.unsharded.grad is not None:
             gathered += self.unsharded.grad.untyped_storage().nbytes()
         gathered += self.view_grad_bytes
+        if self._partial is not None:
+            gathered += self._partial[0].untyped_storage().nbytes()
         if self.reduction is not None:  # in flight: the full-size gradient and the shard it lands in
             full, out = self.reduction.nbytes()
             gathered += full
