@@ -39,6 +39,7 @@ Index of every [Note: ...] in the package
   reductions in flight ............ runtime/schedule.py
   prefetch ........................ runtime/schedule.py
   exchange tags ................... runtime/gloo_exchange.py
+  forward inside summon_full_params .. runtime/summon.py
   recomputation in backward ....... runtime/hooks.py
   free before the flat gradient ... runtime/hooks.py
   deferred initialisation ......... runtime/deferred.py

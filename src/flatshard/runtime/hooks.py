@@ -45,6 +45,8 @@ traced = label  # entry points: ``with hooks.traced("clip_grad_norm_"):``
 # ---- forward ----------------------------------------------------------------------------------
 def forward(unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     """Run ``module`` (the unit's module) between the unit's pre- and post-forward."""
+    if unit.summoned:  # [Note: forward inside summon_full_params] (summon.py)
+        return module(*args, **kwargs)
     ctx = unit.ctx
     ctx.start()
     p = unit.precision
@@ -71,6 +73,8 @@ def forward(unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict) -> A
 # ---- the forward of fully_shard: module hooks instead of a wrapper's forward --------------------------
 def forward_pre_hook(unit: Unit, _module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     """fully_shard's forward pre-hook: what ``forward`` does before calling the module."""
+    if unit.summoned:
+        raise RuntimeError("fully_shard modules have no summon_full_params; use FSDPModule.unshard()")
     ctx = unit.ctx
     ctx.start()
     p = unit.precision

@@ -13,6 +13,16 @@ unit at a time) and the gathered buffer on the compute device is freed. ``with_g
 shards are gathered the same way and set as the full parameters' ``.grad`` (a parameter whose shard
 view has no gradient gets none: ranks agree, since reductions give every trainable view one); gradients
 are for reading, never written back.
+
+[Note: forward inside summon_full_params]
+A forward that runs inside the block (Hugging Face's ``generate`` on the wrapped model, the
+"generate, then sync the weights" pattern) computes with the summoned parameters as they are: a unit
+whose modules hold them neither gathers nor puts shard views back, so they stay in place for reading
+and editing after the forward, and no collective runs (``rank0_only``: only rank 0 may run it). The
+summoned parameters are the fp32 masters, and under mixed precision the forward computes in fp32 with
+them: the policy's cast is per unit, and a forward that enters through the wrapped module (``generate``
+calls the inner model) would meet fp32 activations from units that never cast. Gradients of such a
+forward land on the summoned parameters and are not reduced.
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ def summon(
                 for p, g, view in zip(params, make_compute_views(unit.layout, grads), unit.shard_views):
                     p.grad = g if view.grad is not None else None
             set_views_on_modules(unit.layout, params, as_params=True)
+            unit.summoned = True
             held.append(full)
     try:
         yield
@@ -72,6 +83,7 @@ def summon(
         for unit, full in zip(units, held):
             if full is None:
                 continue
+            unit.summoned = False
             if writeback and full.untyped_storage().data_ptr() != unit.flat_shard.untyped_storage().data_ptr():
                 rank = unit.groups.shard_rank
                 with torch.no_grad():

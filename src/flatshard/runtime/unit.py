@@ -145,6 +145,7 @@ class Unit:
         self.gradient_divide_factor: Optional[float] = None  # None: divide by the data-parallel size
         self.forward_prefetch: list[Unit] = []  # explicit prefetch targets (else the run context's schedule)
         self.backward_prefetch: list[Unit] = []
+        self.summoned = False  # inside summon_full_params, its modules hold the full parameters (summon.py)
         self.grad_as: Optional[Any] = None  # fully_shard: (index, local gradient) -> its DTensor gradient
         self.post_forward: Optional[PostForwardGroup] = None  # fully_shard's reshard_after_forward=int
         self._partial: Optional[tuple[torch.Tensor, int]] = None  # (this rank's piece, flat shard version)
