@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -572,4 +573,9 @@ def print_report(report: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # the wrapped model is garbage in reference cycles and holds the process groups: collected here, they
+    # are destroyed and gloo's threads joined before the interpreter finalizes, or a rank can abort at exit
+    # ([Note: process groups at exit] in examples/local_launch.py)
+    gc.collect()
+    sys.exit(code)

@@ -21,6 +21,7 @@ Each rank prints nothing; the launcher prints the table (``--json`` writes the f
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -454,4 +455,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # the wrapped model is garbage in reference cycles and holds the process groups: collected here, they
+    # are destroyed and gloo's threads joined before the interpreter finalizes, or a rank can abort at exit
+    # ([Note: process groups at exit] in examples/local_launch.py)
+    gc.collect()
+    sys.exit(code)

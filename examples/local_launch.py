@@ -21,6 +21,21 @@ socket bound to 127.0.0.1, shared by the agent and the ranks (``use_agent_store`
 under a prefix). The ranks' gloo and NCCL sockets are put on the loopback interface. Ranks started
 without torchrun (big_model.py) are clients of ``loopback_store()``, hosted by their launcher.
 tests/test_launch.py reads the socket table during a run and finds no listener of the job elsewhere.
+
+[Note: process groups at exit]
+A rank that returns from its work and exits can abort afterwards ("terminate called without an active
+exception", SIGABRT, torchrun's exitcode -6), about 1 run in 10 on a loaded machine. A core dump shows
+where: a gloo worker thread (``ProcessGroupGloo::runLoop``) destroys the barrier's work it has just
+finished, which drops the last reference to an earlier all-gather's output tensors, whose Python
+objects need the GIL; the main thread is in ``Py_FinalizeEx`` by then, so taking the GIL ends the
+thread (``PyThread_exit_thread``), and the forced unwind through a destructor calls std::terminate
+(pytorch/pytorch#179291 is the same mechanism). ``destroy_process_group`` does not stop gloo's threads
+(gloo has no shutdown); only destroying the group does, and it joins them. The group outlives
+``destroy_process_group`` because the wrapped model holds it (units, order checks, run context) and
+the model is garbage in reference cycles (module hooks and units refer to each other), freed only by
+a collection, which may come during finalization or never. So each launcher's ranks end with
+``gc.collect()`` after ``main()`` returns, before ``sys.exit``: the model goes, the groups with it,
+gloo's threads are joined while the interpreter can still hand them the GIL.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib.util
 import json
 import math
@@ -401,4 +402,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # the wrapped model is garbage in reference cycles and holds the process groups: collected here, they
+    # are destroyed and gloo's threads joined before the interpreter finalizes, or a rank can abort at exit
+    # ([Note: process groups at exit] in examples/local_launch.py)
+    gc.collect()
+    sys.exit(code)
