@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from gpt import GPT, PRESETS, Block, flops_per_token, generate
 from local_launch import run_local
+from owned_optim import OwnedOptimizers
 from train_report import STEP_PHASES, TrainLog, figures, gather_memory, peak_flops, print_summary
 
 import flatshard
@@ -91,7 +92,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=240, help="training steps in all (a resumed run included)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine to lr/10)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on matrices only (param_groups)")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=["adamw", "muon"],
+        help='muon: shard_boundaries="params", torch.optim.Muon on the matrices each rank owns and AdamW on the '
+        "rest (owned_optim.py)",
+    )
+    p.add_argument(
+        "--weight-decay", type=float, default=0.1, help="on matrices only (embeddings too; not norms, biases)"
+    )
     p.add_argument("--seed", type=int, default=1337, help="the initial weights and every step's batch")
     p.add_argument("--log-interval", type=int, default=20, help="steps between reports (each is a sync point)")
     p.add_argument(
@@ -141,6 +151,8 @@ def invalid(args: argparse.Namespace) -> str | None:
             return f"--resume {args.resume}: {exc}"
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         return f"--peak-tflops must be positive, got {args.peak_tflops}"
+    if args.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
+        return f"--optimizer muon needs torch.optim.Muon, which torch {torch.__version__} lacks; use --optimizer adamw"
     if importlib.util.find_spec("rich") is None:
         return "this example prints with rich: pip install 'flatshard[examples]' (or pip install rich)"
     if args.device == "cuda":
@@ -249,7 +261,10 @@ def resume(args, model, opt, cfg) -> int:
         if dist.get_rank() == 0:
             print(f"no checkpoint in {args.ckpt_dir} yet: starting at step 0", flush=True)
         return 0
-    step, extra = checkpoint.load(path, model, opt)
+    try:
+        step, extra = checkpoint.load(path, model, opt)
+    except checkpoint.CheckpointError as exc:  # raised alike on every rank
+        raise SystemExit(f"--resume {path}: {exc} (was it saved with another --optimizer?)") from exc
     if extra.get("model") != dataclasses.asdict(cfg) or extra.get("steps") != args.steps:
         raise SystemExit(  # every rank read the same manifest, so every rank stops here with this message
             f"{path} was saved by a run of another model or length ({extra}); pass the same --model, "
@@ -287,12 +302,17 @@ def main(argv=None) -> int:
         sharding_factor=args.sharding_factor,
         device_id=device if device.type == "cuda" else None,
         mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16) if args.precision == "bf16" else None,
+        shard_boundaries="params" if args.optimizer == "muon" else "flat",  # Muon needs whole matrices
     )
     units = flatshard.units(model)  # one read-only UnitInfo per unit, root first
     n_params = sum(u.numel for u in units)
 
-    # optimizer: weight decay on matrices only (param_groups reads each shard view's full shape)
-    opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    # optimizer: weight decay on matrices only (param_groups reads each shard view's full shape); or Muon on
+    # the matrices this rank owns whole and AdamW on its other parameters (owned_optim.py)
+    if args.optimizer == "muon":
+        opt = OwnedOptimizers(model, args.lr, args.weight_decay, betas=(0.9, 0.95))
+    else:
+        opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     n_state = sum(len(g["params"]) for g in opt.param_groups)
     start = resume(args, model, opt, cfg) if args.resume else 0
 
@@ -307,7 +327,7 @@ def main(argv=None) -> int:
         print(
             f"GPT of {n_params:,} parameters ({cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, context "
             f"{cfg.block_size}) in {len(units)} units, {args.strategy} over W={world} ranks ({device.type}, "
-            f"{args.precision}); {len(corpus):,} bytes of stdlib source, {len(val_data):,} held out",
+            f"{args.precision}, {args.optimizer}); {len(corpus):,} bytes of stdlib source, {len(val_data):,} held out",
             flush=True,
         )
     mode = "quiet" if args.quiet or not master else ("bar" if sys.stdout.isatty() else "lines")
@@ -357,7 +377,7 @@ def main(argv=None) -> int:
                     model,
                     opt,
                     step=step + 1,
-                    extra={"model": dataclasses.asdict(cfg), "steps": args.steps},
+                    extra={"model": dataclasses.asdict(cfg), "steps": args.steps, "optimizer": args.optimizer},
                     keep_last=args.keep_last,
                 )
         elapsed = time.perf_counter() - t0

@@ -165,6 +165,8 @@ def figures(run: dict) -> dict:
     return {
         "strategy": args.strategy,
         "precision": args.precision,
+        "optimizer": args.optimizer,
+        "shard_boundaries": units[0].shard_boundaries,
         "device": run["device"].type,
         "world": world,
         "sharding_factor": f,
@@ -221,7 +223,8 @@ def print_summary(fig: dict) -> None:
     if not console.is_terminal:  # piped or logged: rich would assume 80 columns and squeeze the tables
         console = Console(width=110)
     head = Table(
-        title=f"flatshard: byte-level GPT on the standard library's source ({fig['strategy']}, {fig['precision']})",
+        title=f"flatshard: byte-level GPT on the standard library's source ({fig['strategy']}, {fig['precision']}, "
+        f"{fig['optimizer']})",
         show_header=False,
     )
     val = "-" if fig["val_loss"] is None else f"{fig['val_loss']:.3f}"
