@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from flatshard.planner import boundaries as cuts
+
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -43,7 +45,7 @@ class ParamInfo:
     uses: tuple[tuple[nn.Module, str], ...]
 
 
-BOUNDARIES = ("flat", "rows", "params")
+BOUNDARIES = cuts.BOUNDARIES
 
 
 class FlatLayout:
@@ -62,6 +64,8 @@ class FlatLayout:
                      counts the units built before this one in the same wrap call (``loads``): a rank
                      that took a unit's largest matrix takes less of the next, so the model's bytes per
                      rank balance even where one unit's cannot.
+    The arithmetic (shapes in, order and bounds out) is planner/boundaries.py's ``cut``, torch-free, so
+    the planner (``PlanInputs.shard_boundaries``) predicts the shards the engine builds.
     Shards of ``"rows"`` and ``"params"`` differ in size (``shard_numel_of``); nothing is padded, and
     the unsharded flat is still the parameters in layout order, so compute views stay zero-copy
     splits. On gloo the point-to-point exchanges move ragged shards as they are; other backends need
@@ -73,25 +77,13 @@ class FlatLayout:
     ):
         """``loads``: elements each shard rank holds of the units laid out before this one (``"params"``
         deals against them and adds this unit's shards to them)."""
-        if boundaries not in BOUNDARIES:
-            raise ValueError(f"shard_boundaries must be one of {BOUNDARIES}, got {boundaries!r}")
         self.boundaries = boundaries
         self.shard_size = shard_size  # F
         loads = loads if loads is not None else [0] * shard_size
-        owners = _deal(infos, shard_size, loads) if boundaries == "params" and shard_size > 1 else None
-        self.infos = _in_rank_order(infos, owners) if owners is not None else infos
+        cut = cuts.cut([tuple(i.shape) for i in infos], shard_size, boundaries, loads)
+        self.infos = _laid_out(infos, cut.order) if boundaries == "params" and shard_size > 1 else infos
         self.total = sum(i.numel for i in self.infos)  # T
-        if boundaries == "flat" or shard_size == 1:
-            S = math.ceil(self.total / shard_size) if self.total else 0
-            self.bounds = [k * S for k in range(shard_size + 1)]
-        elif boundaries == "rows":
-            self.bounds = [0] + [_row_cut(self.infos, self.total * k // shard_size) for k in range(1, shard_size)]
-            self.bounds.append(self.total)
-        else:
-            mine = [0] * shard_size
-            for info, owner in zip(infos, owners):
-                mine[owner] += info.numel
-            self.bounds = [sum(mine[:k]) for k in range(shard_size + 1)]
+        self.bounds = list(cut.bounds)
         for rank, size in enumerate(self.shard_sizes):
             loads[rank] += size
         self.padded = self.bounds[-1]  # the unsharded flat: F·S for "flat", T otherwise
@@ -159,37 +151,13 @@ class FlatLayout:
         return (n // row if row else 0, *info.shape[1:])
 
 
-def _deal(infos: list[ParamInfo], shard_size: int, before: list[int]) -> list[int]:
-    """The owner of each parameter under ``"params"``: largest first, to the least loaded rank."""
-    loads = list(before)
-    owners = [0] * len(infos)
-    for i in sorted(range(len(infos)), key=lambda i: (-infos[i].numel, i)):
-        owner = min(range(shard_size), key=lambda r: (loads[r], r))
-        owners[i] = owner
-        loads[owner] += infos[i].numel
-    return owners
-
-
-def _in_rank_order(infos: list[ParamInfo], owners: list[int]) -> list[ParamInfo]:
-    """``infos`` laid out rank by rank (in their own order within a rank), with offsets to match."""
-    order = sorted(range(len(infos)), key=lambda i: (owners[i], i))
+def _laid_out(infos: list[ParamInfo], order: tuple[int, ...]) -> list[ParamInfo]:
+    """``infos`` in layout ``order`` (rank by rank under ``"params"``), with offsets to match."""
     out, offset = [], 0
     for i in order:
         out.append(dataclasses.replace(infos[i], offset=offset))
         offset += infos[i].numel
     return out
-
-
-def _row_cut(infos: list[ParamInfo], target: int) -> int:
-    """The row boundary (dim 0 of the parameter holding element ``target``) nearest to ``target``."""
-    for info in infos:
-        if info.offset <= target < info.offset + info.numel:
-            row = math.prod(info.shape[1:]) if len(info.shape) > 1 else 1
-            if len(info.shape) == 0:
-                return info.offset
-            rows = round((target - info.offset) / row)
-            return info.offset + rows * row
-    return target
 
 
 def make_shard_views(layout: FlatLayout, flat_shard: torch.Tensor, rank: int) -> list[nn.Parameter]:
