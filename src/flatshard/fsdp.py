@@ -58,6 +58,9 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         sharding_factor: Union[int, str, None] = None,
         memory_budget: Optional[int] = None,
         shard_boundaries: str = "flat",
+        ranks_per_node: Optional[int] = None,
+        inter_node_in_flight: bool = True,
+        compress_inter_node: Optional[str] = None,
     ):
         """All keywords as in PyTorch FSDP, plus flatshard's own:
 
@@ -72,7 +75,15 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         ``"flat"`` (default) anywhere, each rank holding 1-D pieces; ``"rows"`` only between rows, each
         rank's piece of a matrix a block of rows (``p.dim()`` keeps its meaning); ``"params"`` never
         inside a parameter: each lives whole on one rank (``flatshard.owned_named_parameters(model)``),
-        so whole-matrix optimizers (Muon, Adafactor) step it locally."""
+        so whole-matrix optimizers (Muon, Adafactor) step it locally.
+
+        ``ranks_per_node``: how many consecutive ranks share a node (default: torchrun's
+        ``LOCAL_WORLD_SIZE``; else the job is one node). Collectives between nodes are told apart by it:
+        ``inter_node_in_flight`` (default True) leaves them in flight while backward goes on, the
+        all-reduce across replicas until the end of backward ([Note: reductions in flight]); and
+        ``compress_inter_node="int8"`` sends what crosses (the replicate all-reduce; a shard group's
+        all-gathers and reduce-scatters to ranks on other nodes) as block-wise int8 with fp32 scales,
+        on gloo ([Note: inter-node compression]). It raises where it cannot apply (NCCL, one node)."""
         super().__init__()
         # PyTorch FSDP's own enums and configs are taken as flatshard's (a script with one import unswapped)
         sharding_strategy, backward_prefetch, mixed_precision, cpu_offload = map(
@@ -95,7 +106,11 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
             device_id=device_id,
             sync_module_states=sync_module_states,
             shard_boundaries=shard_boundaries,
+            ranks_per_node=ranks_per_node,
+            compress_inter_node=compress_inter_node,
         )
+        if not isinstance(inter_node_in_flight, bool):
+            raise TypeError(f"inter_node_in_flight must be True or False, got {inter_node_in_flight!r}")
         built = build.build_units(module, options, self._host)
         self._host_of(module, built.root, self)
         self._ignored_params = built.ignored_params
@@ -105,6 +120,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
             backward_prefetch=backward_prefetch,
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
+            inter_node_in_flight=inter_node_in_flight,
         )
         build.become_root(self, config, mixed_precision)
 

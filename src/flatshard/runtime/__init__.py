@@ -22,8 +22,10 @@ Backward
                                 RunContext.prefetch_backward (BACKWARD_PRE)
   hooks.py:_on_split_backward   Unit.reshard before the flat gradient is joined
   hooks.py:post_backward        RunContext.settle_reductions; Unit.start_reduction -> reduce.py:start ->
-                                collectives.py:reduce_scatter; Unit.reshard; Unit.finish_reduction ->
-                                reduce.py:finish (all-reduce across replicas, divide) -> Unit._expose_grads
+                                collectives.py:reduce_scatter; Unit.reshard; RunContext.settle ->
+                                Unit.finish_reduction -> reduce.py:finish (all-reduce across replicas,
+                                divide) -> Unit._expose_grads; across nodes Unit.advance_reduction ->
+                                reduce.py:advance leaves the all-reduce in flight (compress.py: int8)
   hooks.py:end_of_backward      RunContext.end_of_backward: reductions in flight, Unit.finish_backward
 Between steps
   the optimizer steps the shard views locally; grad.py:clip_grad_norm_ (one all-reduce), grad.py:no_sync;
@@ -39,6 +41,7 @@ Index of every [Note: ...] in the package
   reductions in flight ............ runtime/schedule.py
   prefetch ........................ runtime/schedule.py
   exchange tags ................... runtime/gloo_exchange.py
+  inter-node compression .......... runtime/compress.py
   forward inside summon_full_params .. runtime/summon.py
   recomputation in backward ....... runtime/hooks.py
   free before the flat gradient ... runtime/hooks.py

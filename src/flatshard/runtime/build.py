@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.runtime import collectives, deferred, fingerprint, hooks, optim_check, precision
+from flatshard.runtime import collectives, compress, deferred, fingerprint, hooks, optim_check, precision
 from flatshard.runtime.autoshard import auto_sharding_factor
 from flatshard.runtime.chunked import ChunkedLayout
 from flatshard.runtime.layout import BOUNDARIES, FlatLayout, ParamInfo
@@ -54,6 +54,8 @@ class BuildOptions:
     # "flat" | "rows" | "params" ([Note: shard boundaries], layout.py); "chunks" ([Note: chunked layout])
     shard_boundaries: str = "flat"
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    ranks_per_node: Optional[int] = None  # which ranks share a node (None: LOCAL_WORLD_SIZE; compress.py, Nodes)
+    compress_inter_node: Optional[str] = None  # "int8": [Note: inter-node compression] (compress.py)
 
 
 @dataclass
@@ -165,6 +167,11 @@ def build_unit(
         precision=precision.resolve(options.mixed_precision, dtype),
         offload=options.offload_params,
     )
+    nodes = compress.Nodes.resolve(options.ranks_per_node)
+    unit.inter_node = compress.inter_node(
+        groups.shard_group, groups.replicate_group, nodes, options.compress_inter_node
+    )
+    compress.check(options.compress_inter_node, unit.inter_node, nodes, groups.replicate_size, device)
     unit.originals = {id(p): weakref.ref(p) for p in originals}
     unit.strategy = options.strategy
     unit.mixed_precision = options.mixed_precision

@@ -8,6 +8,10 @@ Byte figures are per rank and follow the ring algorithm: all-gather and reduce-s
 (n-1)·(shard bytes); all-reduce moves 2·(n-1)/n·(tensor bytes); broadcast counts the tensor once.
 On gloo (CPU tensors) all-gather and reduce-scatter are point-to-point exchanges (gloo_exchange.py)
 that send exactly those bytes; NCCL and other backends use their own collectives.
+
+``remote`` (all-gather, reduce-scatter) and ``compressed`` (all-reduce) send what crosses the node
+boundary as int8 ([Note: inter-node compression], compress.py); the bytes recorded are then those
+sent: each message's int8 values and its blocks' fp32 scales.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from flatshard.runtime import gloo_exchange
+from flatshard.runtime import compress, gloo_exchange
+from flatshard.runtime.gloo_exchange import Remote
 
 
 class CollectiveResult(NamedTuple):
@@ -40,20 +45,25 @@ def all_gather(
     async_op: bool = False,
     tag: int = 0,
     sizes: Optional[list[int]] = None,
+    remote: Remote = None,
 ) -> CollectiveResult:
     """``output`` receives every rank's ``shard`` in group-rank order: n·len(shard) elements, or
     ``sizes[r]`` from rank r when shards differ in size ([Note: shard boundaries], layout.py).
 
-    ``tag`` names a point-to-point exchange (gloo): exchanges in flight at the same time need their own."""
+    ``tag`` names a point-to-point exchange (gloo): exchanges in flight at the same time need their own.
+    ``remote``: the group ranks on other nodes, whose messages go as int8 (gloo only)."""
     n = dist.get_world_size(group)
     ragged = sizes is not None and len(set(sizes)) > 1
+    _check_compressible(remote is not None, output, group)
     if gloo_exchange.applies(output, group):
-        work = gloo_exchange.all_gather(output, shard, group, n, tag, async_op, sizes if ragged else None)
+        work = gloo_exchange.all_gather(output, shard, group, n, tag, async_op, sizes if ragged else None, remote)
     elif ragged:
         work = _padded_all_gather(output, shard, group, sizes)
     else:
         work = dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
-    return CollectiveResult("all_gather", n, _nbytes(output), float((n - 1) * _nbytes(shard)), work)
+    me = dist.get_rank(group)
+    sent = [_message_bytes(shard.numel(), shard.element_size(), remote, j) for j in range(n) if j != me]
+    return CollectiveResult("all_gather", n, _nbytes(output), float(sum(sent)), work)
 
 
 def reduce_scatter(
@@ -63,20 +73,39 @@ def reduce_scatter(
     async_op: bool = False,
     tag: int = 0,
     sizes: Optional[list[int]] = None,
+    remote: Remote = None,
 ) -> CollectiveResult:
     """``output`` receives this rank's chunk of the sum over ranks of ``full`` (chunks of ``sizes``
-    when they differ); ``tag`` as for ``all_gather``. Bytes: what this rank sends, the other ranks' chunks."""
+    when they differ); ``tag`` and ``remote`` as for ``all_gather``. Bytes: what this rank sends, the
+    other ranks' chunks."""
     n = dist.get_world_size(group)
     ragged = sizes is not None and len(set(sizes)) > 1
+    _check_compressible(remote is not None, full, group)
     if gloo_exchange.applies(full, group):
-        work = gloo_exchange.reduce_scatter(output, full, group, n, tag, async_op, sizes if ragged else None)
+        work = gloo_exchange.reduce_scatter(output, full, group, n, tag, async_op, sizes if ragged else None, remote)
     elif ragged:
         work = _padded_reduce_scatter(output, full, group, sizes)
     else:
         work = dist.reduce_scatter_tensor(output, full, op=ReduceOp.SUM, group=group, async_op=async_op)
     me = dist.get_rank(group)
-    sent = (sum(sizes) - sizes[me]) * full.element_size() if ragged else (n - 1) * _nbytes(output)
-    return CollectiveResult("reduce_scatter", n, _nbytes(full), float(sent), work)
+    numel = sizes if ragged else [output.numel()] * n
+    sent = [_message_bytes(numel[j], full.element_size(), remote, j) for j in range(n) if j != me]
+    return CollectiveResult("reduce_scatter", n, _nbytes(full), float(sum(sent)), work)
+
+
+def _message_bytes(numel: int, element_size: int, remote: Remote, peer: int) -> int:
+    """Bytes of one message of ``numel`` elements to ``peer``: int8 and scales when it crosses nodes."""
+    if remote is not None and remote[peer]:
+        return compress.packed_nbytes(numel)
+    return numel * element_size
+
+
+def _check_compressible(compressed: bool, tensor: torch.Tensor, group: ProcessGroup) -> None:
+    if compressed and not gloo_exchange.applies(tensor, group):
+        raise RuntimeError(
+            "flatshard internal error: an int8 (inter-node) collective outside gloo's point-to-point exchange; "
+            "compress_inter_node is checked at construction, so please report this"
+        )
 
 
 # ---- shards of different sizes on backends that need equal ones (NCCL) --------------------------------
@@ -104,9 +133,25 @@ def _padded_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: Proc
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM, async_op: bool = False
+    tensor: torch.Tensor,
+    group: ProcessGroup,
+    op: ReduceOp = ReduceOp.SUM,
+    async_op: bool = False,
+    *,
+    compressed: bool = False,
+    tag: int = 0,
 ) -> CollectiveResult:
+    """``compressed``: a sum whose contributions go as int8 to every other rank (gloo's point-to-point
+    exchange, ``tag`` as for ``all_gather``), (n - 1)·(int8 message) bytes per rank."""
     n = dist.get_world_size(group)
+    if compressed:
+        _check_compressible(True, tensor, group)
+        if op != ReduceOp.SUM:
+            raise RuntimeError("flatshard internal error: an int8 all-reduce sums; it has no other op")
+        work = gloo_exchange.all_reduce_int8(tensor, group, n, tag, async_op)
+        return CollectiveResult(
+            "all_reduce", n, _nbytes(tensor), float((n - 1) * compress.packed_nbytes(tensor.numel())), work
+        )
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return CollectiveResult("all_reduce", n, _nbytes(tensor), 2.0 * (n - 1) / n * _nbytes(tensor), work)
 

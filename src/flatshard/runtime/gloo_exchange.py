@@ -15,14 +15,18 @@ prefetched all-gather while a reduction runs) unmistakable all the same.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from flatshard.runtime import compress
+
 Target = Union[torch.Tensor, Callable[[int], torch.Tensor]]
+Remote = Optional[Sequence[bool]]  # per group rank: on another node (its messages go as int8)
 
 
 def applies(tensor: torch.Tensor, group: ProcessGroup) -> bool:
@@ -42,6 +46,20 @@ class Exchange:
         self.rank = dist.get_rank(group)
         self._posted: list[dist.Work] = []
         self._steps: list[Callable[[], None]] = []
+        self.buffers: list[torch.Tensor] = []  # receive buffers of its own (memory recorders count them)
+
+    def buffer(self, numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """A receive buffer held until the exchange is done (int8 messages are uint8 bytes)."""
+        self.buffers.append(torch.empty(numel, dtype=dtype))
+        return self.buffers[-1]
+
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        """Keep a tensor this exchange sends (a quantised message) until it is done."""
+        self.buffers.append(t)
+        return t
+
+    def nbytes(self) -> int:
+        return sum(b.untyped_storage().nbytes() for b in self.buffers)
 
     def exchange(self, send_of: Target, recv_into: Target, peers: Optional[list[int]] = None) -> None:
         for k in peers if peers is not None else range(1, self.n):
@@ -66,6 +84,7 @@ class Exchange:
                 w.wait()
             if self._steps:
                 self._steps.pop(0)()  # may post another round
+        self.buffers = []
         return True
 
 
@@ -81,12 +100,20 @@ def all_gather(
     tag: int,
     async_op: bool,
     sizes: Optional[list[int]] = None,
+    remote: Remote = None,
 ) -> Optional[Exchange]:
     """Every rank sends its shard to every other rank; ``sizes``: shards of these sizes, in rank order
-    (ragged shards need no padding here: each lands at its own offset)."""
+    (ragged shards need no padding here: each lands at its own offset). ``remote``: the group ranks on
+    other nodes, which get (and send) the shard as int8 ([Note: inter-node compression], compress.py)."""
     work = Exchange(group, n, tag)
     chunks = _chunks(output, n, sizes)
-    work.exchange(shard, lambda k: chunks[k])
+    if remote is None:
+        work.exchange(shard, lambda k: chunks[k])
+    else:
+        packed = work.hold(compress.quantize(shard))
+        inbox = {j: work.buffer(compress.packed_nbytes(chunks[j].numel())) for j in range(n) if remote[j]}
+        work.exchange(lambda j: packed if remote[j] else shard, lambda j: inbox[j] if remote[j] else chunks[j])
+        work.then(lambda: [chunks[j].copy_(compress.dequantize(b, chunks[j].numel())) for j, b in inbox.items()])
     chunks[work.rank].copy_(shard)
     return _finish(work, async_op)
 
@@ -99,19 +126,74 @@ def reduce_scatter(
     tag: int,
     async_op: bool,
     sizes: Optional[list[int]] = None,
+    remote: Remote = None,
 ) -> Optional[Exchange]:
     """Round k (k = 1 … n-1) sends the chunk of rank r+k to it and receives rank r-k's contribution to
-    this rank's chunk, which is added in. The first contribution lands in ``output`` itself; later ones
-    need one chunk-sized buffer, so the extra memory is one shard at most (none at n = 2)."""
+    this rank's chunk, which is added in: ``output`` = the contribution of r-1, + this rank's own, + that
+    of r-2, and so on. Synchronous, a round at a time: the first contribution lands in ``output`` itself
+    and later ones share one chunk-sized buffer (one shard of memory at most, none at n = 2).
+    ``async_op`` (left in flight while backward goes on): every round is posted at once, each into a
+    buffer of its own (n - 2 shards), and added in the same order, so the result is the same bits.
+    ``remote``: chunks to and from ranks on other nodes go as int8 ([Note: inter-node compression])."""
     work = Exchange(group, n, tag)
     chunks = _chunks(full, n, sizes)
     own = chunks[work.rank]
-    buffer = torch.empty_like(output) if n > 2 else None
-    work.exchange(lambda dst: chunks[dst], output, peers=[1])
+    packed = {} if remote is None else {j: work.hold(compress.quantize(chunks[j])) for j in range(n) if remote[j]}
+
+    def send(dst: int) -> torch.Tensor:
+        return packed.get(dst, chunks[dst])
+
+    def inbox(k: int, plain: Optional[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """Where round k's contribution lands (``plain``, unless it comes as int8), and its values."""
+        if remote is not None and remote[(work.rank - k) % n]:
+            buf = work.buffer(compress.packed_nbytes(output.numel()))
+            return buf, lambda: compress.dequantize(buf, output.numel())
+        buf = plain if plain is not None else work.buffer(output.numel(), output.dtype)
+        return buf, lambda: buf
+
+    first, first_values = inbox(1, output)
+    work.exchange(send, first, peers=[1])
+    if first is not output:
+        work.then(lambda: output.copy_(first_values()))
     work.then(lambda: output.add_(own))
+    if async_op:
+        later = [inbox(k, None) for k in range(2, n)]
+        for k, (buf, _) in zip(range(2, n), later):
+            work.exchange(send, buf, peers=[k])
+        for _, values in later:
+            work.then(lambda values=values: output.add_(values()))
+        return work
+    shared = torch.empty_like(output) if n > 2 else None
+    arrived: list[Callable[[], torch.Tensor]] = []
+
+    def post(k: int) -> None:
+        buf, values = inbox(k, shared)
+        arrived.append(values)
+        work.exchange(send, buf, peers=[k])
+
     for k in range(2, n):
-        work.then(lambda k=k: work.exchange(lambda dst: chunks[dst], buffer, peers=[k]))
-        work.then(lambda: output.add_(buffer))
+        work.then(functools.partial(post, k))
+        work.then(lambda: output.add_(arrived.pop()()))
+    return _finish(work, async_op)
+
+
+def all_reduce_int8(tensor: torch.Tensor, group: ProcessGroup, n: int, tag: int, async_op: bool) -> Optional[Exchange]:
+    """The sum over ranks of ``tensor`` into ``tensor``, every contribution sent as int8 to every other rank
+    and the dequantised contributions (this rank's own too) added in group-rank order: the same bits on
+    every rank ([Note: inter-node compression])."""
+    work = Exchange(group, n, tag)
+    numel = tensor.numel()
+    mine = compress.quantize(tensor)
+    inbox = {j: work.buffer(compress.packed_nbytes(numel)) for j in range(n) if j != work.rank}
+    inbox[work.rank] = work.hold(mine)
+    work.exchange(mine, lambda j: inbox[j])
+
+    def total() -> None:
+        tensor.copy_(compress.dequantize(inbox[0], numel))
+        for j in range(1, n):
+            tensor.add_(compress.dequantize(inbox[j], numel))
+
+    work.then(total)
     return _finish(work, async_op)
 
 

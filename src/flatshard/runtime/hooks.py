@@ -204,6 +204,7 @@ def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:
         # The reduction left in flight by the previous unit has had this unit's backward to finish:
         # finish it now, so at most one full-size gradient is ever waiting for its reduce-scatter.
         ctx.settle_reductions(keep=0)
+        ctx.finish_in_flight(unit)
         ctx.sample_memory()
         unit.use_shard_views()
         if not unit.sync:
@@ -213,7 +214,7 @@ def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:
             return
         ctx.prefetch_backward(unit, pre=False)  # BACKWARD_POST: the next gather goes before this reduction
         grad, unsharded.grad = unsharded.grad, None
-        in_flight = ctx.config.overlap_reductions
+        in_flight = ctx.reduction_in_flight(unit)  # [Note: reductions in flight] (schedule.py)
         with label("post_backward_reduce", unit):
             unit.start_reduction(grad, async_op=in_flight)
         del grad
@@ -222,7 +223,7 @@ def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:
         if in_flight:
             ctx.pending_reductions.append(unit)  # finished at the next post-backward or the end of backward
         else:
-            unit.finish_reduction()
+            ctx.settle(unit)  # finished now, or (across nodes) left in flight until the end of backward
 
 
 def begin_backward(ctx: RunContext) -> None:

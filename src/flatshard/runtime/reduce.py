@@ -1,10 +1,13 @@
 """Reducing one unit's full-size gradient to this rank's grad shard.
 
-Two halves, so the collective can stay in flight while backward goes on: ``start`` casts the
-unsharded flat's gradient to the reduce dtype and issues the reduce-scatter over the shard group
-(or, with F = 1, the all-reduce over the replicate group); ``finish`` waits for it, all-reduces the
-shard across replicas when there are both (hybrid), divides by the data-parallel size and casts to
-the master dtype. The full-size gradient is released as soon as the reduce-scatter is done.
+Up to three steps, so each collective can stay in flight while backward goes on ([Note: reductions
+in flight], schedule.py): ``start`` casts the unsharded flat's gradient to the reduce dtype and
+issues the reduce-scatter over the shard group (or, with F = 1, the all-reduce over the replicate
+group); ``advance`` waits for the reduce-scatter and, when there are replicas too (hybrid), issues the
+all-reduce of the shard across them; ``finish`` waits for whatever is left, divides by the
+data-parallel size and casts to the master dtype. The full-size gradient is released as soon as the
+reduce-scatter is done. With ``ReduceSpec.inter_node`` compressing, what crosses nodes goes as int8
+([Note: inter-node compression], compress.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from flatshard.runtime import collectives
+from flatshard.runtime import collectives, compress
 from flatshard.runtime.mesh import ShardGroups
 
 
@@ -28,6 +31,7 @@ class ReduceSpec:
     reduce_dtype: torch.dtype
     label: str  # the unit's name, for profiler labels
     divide_factor: Optional[float] = None  # what the summed gradient is divided by (None: the data-parallel size)
+    inter_node: compress.InterNode = compress.LOCAL  # which peers are on other nodes; int8 across them
 
 
 @dataclass
@@ -38,42 +42,77 @@ class PendingReduction:
     all_reduce_after: bool  # hybrid: the shard still has to be all-reduced across replicas
 
     def nbytes(self) -> tuple[int, int]:
-        """(full-size gradient bytes, reduced shard bytes) held now."""
+        """(full-size gradient and receive buffer bytes, reduced shard bytes) held now."""
         full = 0 if self.full is None or self.full is self.out else self.full.untyped_storage().nbytes()
-        return full, self.out.untyped_storage().nbytes()
+        buffers = self.work.nbytes() if hasattr(self.work, "nbytes") else 0  # a point-to-point exchange's
+        return full + buffers, self.out.untyped_storage().nbytes()
+
+    @property
+    def in_replicate_step(self) -> bool:
+        """Whether all that is left is the all-reduce across replicas (the shard group's part is done)."""
+        return self.full is None
 
 
 Record = Callable[[collectives.CollectiveResult, str], None]
 
 
 def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: bool, tag: int = 0) -> PendingReduction:
-    groups = spec.groups
+    groups, inter = spec.groups, spec.inter_node
     full = grad if grad.dtype == spec.reduce_dtype else grad.to(spec.reduce_dtype)
     if groups.shard_size > 1:
         out = torch.empty(spec.shard_sizes[groups.shard_rank], dtype=spec.reduce_dtype, device=grad.device)
         with torch.profiler.record_function(f"flatshard::reduce_scatter ({spec.label})"):
             result = collectives.reduce_scatter(
-                out, full, groups.shard_group, async_op=async_op, tag=tag, sizes=spec.shard_sizes
+                out,
+                full,
+                groups.shard_group,
+                async_op=async_op,
+                tag=tag,
+                sizes=spec.shard_sizes,
+                remote=inter.gather_remote(),
             )
         record(result, "shard")
         return PendingReduction(result.work, full, out, groups.replicate_size > 1)
     if groups.replicate_size > 1:
         with torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
-            result = collectives.all_reduce(full, groups.replicate_group, async_op=async_op)
+            result = collectives.all_reduce(
+                full, groups.replicate_group, async_op=async_op, compressed=inter.compress_replicate, tag=tag
+            )
         record(result, "replicate")
-        return PendingReduction(result.work, full, full, False)
+        return PendingReduction(result.work, None, full, False)
     return PendingReduction(None, full, full, False)
 
 
-def finish(pending: PendingReduction, spec: ReduceSpec, master_dtype: torch.dtype, record: Record) -> torch.Tensor:
-    groups = spec.groups
+def advance(pending: PendingReduction, spec: ReduceSpec, record: Record, *, async_op: bool, tag: int = 0) -> None:
+    """Wait for the shard group's reduce-scatter; then (hybrid) issue the all-reduce across replicas,
+    left in flight with ``async_op`` for ``finish`` to wait on."""
+    if pending.full is None and not pending.all_reduce_after:
+        return
+    if pending.work is not None and pending.full is not None:
+        pending.work.wait()
+        pending.work = None
+    pending.full = None
+    if not pending.all_reduce_after:
+        return
+    pending.all_reduce_after = False
+    groups, inter = spec.groups, spec.inter_node
+    with torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
+        result = collectives.all_reduce(
+            pending.out, groups.replicate_group, async_op=async_op, compressed=inter.compress_replicate, tag=tag
+        )
+    record(result, "replicate")
+    pending.work = result.work
+
+
+def finish(
+    pending: PendingReduction, spec: ReduceSpec, master_dtype: torch.dtype, record: Record, tag: int = 0
+) -> torch.Tensor:
+    advance(pending, spec, record, async_op=False, tag=tag)
     if pending.work is not None:
         pending.work.wait()
-    pending.full = None
+        pending.work = None
     out = pending.out
-    if pending.all_reduce_after:
-        with torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
-            record(collectives.all_reduce(out, groups.replicate_group), "replicate")
+    groups = spec.groups
     factor = spec.divide_factor if spec.divide_factor is not None else groups.data_parallel_size
     if factor != 1:
         out.div_(factor)

@@ -59,7 +59,20 @@ class ScheduleConfig:
     # one full-size gradient held a little longer. On CPU (gloo) the collective's threads share the
     # cores with compute, so nothing is hidden while the memory is still paid: there each reduction
     # finishes before the next unit computes (build.py, ``schedule_config``).
+    # Across nodes it is the link, not the cores, that a collective waits on (docs/multi_node.md
+    # measures it), so ``inter_node_in_flight`` leaves what crosses in flight, on CPU too:
+    # * the all-reduce across replicas (hybrid, NO_SHARD) when its replicate group spans nodes: issued
+    #   as soon as the shard group's reduce-scatter is done and finished at the end of backward, every
+    #   unit's in the order issued (the same on every rank). It costs no memory: the shard it reduces
+    #   is the gradient shard the optimizer reads.
+    # * the reduce-scatter of a shard group that spans nodes (FULL_SHARD across nodes): every round
+    #   posted at once and finished at the next post-backward, as on an accelerator: memory allows one
+    #   full-size gradient in flight, not more.
+    # Where nothing crosses a node the setting changes nothing, so on by default is right in every case:
+    # one node keeps the CPU rule above; several nodes measured faster with it (docs/multi_node.md).
+    # Which ranks share a node: compress.py, ``Nodes``. The results are the same bits either way.
     overlap_reductions: bool = False
+    inter_node_in_flight: bool = True
 
 
 class RunContext:
@@ -74,7 +87,8 @@ class RunContext:
         self.end_of_backward_queued = False
         self.comm_recorders: list[CommRecorder] = []
         self.memory_recorders: list[MemoryRecorder] = []
-        self.pending_reductions: list[Unit] = []
+        self.pending_reductions: list[Unit] = []  # reduce-scatters in flight, finished at the next post-backward
+        self.cross_node_reductions: list[Unit] = []  # all-reduces across nodes, finished at the end of backward
         self.buffer_cast: Optional[tuple[nn.Module, torch.dtype]] = None  # MixedPrecision.buffer_dtype
         self.started = False
         # [Note: order checks] (order.py)
@@ -145,6 +159,9 @@ class RunContext:
             self.checker.check(END_BACKWARD, None, self.phase)
             pending, self.pending_reductions = self.pending_reductions, []
             for unit in pending:  # in the order issued: the same on every rank
+                self.settle(unit)
+            crossing, self.cross_node_reductions = self.cross_node_reductions, []
+            for unit in crossing:
                 unit.finish_reduction()
             for unit in self.units:
                 unit.finish_backward()
@@ -200,7 +217,30 @@ class RunContext:
         it (by then it is done, so the wait is short) and frees its full-size gradient. (gloo's
         ``Work.is_completed()`` does not report completion before ``wait()``, so polling cannot work.)"""
         while len(self.pending_reductions) > keep:
-            self.pending_reductions.pop(0).finish_reduction()
+            self.settle(self.pending_reductions.pop(0))
+
+    # ---- reductions across nodes ([Note: reductions in flight]) ----------------------------
+    def reduction_in_flight(self, unit: Unit) -> bool:
+        """Whether ``unit``'s reduce-scatter (or F = 1 all-reduce) is left in flight for one unit's backward."""
+        inter = unit.inter_node
+        first_crosses = inter.shard_spans if unit.groups.shard_size > 1 else inter.replicate_spans
+        return self.config.overlap_reductions or (self.config.inter_node_in_flight and first_crosses)
+
+    def settle(self, unit: Unit) -> None:
+        """``unit``'s reduction is due: finish it, except an all-reduce across nodes, which is issued and
+        left in flight until the end of backward."""
+        if self.config.inter_node_in_flight and unit.inter_node.replicate_spans:
+            unit.advance_reduction(async_op=True)
+            self.cross_node_reductions.append(unit)
+        else:
+            unit.finish_reduction()
+
+    def finish_in_flight(self, unit: Unit) -> None:
+        """Before ``unit`` reduces again in this backward (a unit whose gradient arrives twice): finish
+        its reduction still in flight, so the two add up."""
+        if unit in self.cross_node_reductions:
+            self.cross_node_reductions.remove(unit)
+            unit.finish_reduction()
 
     def next_tag(self, unit: Unit) -> int:
         """The tag of ``unit``'s next point-to-point exchange ([Note: order checks], order.py)."""

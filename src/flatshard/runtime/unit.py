@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from flatshard.api import MixedPrecision, ShardingStrategy
-from flatshard.runtime import collectives, order, reduce
+from flatshard.runtime import collectives, compress, order, reduce
 from flatshard.runtime.layout import FlatLayout, make_compute_views, make_shard_views, set_views_on_modules
 from flatshard.runtime.mesh import ShardGroups
 from flatshard.runtime.precision import UnitPrecision
@@ -148,6 +148,7 @@ class Unit:
         self.summoned = False  # inside summon_full_params, its modules hold the full parameters (summon.py)
         self.grad_as: Optional[Any] = None  # fully_shard: (index, local gradient) -> its DTensor gradient
         self.post_forward: Optional[PostForwardGroup] = None  # fully_shard's reshard_after_forward=int
+        self.inter_node = compress.LOCAL  # which of its peers are on other nodes; int8 across them (build.py)
         self._partial: Optional[tuple[torch.Tensor, int]] = None  # (this rank's piece, flat shard version)
         self.strategy: Optional[ShardingStrategy] = None  # what the wrap call asked for (checkpoint manifests)
         self.mixed_precision: Optional[MixedPrecision] = None  # the policy ``precision`` was resolved from
@@ -202,7 +203,13 @@ class Unit:
                 then = functools.partial(self.layout.from_rank_major, target, self._gather_target)
             with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"), self._errors("all_gather"):
                 result = collectives.all_gather(
-                    target, source, group, async_op=not wait, tag=tag, sizes=self.layout.shard_sizes
+                    target,
+                    source,
+                    group,
+                    async_op=not wait,
+                    tag=tag,
+                    sizes=self.layout.shard_sizes,
+                    remote=self.inter_node.gather_remote(),
                 )
             self.record(result, "shard")
             if result.work is not None:
@@ -293,6 +300,15 @@ class Unit:
         with self._errors(self._reduction_kind()):
             self.reduction = reduce.start(grad, spec, self.record, async_op=async_op, tag=self.ctx.next_tag(self))
 
+    def advance_reduction(self, async_op: bool) -> None:
+        """Finish the shard group's part of the reduction in flight and issue the all-reduce across
+        replicas (hybrid), left in flight with ``async_op`` ([Note: reductions in flight], schedule.py)."""
+        if self.reduction is None:
+            return
+        with self._errors(self._reduction_kind()):
+            tag = self.ctx.next_tag(self)
+            reduce.advance(self.reduction, self._reduce_spec(), self.record, async_op=async_op, tag=tag)
+
     def finish_reduction(self) -> None:
         """Wait for this unit's reduction (if one is in flight) and expose the result as ``.grad``."""
         if self.reduction is None:
@@ -300,7 +316,7 @@ class Unit:
         pending, self.reduction = self.reduction, None
         spec = self._reduce_spec()
         with self._errors(self._reduction_kind()):
-            reduced = reduce.finish(pending, spec, self.precision.grad, self.record)
+            reduced = reduce.finish(pending, spec, self.precision.grad, self.record, tag=self.ctx.next_tag(self))
         self._expose_grads(reduced)
         self.ctx.sample_memory()
 
@@ -378,7 +394,12 @@ class Unit:
 
     def _reduce_spec(self) -> reduce.ReduceSpec:
         return reduce.ReduceSpec(
-            self.groups, self.layout.shard_sizes, self.precision.reduce, self.name, self.gradient_divide_factor
+            self.groups,
+            self.layout.shard_sizes,
+            self.precision.reduce,
+            self.name,
+            self.gradient_divide_factor,
+            self.inter_node,
         )
 
     def _reduction_kind(self) -> str:
