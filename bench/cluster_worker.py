@@ -13,12 +13,18 @@ Two parts, one job:
    floor). A step's time is the slowest rank's; the figure is the median over the measured steps.
    Around every step, local rank 0 of each node reads its link interface's byte counters, so the bytes
    that really crossed the slow link are known per system.
+
+``--set link`` (bench/slow_link.py) measures instead, with no calibration, the engine's settings for
+the slow link side by side: each flatshard strategy whose collectives cross the nodes with
+``inter_node_in_flight`` off (every reduction finished before the next unit computes), on (the
+default) and with ``compress_inter_node="int8"`` as well; DDP, FSDP2 HSDP and no communication.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -86,10 +92,35 @@ class ComputeFloor(compare.System):
         return loss.detach()
 
 
-def make_systems(gpt, cfg, nodes: int, nproc: int, seed: int, only: list[str] | None) -> list[compare.System]:
+def link_builders(gpt, cfg, nodes: int, nproc: int) -> dict:
+    """``--set link``: flatshard's slow-link settings, before (in flight off) and after, and int8."""
+    fs = compare.build_flatshard
+    out = {}
+    for strategy, kw in [
+        (f"HYBRID_SHARD F={nproc}", {"sharding_factor": nproc}),
+        ("FULL_SHARD", {}),
+        ("NO_SHARD", {}),
+    ]:
+        name, base = f"flatshard {strategy}", strategy.split()[0]
+        out[f"{name}, in flight off"] = lambda b=base, kw=kw: fs(gpt, cfg, False, b, inter_node_in_flight=False, **kw)
+        out[name] = lambda b=base, kw=kw: fs(gpt, cfg, False, b, **kw)
+        if base != "NO_SHARD":  # NO_SHARD's int8 all-gather over all W ranks moves more than hybrid's: not run
+            out[f"{name}, int8"] = lambda b=base, kw=kw: fs(gpt, cfg, False, b, compress_inter_node="int8", **kw)
+    out["DDP"] = lambda: compare.build_ddp(gpt, cfg)
+    out[f"FSDP2 HSDP ({nodes}x{nproc})"] = lambda: build_hsdp(cfg, nodes, nproc)
+    out[FLOOR] = lambda: gpt.GPT(cfg)
+    return out
+
+
+SETS = {"strategies": builders, "link": link_builders}
+
+
+def make_systems(
+    gpt, cfg, nodes: int, nproc: int, seed: int, only: list[str] | None, which: str = "strategies"
+) -> list[compare.System]:
     """The systems (those named in ``only``, and always the compute floor), each from the same seed."""
     systems = []
-    for name, build in builders(gpt, cfg, nodes, nproc).items():
+    for name, build in SETS[which](gpt, cfg, nodes, nproc).items():
         floor = name == FLOOR
         if only and not floor and not any(o in name for o in only):
             continue
@@ -164,6 +195,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--systems", nargs="*", help="only the systems whose names contain one of these")
+    p.add_argument("--set", default="strategies", choices=sorted(SETS), help="link: bench/slow_link.py's systems")
     return p.parse_args(argv)
 
 
@@ -180,15 +212,17 @@ def main(argv=None) -> int:
     data_batches = compare.batches(data, steps, args.batch_size, cfg.block_size, rank, world, args.seed)
 
     started = time.perf_counter()
-    calibration = {"links": cluster_calibrate.calibrate_links(nodes, nproc)}
-    unit = sum(p.numel() for p in gpt.Block(cfg).parameters())
-    calibration["collectives"] = {
-        "unit_numel": unit,
-        "seconds": cluster_calibrate.calibrate_collectives(unit, nodes, nproc),
-    }
+    calibration = {}
+    if args.set == "strategies":
+        calibration["links"] = cluster_calibrate.calibrate_links(nodes, nproc)
+        unit = sum(p.numel() for p in gpt.Block(cfg).parameters())
+        calibration["collectives"] = {
+            "unit_numel": unit,
+            "seconds": cluster_calibrate.calibrate_collectives(unit, nodes, nproc),
+        }
     calibration["seconds"] = time.perf_counter() - started
 
-    systems = make_systems(gpt, cfg, nodes, nproc, args.seed, args.systems)
+    systems = make_systems(gpt, cfg, nodes, nproc, args.seed, args.systems, args.set)
     link = run_systems(systems, data_batches, args.warmup, local_rank)
     calibration["compute"] = compute_figures(systems, args.warmup)
     n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
@@ -216,4 +250,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.collect()  # the models and their gloo groups go now, not in finalization ([Note: process groups at exit])
+    sys.exit(code)

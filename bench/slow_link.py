@@ -1,0 +1,148 @@
+"""The slow link kept busy and short: flatshard's settings for traffic between nodes, measured on the
+emulated cluster (2 nodes x 2 ranks, as root; bench/cluster_net.py).
+
+    python bench/slow_link.py                               # 1gbit and 200mbit, 3M GPT, 8 steps (about 6 min)
+    python bench/slow_link.py --rates 1gbit --steps 4 --size tiny
+
+At each rate, one job (bench/cluster_worker.py --set link) runs interleaved, step after step: flatshard
+HYBRID_SHARD (F = ranks per node), FULL_SHARD and NO_SHARD, each with ``inter_node_in_flight=False``
+(every reduction finished before the next unit computes: the engine before this setting), with the
+default (what crosses nodes left in flight) and with ``compress_inter_node="int8"`` too; DDP; PyTorch
+FSDP2's HSDP; no communication. It prints the median step of the slowest rank, its ratio to the step
+without communication and to FSDP2 HSDP's, the bytes each node's link sent per step (the kernel's
+counter), and how each system's losses compare: in flight must be the same bits as off; int8 is
+compared with the exact run of its strategy. Results go to bench/results/slow_link_<rate>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cluster  # noqa: E402
+import cluster_net  # noqa: E402
+import torch  # noqa: E402
+
+FLOOR = "no communication"
+
+
+def measure(rate: str, args, tmp: Path) -> dict:
+    out = tmp / f"{rate}.json"
+    worker = [str(cluster.WORKER), "--set", "link", "--out", str(out), "--size", args.size]
+    worker += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
+    topology = cluster_net.Topology(2, 2, cluster_net.parse_rate(rate), 0.0, cluster_net.Topology.queue_ms)
+    load_before = os.getloadavg()
+    with cluster_net.Cluster(topology) as c:
+        job = c.run(worker, args.timeout, tmp / f"logs-{rate}")
+    if not job.ok:
+        state = f"timed out after {args.timeout:.0f} s" if job.timed_out else f"exit codes {job.codes}"
+        raise cluster_net.ClusterError(f"the measurement at {rate} failed ({state}):\n{job.tails()}")
+    result = json.loads(out.read_text())
+    return {
+        "rate": rate,
+        "command": "python bench/slow_link.py " + " ".join(args.argv),
+        "commit": cluster.source_commit(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "seconds": job.seconds,
+        "rows": rows(result),
+        "result": result,
+    }
+
+
+def _twin(name: str) -> str | None:
+    """The exact run a system's losses are compared with: its strategy with in flight off."""
+    if not name.startswith("flatshard") or name.endswith(", in flight off"):
+        return None
+    return name.removesuffix(", int8") + ", in flight off"
+
+
+def rows(result: dict) -> dict:
+    systems = result["systems"]
+    floor = systems[FLOOR]["step_s_median"]
+    hsdp = next((v["step_s_median"] for k, v in systems.items() if k.startswith("FSDP2 HSDP")), None)
+    link = result["link_tx_bytes_per_step_per_node"]
+    out = {}
+    for name, fig in systems.items():
+        twin = _twin(name)
+        diff = None
+        if twin is not None:
+            a = torch.tensor(fig["losses_per_rank"])
+            b = torch.tensor(systems[twin]["losses_per_rank"])
+            diff = ((a - b).abs() / b.abs()).max().item()
+        out[name] = {
+            "step_s": fig["step_s_median"],
+            "per_compute": fig["step_s_median"] / floor,
+            "per_fsdp2_hsdp": fig["step_s_median"] / hsdp if hsdp else None,
+            "link_mb_per_step_per_node": max(link.get(name, [0.0])) / 1e6,
+            "losses_vs": twin,
+            "losses_max_rel_diff": diff,
+        }
+    return out
+
+
+def print_report(report: dict) -> None:
+    print(
+        f"\n{report['rate']} between 2 nodes x 2 ranks (median step of the slowest rank; load "
+        f"{report['load_average_before'][0]:.1f} -> {report['load_average_after'][0]:.1f})"
+    )
+    print(f"{'system':44s} {'step ms':>8s} {'/ compute':>9s} {'/ HSDP':>7s} {'link MB/node':>12s}  losses")
+    for name, r in report["rows"].items():
+        if r["losses_vs"] is None:
+            losses = ""
+        elif r["losses_max_rel_diff"] == 0:
+            losses = "the same bits as in flight off"
+        else:
+            losses = f"max rel diff {r['losses_max_rel_diff']:.2e} to {r['losses_vs'].removeprefix('flatshard ')}"
+        hsdp = f"{r['per_fsdp2_hsdp']:.2f}" if r["per_fsdp2_hsdp"] is not None else "-"
+        print(
+            f"{name:44s} {1e3 * r['step_s']:8.0f} {r['per_compute']:9.2f} {hsdp:>7s} "
+            f"{r['link_mb_per_step_per_node']:12.1f}  {losses}"
+        )
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python bench/slow_link.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", nargs="+", default=["1gbit", "200mbit"])
+    p.add_argument("--size", default="3M", choices=["tiny", "3M", "30M"], help="bench/compare.py's GPT sizes")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per system (after the warmup)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a job is stopped")
+    p.add_argument("--json-dir", type=Path, default=cluster.RESULTS, help="where slow_link_<rate>.json goes")
+    args = p.parse_args(argv)
+    args.argv = argv
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    status = 0
+    try:
+        with tempfile.TemporaryDirectory(prefix="slow-link-") as tmp:
+            for rate in args.rates:
+                report = measure(rate, args, Path(tmp))
+                path = args.json_dir / f"slow_link_{rate}.json"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(report, indent=1))
+                print_report(report)
+                print(f"results written to {path}", flush=True)
+                same = [r for n, r in report["rows"].items() if r["losses_vs"] and ", int8" not in n]
+                if any(r["losses_max_rel_diff"] != 0 for r in same):
+                    print("in flight changed the losses: it must not", file=sys.stderr)
+                    status = 1
+    except cluster_net.ClusterError as err:
+        print(f"slow_link: {err}", file=sys.stderr)
+        return 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
