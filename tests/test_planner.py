@@ -312,8 +312,10 @@ def test_json_schema_keys_exactly(capsys):
             "gather_buffer",
             "activations",
             "steady",
+            "steady_min",
             "peak",
         }
+        assert p["memory_bytes"]["steady_min"] <= p["memory_bytes"]["steady"]
         assert set(p["comm_bytes_per_step"]) == {
             "all_gather",
             "reduce_scatter",
@@ -869,3 +871,105 @@ def test_hf_config_counts_what_transformers_builds(tmp_path):
         shape = read_hf_config(str(tmp_path / name))
         assert shape.params() == sum(p.numel() for p in model.parameters()), name
         assert shape.param_tensors() == len(list(model.parameters())), name
+
+
+# ---------------------------------------------------------------- shard boundaries
+def _tiny(mode: str, **kw) -> PlanInputs:
+    """Two units of parameters (4, 3) + (5,) and (2, 2) + (6,), a root of one (3, 3), W = F = 2, fp32 Adam."""
+    return PlanInputs(
+        world_size=2,
+        unit_elements=(17, 10),
+        root_elements=9,
+        unit_param_shapes=(((4, 3), (5,)), ((2, 2), (6,))),
+        root_param_shapes=((3, 3),),
+        shard_boundaries=mode,
+        **kw,
+    )
+
+
+def test_params_boundaries_hand_computed():
+    """Dealt as the engine deals, the units in order and then the root, largest first to the least loaded
+    rank: unit 0 gives 12 to rank 0 and 5 to rank 1; unit 1 gives 6 then 4 to rank 1 (5, then 11 < 12);
+    the root's 9 to rank 0 (12 < 15). So rank 0 holds 21 elements, rank 1 15."""
+    m = plan_strategy(_tiny("params"), FULL, 2).memory
+    assert m.steady_per_rank == (16 * 21, 16 * 15) and m.steady == 16 * 21 and m.imbalance == 21 / 15
+    assert (m.params, m.grads, m.optimizer) == (4 * 21, 4 * 21, 8 * 21)
+    # no padding: a unit's unsharded flat is its T_u; the root (9) stays gathered beside one unit at a time
+    assert m.gather_buffer == 4 * (9 + 17)
+    c = plan_strategy(_tiny("params"), FULL, 2).comm
+    largest = {"root": 9, "unit0": 12, "unit1": 10}  # each unit's largest shard, which its collectives wait on
+    assert c.all_gather == 4 * (sum(largest.values()) + largest["unit0"] + largest["unit1"])  # the root not again
+    assert c.reduce_scatter == 4 * sum(largest.values())
+
+
+def test_rows_boundaries_hand_computed():
+    """Cuts moved to the nearest row boundary of k*T/F: unit 0 (17) at 9 (rows of 3), unit 1 (10) at 5
+    (a vector), the root (9) at 3 (rows of 3): rank 0 holds 9 + 5 + 3 = 17, rank 1 8 + 5 + 6 = 19."""
+    m = plan_strategy(_tiny("rows"), FULL, 2).memory
+    assert m.steady_per_rank == (16 * 17, 16 * 19) and m.steady == 16 * 19
+
+
+def test_flat_boundaries_are_unchanged_by_shapes():
+    with_shapes = plan(_tiny("flat", param_tensors=5))
+    without = plan(PlanInputs(world_size=2, unit_elements=(17, 10), root_elements=9, param_tensors=5))
+    for a, b in zip(with_shapes.plans, without.plans):
+        assert a.memory == b.memory and a.comm == b.comm
+    m = with_shapes.plan_for(FULL).memory
+    # ceil(9/2) + ceil(17/2) + ceil(10/2) = 19 elements per flat shard; the last rank's holds 4 + 8 + 5 real
+    # ones (optimizer state), the rest padding
+    assert m.steady == 16 * 19 + 4 * 5 and m.steady_per_rank == (16 * 19 + 4 * 5, 8 * 19 + 8 * 17 + 4 * 5)
+
+
+def test_boundaries_with_unit_sizes_only_are_flats_and_said(capsys):
+    i = PlanInputs.from_params(7 * GB, 32, 8, shard_boundaries="params")
+    assert i.boundaries_modelled == "flat" and not i.shapes_known
+    assert plan(i).plan_for(FULL).memory == plan(i.replace(shard_boundaries="flat")).plan_for(FULL).memory
+    doc = cli_json(["--params", "7B", "--units", "32", "--world", "8", "--shard-boundaries", "params"], capsys)
+    assert doc["inputs"]["shard_boundaries"] == "params" and doc["inputs"]["shard_boundaries_modelled"] == "flat"
+    assert doc["inputs"]["param_shapes_known"] is False
+    assert any("only unit sizes are known" in n for n in doc["notes"]), doc["notes"]
+    assert plan_main(["--params", "7B", "--units", "32", "--world", "8", "--shard-boundaries", "params"]) == 0
+    assert "only unit sizes are known, so the figures are flat's" in capsys.readouterr().out
+
+
+def test_params_boundaries_of_a_preset_through_the_cli(capsys):
+    argv = ["--model", "llama-7b", "--world", "8", "--sharding-factor", "8"]
+    flat = cli_plan(cli_json(argv, capsys), "FULL_SHARD", 8)
+    doc = cli_json(argv + ["--shard-boundaries", "params"], capsys)
+    assert doc["inputs"]["shard_boundaries_modelled"] == "params" and doc["inputs"]["param_shapes_known"]
+    assert not any("unit sizes" in n for n in doc["notes"])
+    params = cli_plan(doc, "FULL_SHARD", 8)
+    m, f = params["memory_bytes"], flat["memory_bytes"]
+    assert m["steady_min"] < f["steady"] == f["steady_min"] < m["steady"]  # whole matrices: uneven ranks
+    assert m["steady"] / m["steady_min"] == pytest.approx(1.157, abs=1e-3)  # bench/boundaries.py's imbalance
+    # each layer's largest shard is a whole 11008 x 4096 matrix, more than its flat shard of T/8
+    assert params["comm_bytes_per_step"]["all_gather"] > 1.5 * flat["comm_bytes_per_step"]["all_gather"]
+    assert plan_main(argv + ["--shard-boundaries", "params"]) == 0
+    out = capsys.readouterr().out
+    assert "steady min" in out and "shard_boundaries=params" in out
+
+
+def test_parameter_shapes_of_presets_and_modules():
+    for name in ("llama2-7b", "llama2-70b", "gpt2"):
+        s = preset(name)
+        i = PlanInputs.from_shape(s, 8, units=4)
+        assert i.shapes_known and len(i.unit_param_shapes) == 4
+        assert len(i.unit_param_shapes[0]) == len(s.layer_shapes()) * (s.layers // 4)
+        assert sum(len(u) for u in i.unit_param_shapes) + len(i.root_param_shapes) == s.param_tensors()
+    nn = pytest.importorskip("torch.nn")
+    net = nn.Sequential(nn.Linear(7, 15), nn.Sequential(nn.LayerNorm(15), nn.Linear(15, 3)))
+    i = PlanInputs.from_module(net, [net[1]], world_size=2, shard_boundaries="rows")
+    assert i.unit_param_shapes == (((15,), (15,), (3, 15), (3,)),) and i.root_param_shapes == ((15, 7), (15,))
+
+
+def test_boundaries_inputs_are_checked(capsys):
+    with pytest.raises(PlanError, match="unknown shard_boundaries"):
+        PlanInputs(world_size=2, unit_elements=(4,), shard_boundaries="blocks")
+    with pytest.raises(PlanError, match="hold 5 elements, not 4"):
+        PlanInputs(world_size=2, unit_elements=(4,), unit_param_shapes=(((5,),),))
+    with pytest.raises(PlanError, match="2 units, unit_elements 1"):
+        PlanInputs(world_size=2, unit_elements=(4,), unit_param_shapes=(((4,),), ((1,),)))
+    with pytest.raises(PlanError, match="root's parameter shapes hold 3"):
+        PlanInputs(world_size=2, unit_elements=(4,), root_elements=2, root_param_shapes=((3,),))
+    assert plan_main(["--model", "gpt2", "--world", "8", "--shard-boundaries", "blocks"]) == 2
+    assert "invalid choice: 'blocks'" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """The planner against the engine: measured bytes vs predicted, and sharding_factor="auto".
 
 Steady bytes (rank 0, the fullest shard) and collective bytes per kind must equal the planner's
-prediction exactly; the measured peak of what flatshard manages must be within 5% of the planner's
+prediction exactly, and under shard_boundaries "params" and "rows" every rank's steady bytes the
+planner's for that rank; the measured peak of what flatshard manages must be within 5% of the planner's
 peak (activations are not part of either). The planner counts gradient shards as resident through
 the step (the documents' convention), so the run zeroes gradients with ``set_to_none=False``; with
 PyTorch's default ``set_to_none=True`` the measured peak is lower by the shards not yet reduced."""
@@ -93,6 +94,86 @@ def test_measured_bytes_match_the_planner():
             for kind in ("all_gather", "reduce_scatter", "all_reduce"):
                 m, p = row[kind]
                 assert abs(m - p) <= 1e-6 * max(p, 1), f"{what}: {kind} measured {m} predicted {p}"
+
+
+BOUNDARY_CONFIGS = {  # world size -> (boundaries, strategy, sharding factor)
+    2: [("params", "FULL_SHARD", 2)],
+    4: [("params", "FULL_SHARD", 4), ("params", "HYBRID_SHARD", 2), ("rows", "FULL_SHARD", 4)],
+}
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def boundaries_worker(rank: int, world: int) -> list:
+    """This rank's steady bytes, peak and collective bytes per unit under shard_boundaries "params" and
+    "rows", beside the planner's figures for the same model and mode."""
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import ShardingStrategy
+    from flatshard.planner import plan_strategy
+    from flatshard.wrap import ModuleWrapPolicy
+
+    rows = []
+    for mode, strategy, factor in BOUNDARY_CONFIGS[world]:
+        model = FSDP(
+            _gpt(),
+            sharding_strategy=ShardingStrategy[strategy],
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            sharding_factor=factor if strategy == "HYBRID_SHARD" else None,
+            backward_prefetch=None,
+            shard_boundaries=mode,
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):  # the third step, as above
+            x, y = torch.randint(0, 61, (2, 8), generator=g), torch.randint(0, 61, (2, 8), generator=g)
+            opt.zero_grad(set_to_none=False)
+            with model.record_memory(opt) as mem, model.record_comms(events=True) as rec:
+                mem.reset_peak()
+                F_.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+                opt.step()
+                now = mem.sample()
+        sent: dict[str, dict[str, float]] = {k: {} for k in KINDS}  # kind -> unit -> bytes this rank sent
+        for e in rec.events:
+            if e.kind in sent:
+                sent[e.kind][e.unit] = sent[e.kind].get(e.unit, 0.0) + e.wire_bytes
+        predicted = plan_strategy(_inputs(world, shard_boundaries=mode), strategy, factor)
+        flat = plan_strategy(_inputs(world), strategy, factor)
+        rows.append(
+            {
+                "steady": now["params"] + now["grads"] + now["optimizer"],
+                "planned_steady": predicted.memory.steady_per_rank[flatshard.units(model)[0].shard_rank],
+                "largest_steady": predicted.memory.steady,
+                "peak": (mem.peak_total, predicted.memory.peak),
+                "sent": sent,
+                "planned": {k: float(getattr(predicted.comm, k)) for k in KINDS},
+                "modelled": predicted.memory.steady_per_rank != flat.memory.steady_per_rank,
+            }
+        )
+    return rows
+
+
+def test_planned_bytes_follow_shard_boundaries():
+    """Under "params" (and "rows") every rank's steady bytes are the planner's for that rank, the largest
+    is the planner's steady, the largest peak is within 5% of the planner's (the largest rank's), and
+    the collectives follow each unit's largest shard: summed over units, the most any rank sends of a
+    unit's all-gathers and all-reduces is the planner's figure exactly, of its reduce-scatters at most."""
+    for world in (2, 4):
+        results = run_distributed(boundaries_worker, world, timeout=200)
+        for k, config in enumerate(BOUNDARY_CONFIGS[world]):
+            mine = [r[k] for r in results]  # every rank's row for this config
+            what = f"W={world} {config}"
+            assert all(m["modelled"] for m in mine), f"{what}: the planner gave flat's figures"
+            assert [m["steady"] for m in mine] == [m["planned_steady"] for m in mine], what
+            assert max(m["steady"] for m in mine) == mine[0]["largest_steady"], what
+            peak, predicted = max(m["peak"][0] for m in mine), mine[0]["peak"][1]
+            assert abs(peak - predicted) <= 0.05 * predicted, f"{what}: peak measured {peak} predicted {predicted}"
+            for kind in KINDS:
+                units = {u for m in mine for u in m["sent"][kind]}
+                largest = sum(max(m["sent"][kind].get(u, 0.0) for m in mine) for u in units)
+                planned = mine[0]["planned"][kind]
+                if kind == "reduce_scatter":
+                    assert 0 < largest <= planned, f"{what}: {kind} sent {largest}, planned {planned}"
+                else:
+                    assert abs(largest - planned) <= 1e-6 * max(planned, 1), f"{what}: {kind} {largest} vs {planned}"
 
 
 def auto_worker(rank: int, world: int) -> dict:

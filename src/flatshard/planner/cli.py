@@ -4,6 +4,7 @@
     flatshard plan --model llama2-70b --world 32 --gpus-per-node 8 --precision bf16-mixed --json
     flatshard plan --hf-config path/to/config.json --world 8 --gpu-mem 80GB --micro-batch 4 --seq-len 4096
     flatshard plan --params 70B --units 80 --world 8 --offload --host-mem 2TB
+    flatshard plan --model llama-7b --world 8 --shard-boundaries params
 
 A readable table by default (render.py); ``--json`` prints exactly one JSON object (see
 ``to_json_dict``). Exit status: 0 when a plan fits, 1 when nothing fits (the table or JSON is still
@@ -18,6 +19,7 @@ import json
 import sys
 from typing import Any, NoReturn
 
+from flatshard.planner.boundaries import BOUNDARIES
 from flatshard.planner.errors import PlanError
 from flatshard.planner.inputs import OPTIMIZERS, PRECISIONS, Links, PlanInputs
 from flatshard.planner.models import PRESETS, ModelShape, preset, read_hf_config, with_overrides
@@ -97,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS))
     training.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS))
     training.add_argument("--prefetch", type=int, default=0, help="prefetch depth d (engine default 0)")
+    training.add_argument(
+        "--shard-boundaries",
+        default="flat",
+        choices=BOUNDARIES,
+        help='where units are cut between ranks, as FullyShardedDataParallel(shard_boundaries=...): "rows" and '
+        '"params" need a model shape (with --params: flat\'s figures, and a note); default flat',
+    )
     training.add_argument("--micro-batch", type=int, default=0, help="sequences per rank per step")
     training.add_argument("--seq-len", type=int, default=0, help="tokens per sequence")
     training.add_argument("--checkpointing", action="store_true", help="per-layer activation checkpointing")
@@ -168,6 +177,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         optimizer=args.optimizer,
         param_tensors=args.param_tensors,
         prefetch_depth=args.prefetch,
+        shard_boundaries=args.shard_boundaries,
         micro_batch=args.micro_batch,
         seq_len=args.seq_len,
         activation_checkpointing=args.checkpointing,

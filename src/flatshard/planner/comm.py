@@ -7,7 +7,13 @@ Per-rank bytes are ring volumes (what one rank sends; it receives as much):
     all-reduce of n elements over R ranks: 2 * (R - 1) / R * n * reduce bytes
         (exact rationals; a figure that is not a whole number of bytes is reported as a float)
 These are the engine's ``Collective.wire_bytes`` (collectives.py), so recorded and predicted bytes
-compare directly.
+compare directly. Under ``shard_boundaries`` "rows" and "params" the shards of a unit differ and S_u
+is the largest, max_k s_{k,u} ([Note: planner memory model]): every rank receives every shard, so a
+unit's all-gather takes as long as its largest shard's sends, and its reduce-scatter as long as the
+largest chunk's receives. The bytes are the largest rank's: on NCCL, which pads every shard to the
+largest, every rank's; on gloo the all-gather's largest sender's, and at least what any rank sends
+in the reduce-scatter (rank k sends T_u - s_{k,u} <= (F - 1) * S_u). The hybrid all-reduce of the
+shard over the replicas likewise.
 Per step, M units (the root counted when it holds parameters):
     FULL_SHARD, HYBRID_SHARD:   forward M all-gathers; backward M-1 all-gathers (the resident root
                                 is not gathered again; M if root-less) and M reduce-scatters

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from flatshard.planner.boundaries import BOUNDARIES, numel_of
 from flatshard.planner.errors import PlanError
 from flatshard.planner.models import ModelShape, layout_from_module
 
@@ -120,6 +121,13 @@ class PlanInputs:
         32 GB/s raw, about 25 achieved).
     units_defaulted: the unit count was not given and defaulted to 1 (``flatshard plan --params``
         without ``--units``); the advice to use more, smaller units then says so.
+    shard_boundaries: "flat" (the default), "rows" or "params", as given to the engine: where each unit
+        is cut between the ranks of a shard group (planner/boundaries.py cuts as the engine does), which
+        sets the largest rank's bytes and the largest shard each all-gather and reduce-scatter waits on
+        ([Note: planner memory model]). It needs the parameters' shapes: ``unit_param_shapes`` (for
+        each unit, its parameters' shapes in module order) and ``root_param_shapes``, which
+        ``from_shape`` and ``from_module`` fill in; with unit sizes only the figures are flat's, and
+        the report says so (``boundaries_note``).
     host_bandwidth: bytes/s per node at which the CPUs get through the optimizer step's minimal
         traffic (read and write master and state, read the gradient); default 100e9, an assumption
         (about a third of a two-socket DDR4-3200 server's STREAM bandwidth; eager PyTorch CPU Adam
@@ -152,6 +160,9 @@ class PlanInputs:
     pcie_bandwidth: float = 25e9
     host_bandwidth: float = 100e9
     units_defaulted: bool = False
+    shard_boundaries: str = "flat"
+    unit_param_shapes: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+    root_param_shapes: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_elements", tuple(int(t) for t in self.unit_elements))
@@ -159,6 +170,13 @@ class PlanInputs:
             object.__setattr__(self, "sharding_factors", tuple(sorted({int(f) for f in self.sharding_factors})))
         name = _OPTIMIZER_ALIASES.get(self.optimizer, self.optimizer)
         object.__setattr__(self, "optimizer", name)
+        if self.unit_param_shapes is not None:
+            shapes = tuple(tuple(tuple(int(n) for n in s) for s in unit) for unit in self.unit_param_shapes)
+            object.__setattr__(self, "unit_param_shapes", shapes)
+        if self.root_param_shapes is not None:
+            object.__setattr__(
+                self, "root_param_shapes", tuple(tuple(int(n) for n in s) for s in self.root_param_shapes)
+            )
         _validate(self)
 
     # -- derived ------------------------------------------------------------------------------
@@ -170,6 +188,27 @@ class PlanInputs:
     def params(self) -> int:
         """P: all parameter elements, root included."""
         return self.root_elements + sum(self.unit_elements)
+
+    @property
+    def shapes_known(self) -> bool:
+        """Whether every unit's parameter shapes are known (the root's too when it holds parameters)."""
+        return self.unit_param_shapes is not None and (self.root_param_shapes is not None or not self.root_elements)
+
+    @property
+    def boundaries_modelled(self) -> str:
+        """The boundaries the figures follow: ``shard_boundaries``, or "flat" when only unit sizes are known."""
+        return self.shard_boundaries if self.shapes_known else "flat"
+
+    @property
+    def boundaries_note(self) -> str | None:
+        """None when the figures follow ``shard_boundaries``; else a sentence saying they are flat's."""
+        if self.boundaries_modelled == self.shard_boundaries:
+            return None
+        return (
+            f'shard_boundaries="{self.shard_boundaries}" needs the parameters\' shapes and only unit sizes are '
+            "known, so the figures are flat's (equal shards): pass a model shape (--model, --hf-config, or "
+            "--layers/--hidden/--vocab/--heads) instead of --params"
+        )
 
     @property
     def budget_bytes(self) -> float:
@@ -223,8 +262,11 @@ class PlanInputs:
                 f"pass 1 <= --units <= {shape.layers}, or leave it out for one unit per layer",
             )
         base, extra = divmod(shape.layers, groups)
-        sizes = tuple((base + (1 if i < extra else 0)) * shape.layer_params() for i in range(groups))
+        layers = [base + (1 if i < extra else 0) for i in range(groups)]
+        sizes = tuple(n * shape.layer_params() for n in layers)
         kw.setdefault("shape", shape)
+        kw.setdefault("unit_param_shapes", tuple(shape.layer_shapes() * n for n in layers))
+        kw.setdefault("root_param_shapes", shape.root_shapes())
         return cls(world_size=world_size, unit_elements=sizes, root_elements=shape.root_params(), **kw)
 
     @classmethod
@@ -233,6 +275,8 @@ class PlanInputs:
         that become units; the rest is the root. ``param_tensors`` is filled in."""
         layout = layout_from_module(module, units)
         kw.setdefault("param_tensors", layout.param_tensors)
+        kw.setdefault("unit_param_shapes", layout.unit_shapes)
+        kw.setdefault("root_param_shapes", layout.root_shapes)
         return cls(world_size=world_size, unit_elements=layout.unit_elements, root_elements=layout.root_elements, **kw)
 
     def replace(self, **changes: Any) -> PlanInputs:
@@ -284,9 +328,35 @@ def _validate(p: PlanInputs) -> None:
         value = getattr(p, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise PlanError(f"{name} must be positive, got {value}", f"pass e.g. {flag} 25GB/s")
+    _validate_boundaries(p)
     for f in p.sharding_factors or ():
         if f < 1 or w % f:
             raise PlanError(
                 f"sharding factor F={f} does not divide world size W={w}",
                 f"pass an F that divides {w}: {', '.join(str(d) for d in range(1, w + 1) if w % d == 0)}",
             )
+
+
+def _validate_boundaries(p: PlanInputs) -> None:
+    if p.shard_boundaries not in BOUNDARIES:
+        raise PlanError(
+            f"unknown shard_boundaries {p.shard_boundaries!r}", f"use one of {', '.join(BOUNDARIES)} (default flat)"
+        )
+    if p.unit_param_shapes is not None:
+        if len(p.unit_param_shapes) != len(p.unit_elements):
+            raise PlanError(
+                f"unit_param_shapes has {len(p.unit_param_shapes)} units, unit_elements {len(p.unit_elements)}",
+                "give one tuple of parameter shapes per unit",
+            )
+        for k, (shapes, t) in enumerate(zip(p.unit_param_shapes, p.unit_elements)):
+            if sum(numel_of(s) for s in shapes) != t:
+                raise PlanError(
+                    f"unit {k}: its parameter shapes hold {sum(numel_of(s) for s in shapes)} elements, not {t}",
+                    "give each unit's parameter shapes (they must add up to its elements)",
+                )
+    if p.root_param_shapes is not None and sum(numel_of(s) for s in p.root_param_shapes) != p.root_elements:
+        raise PlanError(
+            f"the root's parameter shapes hold {sum(numel_of(s) for s in p.root_param_shapes)} elements, "
+            f"not {p.root_elements}",
+            "give the root's parameter shapes (they must add up to root_elements)",
+        )

@@ -1,16 +1,23 @@
 """Per-rank memory of one strategy at one sharding factor F.
 
 [Note: planner memory model]
-Unit u has T_u elements; with shard group size F its flat shard has S_u = ceil(T_u / F) elements
-(zero padding to F * S_u). Figures are for rank 0, the fullest rank: its shard holds S_u real
-elements (the last rank's optimizer state is smaller by its padding).
+Unit u has T_u elements; with shard group size F rank k's flat shard has s_{k,u} elements and the
+unit's unsharded flat N_u. ``shard_boundaries`` sets them, cut as the engine cuts (boundaries.py):
+    "flat":   s_{k,u} = S_u = ceil(T_u / F) for every k (zero padding to N_u = F * S_u);
+    "rows":   cuts moved to the row boundary nearest k * T_u / F; "params": every parameter whole on
+              one rank, dealt largest first to the least loaded rank over the units in the order the
+              engine builds them (the units, then the root); for both N_u = T_u (no padding) and the
+              shards differ. These need the parameters' shapes; with unit sizes only, flat's.
+Figures are for the largest rank, the one with the most elements n_k = sum_u s_{k,u} (rank 0 for
+"flat", whose shards hold S_u real elements each: the last rank's optimizer state is smaller by its
+padding); ``steady_per_rank`` has every shard rank's steady bytes (the same in every replica).
 
-steady (between steps, every strategy): sum_u S_u * (master + grad shard + optimizer) bytes, plus
-    AdamW's 4-byte ``step`` per original parameter when ``param_tensors`` is given. For F = 1 the
-    shard is the whole flat.
-gathered g_u = F * S_u * compute bytes while unit u is unsharded (0 for F = 1 when the compute
-    dtype is the master dtype: the flat shard is then used in place).
-unsharded gradient ug_u = F * S_u * reduce bytes, from the unit's backward until its reduce-scatter
+steady (between steps, every strategy): max_k n_k * (master + grad shard) + real_k * optimizer bytes
+    (real_k: rank k's parameter elements, n_k less padding), plus AdamW's 4-byte ``step`` per original
+    parameter when ``param_tensors`` is given, on every rank. For F = 1 the shard is the whole flat.
+gathered g_u = N_u * compute bytes while unit u is unsharded (0 for F = 1 when the compute dtype is
+    the master dtype: the flat shard is then used in place).
+unsharded gradient ug_u = N_u * reduce bytes, from the unit's backward until its reduce-scatter
     (also for F = 1: gradient shards are counted resident through the step, so the new gradient
     cannot be the grad shard; it is reduced, added to the resident shard, and freed).
 
@@ -50,12 +57,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flatshard.planner.boundaries import cut
 from flatshard.planner.inputs import OPTIMIZERS, PlanInputs, Strategy
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-rank bytes. params/grads/optimizer are the persistent (steady) parts."""
+    """Per-rank bytes, of the largest rank. params/grads/optimizer are the persistent (steady) parts;
+    ``steady_per_rank`` is every shard rank's steady bytes (their max is ``steady``)."""
 
     params: int
     grads: int
@@ -67,36 +76,75 @@ class MemoryEstimate:
     forward_peak: int
     backward_peak: int
     peak: int
+    steady_per_rank: tuple[int, ...] = ()
+
+    @property
+    def imbalance(self) -> float:
+        """max / min of the ranks' steady bytes (1.0: balanced)."""
+        low = min(self.steady_per_rank, default=0)
+        return self.steady / low if low else 1.0
 
 
 @dataclass(frozen=True)
 class Unit:
-    """One unit as the planner sees it: elements, whether it is the root, its shard length."""
+    """One unit as the planner sees it: elements, whether it is the root, its largest shard (what its
+    collectives wait on), every shard rank's shard, and the length of its unsharded flat."""
 
     elements: int
     is_root: bool
     shard: int
+    shards: tuple[int, ...] = ()
+    padded: int = 0
 
 
 def units_of(inputs: PlanInputs, f: int) -> list[Unit]:
-    """Units in forward order: the root first (when it holds parameters), then the others."""
-    out = [Unit(inputs.root_elements, True, -(-inputs.root_elements // f))] if inputs.root_elements else []
-    out += [Unit(t, False, -(-t // f)) for t in inputs.unit_elements if t > 0]
-    return out
+    """Units in forward order: the root first (when it holds parameters), then the others; each cut as
+    the engine cuts it under ``inputs.boundaries_modelled`` (the units in build order: the others, then
+    the root, so "params" deals the root against the others' loads)."""
+    mode = inputs.boundaries_modelled
+    sizes = [(t, False, k) for k, t in enumerate(inputs.unit_elements)] + [(inputs.root_elements, True, -1)]
+    loads = [0] * f
+    built: dict[int, Unit] = {}
+    for t, is_root, k in sizes:
+        if t <= 0:
+            continue
+        if mode == "flat":
+            s = -(-t // f)
+            built[k] = Unit(t, is_root, s, (s,) * f, f * s)
+            continue
+        shapes = inputs.root_param_shapes if is_root else inputs.unit_param_shapes[k]
+        c = cut(shapes, f, mode, loads)
+        for r, n in enumerate(c.sizes):
+            loads[r] += n
+        built[k] = Unit(t, is_root, max(c.sizes), c.sizes, c.bounds[-1])
+    return [built[k] for k in (-1, *range(len(inputs.unit_elements))) if k in built]
+
+
+def _real(u: Unit, rank: int) -> int:
+    """Rank ``rank``'s parameter elements of unit ``u`` (its shard less padding: only "flat" pads)."""
+    start = sum(u.shards[:rank])
+    return max(0, min(u.elements, start + u.shards[rank]) - start)
 
 
 def memory_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> MemoryEstimate:
     rec = inputs.recipe
     opt_bytes, step_bytes = OPTIMIZERS[inputs.optimizer]
     units = units_of(inputs, f)
-    shard = sum(u.shard for u in units)
-    params, grads = shard * rec.master_bytes, shard * rec.grad_shard_bytes
-    optimizer = shard * opt_bytes + inputs.param_tensors * step_bytes
+    held = [sum(u.shards[k] for u in units) for k in range(f)]  # each rank's flat shard elements
+    real = [sum(_real(u, k) for u in units) for k in range(f)]
+    per_rank = tuple(
+        n * (rec.master_bytes + rec.grad_shard_bytes) + r * opt_bytes + inputs.param_tensors * step_bytes
+        for n, r in zip(held, real)
+    )
+    top = max(range(f), key=lambda k: (per_rank[k], -k))  # the largest rank (the first of equals)
+    # "flat": rank 0's optimizer state is S_u per unit, as its shards hold only real elements
+    params, grads = held[top] * rec.master_bytes, held[top] * rec.grad_shard_bytes
+    optimizer = real[top] * opt_bytes + inputs.param_tensors * step_bytes
     steady = params + grads + optimizer
 
     in_place = f == 1 and rec.compute_bytes == rec.master_bytes
-    gathered = [0 if in_place else f * u.shard * rec.compute_bytes for u in units]
-    ugrad = [f * u.shard * rec.reduce_bytes for u in units]
+    gathered = [0 if in_place else u.padded * rec.compute_bytes for u in units]
+    ugrad = [u.padded * rec.reduce_bytes for u in units]
     fwd, bwd, buffer = transients(units, gathered, ugrad, strategy, inputs.prefetch_depth)
     acts = activation_bytes(inputs)
     forward_peak, backward_peak = steady + acts + fwd, steady + acts + bwd
@@ -111,6 +159,7 @@ def memory_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> MemoryEst
         forward_peak,
         backward_peak,
         max(forward_peak, backward_peak),
+        per_rank,
     )
 
 

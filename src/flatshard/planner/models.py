@@ -89,6 +89,27 @@ class ModelShape:
     def params(self) -> int:
         return self.layers * self.layer_params() + self.root_params()
 
+    def layer_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The parameters of one layer, in module order, as (out, in) matrices and vectors: llama's q, k,
+        v, o, gate, up, down and its two norms; gpt's norm, fused qkv, proj, norm, fc, out, with biases.
+        Their elements sum to ``layer_params()``; ``shard_boundaries`` "rows" and "params" cut by them."""
+        d, i = self.hidden, self.mlp_width
+        kv = self.kv_count * (d // self.heads)
+        if self.arch == "llama":
+            return ((d, d), (kv, d), (kv, d), (d, d), (i, d), (i, d), (d, i), (d,), (d,))
+        qkv = d + 2 * kv
+        return ((d,), (d,), (qkv, d), (qkv,), (d, d), (d,), (d,), (d,), (i, d), (i,), (d, i), (d,))
+
+    def root_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The root unit's parameters: the token embedding, (gpt) the position table, the final norm and
+        an untied head. Their elements sum to ``root_params()``."""
+        d = self.hidden
+        head = () if self.tied else ((self.vocab, d),)
+        if self.arch == "llama":
+            return ((self.vocab, d), (d,), *head)
+        positions = ((self.max_positions, d),) if self.max_positions else ()
+        return ((self.vocab, d), *positions, (d,), (d,), *head)
+
     def param_tensors(self) -> int:
         """Number of original parameters (tensors): what AdamW keeps one ``step`` tensor for."""
         if self.arch == "llama":
@@ -218,11 +239,14 @@ def with_overrides(shape: ModelShape, **fields: Any) -> ModelShape:
 @dataclass(frozen=True)
 class ModuleLayout:
     """How a module's parameters fall into units: the root's own elements, each unit's elements
-    (in registration order), and the number of distinct parameter tensors."""
+    (in registration order), the number of distinct parameter tensors, and the shapes of each unit's
+    parameters and the root's (in module order: the order the engine lays them out in)."""
 
     root_elements: int
     unit_elements: tuple[int, ...]
     param_tensors: int
+    unit_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    root_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 def layout_from_module(module: Any, units: Iterable[Any] = ()) -> ModuleLayout:
@@ -241,6 +265,7 @@ def layout_from_module(module: Any, units: Iterable[Any] = ()) -> ModuleLayout:
         return m is not module and (id(m) in chosen or (bool(classes) and isinstance(m, classes)))
 
     counts: dict[int, int] = {id(module): 0}
+    shapes: dict[int, list[tuple[int, ...]]] = {id(module): []}
     order: list[int] = []
     seen: set[int] = set()
 
@@ -249,14 +274,22 @@ def layout_from_module(module: Any, units: Iterable[Any] = ()) -> ModuleLayout:
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 counts[owner] += p.numel()
+                shapes[owner].append(tuple(int(n) for n in p.shape))
         for child in mod.children():
             child_owner = owner
             if is_unit(child):
                 child_owner = id(child)
                 if child_owner not in counts:
                     counts[child_owner] = 0
+                    shapes[child_owner] = []
                     order.append(child_owner)
             walk(child, child_owner)
 
     walk(module, id(module))
-    return ModuleLayout(counts[id(module)], tuple(counts[u] for u in order), len(seen))
+    return ModuleLayout(
+        counts[id(module)],
+        tuple(counts[u] for u in order),
+        len(seen),
+        tuple(tuple(shapes[u]) for u in order),
+        tuple(shapes[id(module)]),
+    )

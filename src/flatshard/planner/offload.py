@@ -5,15 +5,16 @@ flatshard's ``CPUOffload(offload_params=True)`` (unit.py) keeps each unit's flat
 (pinned when computing on CUDA), so the shard views, their gradients (grad shards) and the optimizer
 state are host tensors and the optimizer steps on the CPU. Before every gather the shard is copied
 host->device in the compute dtype; each reduced gradient shard is copied device->host after its
-reduction. Collectives are unchanged (comm.py). Per rank, with S_u, g_u, ug_u as in
-[Note: planner memory model] and c, r, m the compute, reduce and grad-shard bytes:
+reduction. Collectives are unchanged (comm.py). Per rank, with S_u (the largest shard under
+``shard_boundaries`` "rows" and "params"), g_u, ug_u as in [Note: planner memory model] and c, r, m
+the compute, reduce and grad-shard bytes (host and copy figures are the largest rank's):
 
 host (per rank): params + grads + optimizer = the non-offload ``steady`` (S_u * (master + grad
     shard + optimizer) summed, plus AdamW's step tensors). pinned: the flat shards (params).
 host (per node): per rank * ranks per node (min(G, W)): the node's ranks share its host memory.
 device: no persistent parameter state. The transients of the memory model, except that the F = 1
     in-place case does not exist (the unsharded flat is always a device buffer of its own:
-    g_u = F * S_u * c), plus
+    g_u = N_u * c, N_u = F * S_u for "flat"), plus
     staging = the largest min(d + 1, M) of S_u * c: the host->device copy a gather reads from
         (alive until its all-gather is done; with prefetch depth d up to d + 1 are in flight);
         counted at the forward peak, and at the backward peak of the strategies that gather again
@@ -101,8 +102,8 @@ def offload_estimate(
     rec, d = inputs.recipe, inputs.prefetch_depth
     units = units_of(inputs, f)
     c, r, m = rec.compute_bytes, rec.reduce_bytes, rec.grad_shard_bytes
-    gathered = [f * u.shard * c for u in units]
-    ugrad = [f * u.shard * r for u in units]
+    gathered = [u.padded * c for u in units]
+    ugrad = [u.padded * r for u in units]
     fwd, bwd, buffer = transients(units, gathered, ugrad, strategy, d)
     shards_c = sorted((u.shard * c for u in units), reverse=True)
     staging = sum(shards_c[: d + 1])

@@ -179,11 +179,14 @@ def _remedies(inputs: PlanInputs, best: StrategyPlan) -> str:
 
 
 def notes(inputs: PlanInputs) -> list[str]:
-    """What the figures leave out or assume, in sentences: activations not counted, units defaulted."""
+    """What the figures leave out or assume, in sentences: activations not counted, units defaulted,
+    shard boundaries that needed parameter shapes the inputs lack."""
     out = []
     note = activations_note(inputs)
     if note:
         out.append(note)
+    if inputs.boundaries_note:
+        out.append(inputs.boundaries_note)
     if inputs.units_defaulted:
         out.append(
             "--units defaulted to 1: the whole model is one unit, gathered at once; pass --units M (e.g. one "
@@ -321,6 +324,9 @@ def choose_sharding_factor(inputs: PlanInputs, *, reshard_after_forward: bool = 
 
 def _inputs_json(inputs: PlanInputs) -> dict[str, Any]:
     out = asdict(inputs)
+    del out["unit_param_shapes"], out["root_param_shapes"]  # per parameter: said by the next two keys
+    out["param_shapes_known"] = inputs.shapes_known
+    out["shard_boundaries_modelled"] = inputs.boundaries_modelled  # "flat" when only unit sizes are known
     out["precision"] = inputs.recipe.name if isinstance(inputs.precision, str) else asdict(inputs.recipe)
     out["params"] = inputs.params
     out["units"] = len(inputs.unit_elements) + (1 if inputs.root_elements else 0)
@@ -343,7 +349,8 @@ def _plan_json(p: StrategyPlan, activations_counted: bool) -> dict[str, Any]:
             "optimizer": m.optimizer,
             "gather_buffer": m.gather_buffer,
             "activations": m.activations if activations_counted else None,  # None: not counted
-            "steady": m.steady,
+            "steady": m.steady,  # the largest rank's
+            "steady_min": min(m.steady_per_rank, default=m.steady),  # the smallest rank's
             "peak": m.peak,
         },
         "fits": p.fits,

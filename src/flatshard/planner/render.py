@@ -39,10 +39,14 @@ def _verdict(fits: bool | None) -> str:
 
 def memory_table(report: PlanReport) -> Table:
     counted = not activations_missing(report.inputs)
-    table = Table(
-        "memory per rank, GB (10^9 bytes)",
-        ("strategy", "F", "R", "steady", "gathered", "unsh. grad", "activations", "fwd peak", "peak", "fits"),
-    )
+    ragged = report.inputs.boundaries_modelled != "flat"  # shards differ: the smallest rank's steady too
+    title = "memory per rank, GB (10^9 bytes)"
+    if ragged:
+        title += (
+            f' (shard_boundaries="{report.inputs.boundaries_modelled}": the largest rank; steady min: the smallest)'
+        )
+    columns = ("strategy", "F", "R", "steady", *(("steady min",) if ragged else ()), "gathered", "unsh. grad")
+    table = Table(title, (*columns, "activations", "fwd peak", "peak", "fits"))
     for p in report.plans:
         b = p.memory
         acts = _gb(b.activations) if counted else "not counted"
@@ -51,6 +55,7 @@ def memory_table(report: PlanReport) -> Table:
             str(p.sharding_factor),
             str(p.replicas),
             _gb(b.steady),
+            *((_gb(min(b.steady_per_rank, default=b.steady)),) if ragged else ()),
             _gb(b.gather_buffer),
             _gb(b.unsharded_grad),
             acts,
@@ -144,7 +149,8 @@ def header(report: PlanReport) -> str:
     opt = OPTIMIZERS[i.optimizer][0]
     return (
         f"{fmt_count(i.params)} parameters in {m} unit{'s' if m != 1 else ''} (root {fmt_count(i.root_elements)}), "
-        f"W={i.world_size}, {i.gpus_per_node} GPUs/node, {rec.name}, {i.optimizer}. Steady = "
+        f"W={i.world_size}, {i.gpus_per_node} GPUs/node, {rec.name}, {i.optimizer}, shard_boundaries="
+        f"{i.boundaries_modelled}. Steady = "
         f"{rec.master_bytes}+{rec.grad_shard_bytes}+{opt} bytes per shard element (params+grads+"
         f"optimizer). Fits: peak <= {fmt_bytes(i.budget_bytes)} ({fmt_bytes(i.device_memory_bytes)} "
         f"less {i.headroom:.0%}){'; activations not counted' if activations_missing(i) else ''}."
