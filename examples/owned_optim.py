@@ -83,8 +83,16 @@ class OwnedOptimizers:
             o.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
+        """Every parameter's gradient, owned here or not, as one torch optimizer over all of them would:
+        flatshard hands back the reduced gradient as the grad shard itself only when no view holds one."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
 
     @property
     def state(self) -> dict:
