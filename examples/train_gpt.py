@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from gpt import GPT, PRESETS, Block, flops_per_token, generate
 from local_launch import run_local
 from owned_optim import OwnedOptimizers
-from train_report import STEP_PHASES, TrainLog, figures, gather_memory, peak_flops, print_summary
+from train_report import STEP_PHASES, TrainLog, figures, gather_memory, peak_flops, print_summary, unit_shapes
 
 import flatshard
 from flatshard import FullyShardedDataParallel as FSDP
@@ -397,6 +397,7 @@ def main(argv=None) -> int:
         "world": world,
         "device": device,
         "units": units,
+        "shapes": unit_shapes(model, units),  # for the planner under shard_boundaries "rows" and "params"
         "n_state": n_state,
         "losses": losses,
         "elapsed": elapsed,

@@ -124,8 +124,21 @@ class TrainLog:
 
 
 # ---- the figures at the end -----------------------------------------------------------------------
-def planned(units, world: int, strategy: str, n_state: int, precision: str, gpus_per_node: int):
-    """The planner's plan for this run's own units (flatshard.units), strategy, F and precision."""
+def unit_shapes(model, units) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Each unit's parameters' full shapes in module order (``named_parameters``), by unit name: what the
+    planner cuts, as the engine did, under shard_boundaries "rows" and "params"."""
+    order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    shape = {name: tuple(getattr(p, "orig_shape", p.shape)) for name, p in model.named_parameters()}
+    out = {}
+    for u in units:
+        names = [n if u.is_root else f"{u.name}.{n}" for n in u.param_names]
+        out[u.name] = tuple(shape[n] for n in sorted(names, key=order.__getitem__))
+    return out
+
+
+def planned(units, world: int, strategy: str, n_state: int, precision: str, gpus_per_node: int, shapes: dict):
+    """The planner's plan for this run's own units (flatshard.units), strategy, F, precision and shard
+    boundaries (``shapes``: ``unit_shapes``)."""
     root = [u for u in units if u.is_root]
     inputs = PlanInputs(
         world_size=world,
@@ -134,6 +147,9 @@ def planned(units, world: int, strategy: str, n_state: int, precision: str, gpus
         gpus_per_node=gpus_per_node,
         precision="bf16-mixed" if precision == "bf16" else "fp32",
         param_tensors=n_state,
+        shard_boundaries=units[0].shard_boundaries,
+        unit_param_shapes=tuple(shapes[u.name] for u in units if not u.is_root),
+        root_param_shapes=shapes[root[0].name] if root else None,
     )
     return plan_strategy(inputs, strategy, units[0].shard_size)
 
@@ -152,7 +168,7 @@ def figures(run: dict) -> dict:
     dist.all_gather(every, mine)
     every = [t.tolist() for t in every]
     f, r = units[0].shard_size, units[0].replicate_size
-    p = planned(units, world, args.strategy, run["n_state"], args.precision, run["gpus_per_node"])
+    p = planned(units, world, args.strategy, run["n_state"], args.precision, run["gpus_per_node"], run["shapes"])
     summary = {k: v for k, v in rec.summary().items() if k.split("/")[0] in STEP_PHASES}
     fsdp = {k: v for k, v in summary.items() if k.split("/")[1] in PLANNED_KINDS and not k.startswith("optimizer")}
     n_params = sum(u.numel for u in units)
@@ -194,7 +210,9 @@ def figures(run: dict) -> dict:
         "memory": {
             "per_rank": [dict(zip(("params", "grads", "optimizer", "gathered"), t[:4])) for t in every],
             "steady_bytes": [sum(t[:3]) for t in every],
-            "planned_steady_bytes": p.memory.steady,  # the planner: rank 0, the fullest shard
+            "planned_steady_bytes": p.memory.steady,  # the planner: the largest rank (rank 0 for "flat")
+            # each rank's, by its place in its shard group (contiguous groups of F ranks)
+            "planned_steady_per_rank": [p.memory.steady_per_rank[r % f] for r in range(world)],
             "planned_peak_bytes": p.memory.peak,
             "peak_bytes": [t[4] for t in every],
             "local_numel": [t[5] for t in every],  # parameter elements each rank owns (padding excluded)
@@ -247,7 +265,7 @@ def print_summary(fig: dict) -> None:
     console.print(head)
 
     mt = Table(title="bytes per rank after a step: measured (memory_bytes) and planned (flatshard.planner)")
-    for col in ("rank", "params + grads", "optimizer", "total", "planned (rank 0: fullest)", "16·P/F"):
+    for col in ("rank", "params + grads", "optimizer", "total", "planned (AdamW state)", "16·P/F"):
         mt.add_column(col, justify="right")
     for r, held in enumerate(mem["per_rank"]):
         mt.add_row(
@@ -255,7 +273,7 @@ def print_summary(fig: dict) -> None:
             f"{held['params'] + held['grads']:,}",
             f"{held['optimizer']:,}",
             f"{mem['steady_bytes'][r]:,}",
-            f"{mem['planned_steady_bytes']:,}",
+            f"{mem['planned_steady_per_rank'][r]:,}",
             f"{mem['ideal_bytes']:,.0f}",
         )
     console.print(mt)

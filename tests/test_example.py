@@ -108,6 +108,7 @@ def test_train_gpt_figures(tmp_path, strategy):
         )
         if r == 0:  # the planner's figure (what the table prints beside it) is the fullest shard's, rank 0's
             assert mem["planned_steady_bytes"] == expected
+        assert mem["planned_steady_per_rank"][r] == expected  # and every rank's, padding left out
         assert mem["steady_bytes"][r] <= mem["planned_steady_bytes"]
         assert abs(expected - 16 * P / F) <= 2 * B * (padded - P) + B * n_state
         assert mem["peak_bytes"][r] >= expected
@@ -295,7 +296,13 @@ def test_muon_trains_and_resumes_bitwise(tmp_path):
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.3, losses
     mem = fig["memory"]
     assert sum(mem["local_numel"]) == fig["P"] and min(mem["local_numel"]) > 0  # each element on one rank
-    assert all(held["optimizer"] > 0 for held in mem["per_rank"])  # every rank steps what it owns
+    for r, held in enumerate(mem["per_rank"]):
+        assert held["params"] == held["grads"] == B * mem["local_numel"][r]  # whole parameters, no padding
+        assert held["optimizer"] > 0  # every rank steps what it owns
+        # the planner cuts the units as the engine did: each rank's parameters (with AdamW's state, which
+        # it models, in place of Muon's)
+        assert mem["planned_steady_per_rank"][r] == 4 * B * mem["local_numel"][r] + B * fig["n_state_params"]
+    assert mem["planned_steady_bytes"] == max(mem["planned_steady_per_rank"])
 
     shutil.rmtree(tmp_path / "ckpt" / "step-00000008")
     log, again = run("again.json", "--resume")
