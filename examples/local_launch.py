@@ -24,18 +24,23 @@ tests/test_launch.py reads the socket table during a run and finds no listener o
 
 [Note: process groups at exit]
 A rank that returns from its work and exits can abort afterwards ("terminate called without an active
-exception", SIGABRT, torchrun's exitcode -6), about 1 run in 10 on a loaded machine. A core dump shows
-where: a gloo worker thread (``ProcessGroupGloo::runLoop``) destroys the barrier's work it has just
-finished, which drops the last reference to an earlier all-gather's output tensors, whose Python
-objects need the GIL; the main thread is in ``Py_FinalizeEx`` by then, so taking the GIL ends the
-thread (``PyThread_exit_thread``), and the forced unwind through a destructor calls std::terminate
-(pytorch/pytorch#179291 is the same mechanism). ``destroy_process_group`` does not stop gloo's threads
-(gloo has no shutdown); only destroying the group does, and it joins them. The group outlives
-``destroy_process_group`` because the wrapped model holds it (units, order checks, run context) and
-the model is garbage in reference cycles (module hooks and units refer to each other), freed only by
-a collection, which may come during finalization or never. So each launcher's ranks end with
-``gc.collect()`` after ``main()`` returns, before ``sys.exit``: the model goes, the groups with it,
-gloo's threads are joined while the interpreter can still hand them the GIL.
+exception", SIGABRT, torchrun's exitcode -6). A core dump shows where: a gloo worker thread
+(``ProcessGroupGloo::runLoop``) destroys a barrier's work it has finished, which drops the last
+reference to an earlier all-gather's output tensors, whose Python objects need the GIL; the main
+thread is in ``Py_FinalizeEx`` by then, so taking the GIL ends the thread (``PyThread_exit_thread``),
+and the forced unwind through a destructor calls std::terminate (pytorch/pytorch#179291 is the same
+mechanism). ``destroy_process_group`` does not stop gloo's threads (gloo has no shutdown); destroying
+the group does, and joins them. So a group alive when the interpreter finalizes is the risk: above
+all one destroyed during finalization (its threads then release their last works at once), or one
+whose worker is descheduled across the start of finalization on a loaded machine.
+A wrapped model holds its groups (units, order checks, run context) and is not freed by reference
+counting: its module hooks and units refer to each other (cycles a collection frees), and each unit's
+post-accumulate-grad hook, kept in the unsharded flat's C++ autograd metadata, refers to the unit, a
+cycle Python's collector cannot see, so today a wrapped model, and its groups, live until the process
+exits (flatshard's runtime/hooks.py can hold the unit weakly there; then a collection frees it).
+The launchers' ranks end with ``gc.collect()`` after ``main()`` returns, before ``sys.exit``: with the
+model collectable, that destroys the groups and joins gloo's threads while the interpreter can still
+hand them the GIL, instead of during finalization.
 """
 
 from __future__ import annotations
