@@ -96,16 +96,21 @@ def link_builders(gpt, cfg, nodes: int, nproc: int) -> dict:
     """``--set link``: flatshard's slow-link settings, before (in flight off) and after, and int8."""
     fs = compare.build_flatshard
     out = {}
-    for strategy, kw in [
-        (f"HYBRID_SHARD F={nproc}", {"sharding_factor": nproc}),
-        ("FULL_SHARD", {}),
-        ("NO_SHARD", {}),
+    for strategy, kw, variants in [
+        (f"HYBRID_SHARD F={nproc}", {"sharding_factor": nproc}, ("off", "on", "int8")),
+        (f"_HYBRID_SHARD_ZERO2 F={nproc}", {"sharding_factor": nproc}, ("on", "int8")),  # no gathers in backward
+        ("FULL_SHARD", {}, ("off", "on", "int8")),
+        ("NO_SHARD", {}, ("off", "on")),  # int8 over all W ranks sends more than hybrid's: not run
     ]:
         name, base = f"flatshard {strategy}", strategy.split()[0]
-        out[f"{name}, in flight off"] = lambda b=base, kw=kw: fs(gpt, cfg, False, b, inter_node_in_flight=False, **kw)
-        out[name] = lambda b=base, kw=kw: fs(gpt, cfg, False, b, **kw)
-        if base != "NO_SHARD":  # NO_SHARD's int8 all-gather over all W ranks moves more than hybrid's: not run
-            out[f"{name}, int8"] = lambda b=base, kw=kw: fs(gpt, cfg, False, b, compress_inter_node="int8", **kw)
+        settings = {
+            "off": (f"{name}, in flight off", {"inter_node_in_flight": False}),
+            "on": (name, {}),
+            "int8": (f"{name}, int8", {"compress_inter_node": "int8"}),
+        }
+        for variant in variants:
+            label, extra = settings[variant]
+            out[label] = lambda b=base, kw={**kw, **extra}: fs(gpt, cfg, False, b, **kw)
     out["DDP"] = lambda: compare.build_ddp(gpt, cfg)
     out[f"FSDP2 HSDP ({nodes}x{nproc})"] = lambda: build_hsdp(cfg, nodes, nproc)
     out[FLOOR] = lambda: gpt.GPT(cfg)

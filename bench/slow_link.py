@@ -7,8 +7,9 @@ emulated cluster (2 nodes x 2 ranks, as root; bench/cluster_net.py).
 At each rate, one job (bench/cluster_worker.py --set link) runs interleaved, step after step: flatshard
 HYBRID_SHARD (F = ranks per node), FULL_SHARD and NO_SHARD, each with ``inter_node_in_flight=False``
 (every reduction finished before the next unit computes: the engine before this setting), with the
-default (what crosses nodes left in flight) and with ``compress_inter_node="int8"`` too; DDP; PyTorch
-FSDP2's HSDP; no communication. It prints the median step of the slowest rank, its ratio to the step
+default (what crosses nodes left in flight) and with ``compress_inter_node="int8"`` too (not NO_SHARD);
+_HYBRID_SHARD_ZERO2 (no gathers in backward) with the default and int8; DDP; PyTorch FSDP2's HSDP; no
+communication. It prints the median step of the slowest rank, its ratio to the step
 without communication and to FSDP2 HSDP's, the bytes each node's link sent per step (the kernel's
 counter), and how each system's losses compare: in flight must be the same bits as off; int8 is
 compared with the exact run of its strategy. Results go to bench/results/slow_link_<rate>.json.
@@ -57,11 +58,14 @@ def measure(rate: str, args, tmp: Path) -> dict:
     }
 
 
-def _twin(name: str) -> str | None:
-    """The exact run a system's losses are compared with: its strategy with in flight off."""
+def _twin(name: str, names) -> str | None:
+    """The exact run a system's losses are compared with: its strategy with in flight off (or on, for an
+    int8 run whose strategy has no run with it off)."""
     if not name.startswith("flatshard") or name.endswith(", in flight off"):
         return None
-    return name.removesuffix(", int8") + ", in flight off"
+    exact = name.removesuffix(", int8")
+    off = exact + ", in flight off"
+    return off if off in names else (exact if exact != name else None)
 
 
 def rows(result: dict) -> dict:
@@ -71,7 +75,7 @@ def rows(result: dict) -> dict:
     link = result["link_tx_bytes_per_step_per_node"]
     out = {}
     for name, fig in systems.items():
-        twin = _twin(name)
+        twin = _twin(name, systems)
         diff = None
         if twin is not None:
             a = torch.tensor(fig["losses_per_rank"])
@@ -98,7 +102,7 @@ def print_report(report: dict) -> None:
         if r["losses_vs"] is None:
             losses = ""
         elif r["losses_max_rel_diff"] == 0:
-            losses = "the same bits as in flight off"
+            losses = f"the same bits as {r['losses_vs'].removeprefix('flatshard ')}"
         else:
             losses = f"max rel diff {r['losses_max_rel_diff']:.2e} to {r['losses_vs'].removeprefix('flatshard ')}"
         hsdp = f"{r['per_fsdp2_hsdp']:.2f}" if r["per_fsdp2_hsdp"] is not None else "-"
