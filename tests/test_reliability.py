@@ -73,6 +73,9 @@ def fingerprint_worker(rank: int, world: int) -> dict:
     out["extra_unit"] = _error(
         lambda: FSDP(OddMLP(), auto_wrap_policy=lambda m, recurse, n: lambda_auto_wrap_policy(m, recurse, n, policy))
     )
+    # keywords that decide what crosses a node: ranks that disagree would send different bytes
+    out["ranks_per_node"] = _error(lambda: _wrap(Two(), ranks_per_node=1 if other else world))
+    out["compress"] = _error(lambda: _wrap(Two(), ranks_per_node=1, compress_inter_node="int8" if other else None))
     out["same"] = _error(lambda: _wrap(Two()))
     return out
 
@@ -87,6 +90,8 @@ def test_ranks_that_built_different_models_fail_alike_at_wrap():
         assert "b.weight" in out["shape"] and "(7, 6)" in out["shape"], out["shape"]
         assert "float64" in out["dtype"], out["dtype"]
         assert "(4, 5)" in out["swapped_equal_numel"] and "(5, 4)" in out["swapped_equal_numel"]
+        assert "ranks_per_node=1" in out["ranks_per_node"], out["ranks_per_node"]
+        assert "compress_inter_node='int8'" in out["compress"], out["compress"]
     assert results[0] == results[1], "every rank raises the same error"
 
 

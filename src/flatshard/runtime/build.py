@@ -11,6 +11,7 @@ and names them by their path. Nothing here imports a front end.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -302,9 +303,21 @@ def _check_same_model(options: BuildOptions, module, chosen, by_unit, paths) -> 
         options.offload_params,
         world,
         options.shard_boundaries,
+        _ranks_per_node(options.ranks_per_node),
+        options.compress_inter_node,
     )
     units = [(paths[m] if m is not module else "<root>", by_unit.get(m, [])) for m in [*chosen, module]]
     fingerprint.check_same_model(fingerprint.entries(head, units), group)
+
+
+def _ranks_per_node(given: Optional[int]) -> object:
+    """What compress.Nodes.resolve will use, without raising (its errors come after the fingerprint)."""
+    if given is not None:
+        return given
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None:
+        return torch.distributed.get_world_size()
+    return int(local) if local.isdigit() else local
 
 
 def _parents(root: nn.Module) -> dict[nn.Module, list[tuple[nn.Module, str]]]:

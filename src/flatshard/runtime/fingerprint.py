@@ -69,8 +69,19 @@ def _difference(all_lines: list[list[str]]) -> str:
     )
 
 
-def options_line(strategy, factor, mixed_precision, offload: bool, world: int, boundaries: str = "flat") -> str:
+def options_line(
+    strategy,
+    factor,
+    mixed_precision,
+    offload: bool,
+    world: int,
+    boundaries: str = "flat",
+    ranks_per_node: object = None,
+    compress_inter_node: Optional[str] = None,
+) -> str:
+    """The wrap call's options that decide what every collective sends; ``ranks_per_node`` as resolved."""
     return (
         f"wrap: {strategy.name}, sharding_factor={factor!r}, mixed_precision={mixed_precision!r}, "
-        f"offload_params={offload}, shard_boundaries={boundaries!r}, world_size={world}"
+        f"offload_params={offload}, shard_boundaries={boundaries!r}, world_size={world}, "
+        f"ranks_per_node={ranks_per_node!r}, compress_inter_node={compress_inter_node!r}"
     )
