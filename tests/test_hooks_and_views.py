@@ -124,3 +124,51 @@ def test_public_unit_view_and_every_collective_recorded(tmp_path):
         assert counts["state_dict"] == len(UNITS), counts  # FULL: one unit gathered at a time
         assert counts["optim_state_dict"] > 0 and counts["checkpoint"] > 0, counts
         assert counts["training"] == 0, counts
+
+
+def collect_worker(rank: int, world: int) -> dict:
+    import gc
+    import weakref
+
+    from flatshard.testing import engine_units
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt)
+    refs = [weakref.ref(model)] + [weakref.ref(u) for u in engine_units(model)]
+    del model, opt
+    gc.collect()
+    out = {"alive": sum(r() is not None for r in refs), "of": len(refs)}
+
+    from flatshard import fully_shard
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    del block  # a loop variable would keep the last block, and through it every unit, alive
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step2(model, opt)
+    refs = [weakref.ref(model)] + [weakref.ref(u) for u in engine_units(model)]
+    del model, opt
+    gc.collect()
+    out["fully_shard"] = {"alive": sum(r() is not None for r in refs), "of": len(refs)}
+    return out
+
+
+def _step2(model, opt):
+    x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(1))
+    F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_a_wrapped_model_is_freed_by_a_collection():
+    """Nothing but Python objects keeps a trained wrapper alive: a collection frees it and its units (so
+    its process groups and their threads end while the interpreter is alive, [Note: process groups at
+    exit] in examples/local_launch.py)."""
+    for out in run_distributed(collect_worker, 2):
+        two = out.pop("fully_shard")
+        assert out["of"] > 1 and out["alive"] == 0, out
+        assert two["of"] > 1 and two["alive"] == 0, ("fully_shard", two)

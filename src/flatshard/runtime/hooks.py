@@ -23,6 +23,7 @@ summon_full_params, state dicts, checkpoints) run under ``flatshard::<entry poin
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -190,9 +191,17 @@ def register_post_backward(unit: Unit) -> None:
     """At construction (and when a parameter is unfrozen later): the unsharded flat's gradient, once
     complete, starts the unit's reduction. Registered once."""
     if unit.requires_grad and unit.post_backward_hook is None:
-        unit.post_backward_hook = unit.unsharded.register_post_accumulate_grad_hook(
-            functools.partial(post_backward, unit)
-        )
+        # The hook lives in the unsharded flat's C++ autograd metadata, which Python's collector cannot
+        # traverse: holding the unit strongly there would keep it (and its process groups) alive until
+        # the process exits ([Note: process groups at exit] in examples/local_launch.py).
+        unit_ref = weakref.ref(unit)
+
+        def hook(unsharded: torch.Tensor) -> None:
+            alive = unit_ref()
+            if alive is not None:
+                post_backward(alive, unsharded)
+
+        unit.post_backward_hook = unit.unsharded.register_post_accumulate_grad_hook(hook)
 
 
 def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:
