@@ -35,9 +35,8 @@ all one destroyed during finalization (its threads then release their last works
 whose worker is descheduled across the start of finalization on a loaded machine.
 A wrapped model holds its groups (units, order checks, run context) and is not freed by reference
 counting: its module hooks and units refer to each other (cycles a collection frees), and each unit's
-post-accumulate-grad hook, kept in the unsharded flat's C++ autograd metadata, refers to the unit, a
-cycle Python's collector cannot see, so today a wrapped model, and its groups, live until the process
-exits (flatshard's runtime/hooks.py can hold the unit weakly there; then a collection frees it).
+post-accumulate-grad hook, kept in the unsharded flat's C++ autograd metadata, refers to its unit only
+weakly ([Note: hooks hold units weakly] in flatshard's runtime/hooks.py), so a collection frees it all.
 The launchers' ranks end with ``gc.collect()`` after ``main()`` returns, before ``sys.exit``: with the
 model collectable, that destroys the groups and joins gloo's threads while the interpreter can still
 hand them the GIL, instead of during finalization.

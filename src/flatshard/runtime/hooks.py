@@ -191,9 +191,12 @@ def register_post_backward(unit: Unit) -> None:
     """At construction (and when a parameter is unfrozen later): the unsharded flat's gradient, once
     complete, starts the unit's reduction. Registered once."""
     if unit.requires_grad and unit.post_backward_hook is None:
+        # [Note: hooks hold units weakly]
         # The hook lives in the unsharded flat's C++ autograd metadata, which Python's collector cannot
-        # traverse: holding the unit strongly there would keep it (and its process groups) alive until
-        # the process exits ([Note: process groups at exit] in examples/local_launch.py).
+        # traverse: a hook that held its unit strongly would keep the unit, the wrapped model and its
+        # process groups alive until the process exits, and groups destroyed during interpreter
+        # finalization can abort the process from a gloo worker thread. Held weakly, a dropped model is
+        # freed by one gc.collect(), which destroys its groups while the interpreter is alive.
         unit_ref = weakref.ref(unit)
 
         def hook(unsharded: torch.Tensor) -> None:
