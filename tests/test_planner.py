@@ -323,6 +323,7 @@ def test_json_schema_keys_exactly(capsys):
             "intra_node",
             "inter_node",
             "total",
+            "node_link",
         }
         c = p["comm_bytes_per_step"]
         assert (

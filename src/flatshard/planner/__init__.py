@@ -12,15 +12,19 @@ anywhere, before any process starts.
     report.recommendation                             # strategy, sharding_factor, why
 
 Reading path: inputs.py (what is asked) -> memory.py and comm.py (the two models, each opening with
-its [Note]) -> plan.py (plans, recommendation, JSON) -> cli.py (``flatshard plan``). models.py
-turns presets, config numbers or a module into unit sizes; quantities.py parses "7B" and "40GB".
+its [Note]) -> steptime.py (the step as the engine schedules it) -> plan.py (plans, recommendation,
+the sharding factor for ``"auto"``, JSON) -> cli.py (``flatshard plan``). models.py turns presets,
+config numbers or a module into unit sizes; calibration.py reads measured link figures;
+quantities.py parses "7B" and "40GB".
 docs/planner.md has the formulas and the documents' figures, each with the command that prints it.
 """
 
-from flatshard.planner.comm import CollectiveCounts, CommEstimate, group_link
+from flatshard.planner.calibration import links_from_calibration, read_calibration
+from flatshard.planner.comm import CollectiveCounts, CommEstimate, UnitComm, group_link
 from flatshard.planner.errors import PlanError
 from flatshard.planner.inputs import (
     BF16_MIXED,
+    EXCHANGES,
     FP32,
     OPTIMIZERS,
     PRECISIONS,
@@ -44,7 +48,6 @@ from flatshard.planner.plan import (
     PlanReport,
     Recommendation,
     StrategyPlan,
-    TimeEstimate,
     choose_sharding_factor,
     notes,
     plan,
@@ -54,9 +57,11 @@ from flatshard.planner.plan import (
     to_json_dict,
 )
 from flatshard.planner.quantities import parse_bandwidth, parse_bytes, parse_count
+from flatshard.planner.steptime import TimeEstimate
 
 __all__ = [
     "BF16_MIXED",
+    "EXCHANGES",
     "FP32",
     "OPTIMIZERS",
     "PRECISIONS",
@@ -76,12 +81,14 @@ __all__ = [
     "Strategy",
     "StrategyPlan",
     "TimeEstimate",
+    "UnitComm",
     "activation_bytes",
     "activations_missing",
     "activations_note",
     "choose_sharding_factor",
     "group_link",
     "layout_from_module",
+    "links_from_calibration",
     "notes",
     "offload_estimate",
     "parse_bandwidth",
@@ -90,6 +97,7 @@ __all__ = [
     "plan",
     "plan_strategy",
     "preset",
+    "read_calibration",
     "read_hf_config",
     "recommend_offload",
     "shape_from_hf_config",

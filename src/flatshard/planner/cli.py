@@ -5,6 +5,8 @@
     flatshard plan --hf-config path/to/config.json --world 8 --gpu-mem 80GB --micro-batch 4 --seq-len 4096
     flatshard plan --params 70B --units 80 --world 8 --offload --host-mem 2TB
     flatshard plan --model llama-7b --world 8 --shard-boundaries params
+    flatshard plan --params 3241472 --units 4 --root-params 82432 --world 4 --gpus-per-node 2 \\
+        --exchange direct --calibration bench/results/cluster_200mbit.json --compute-time 0.33 --optimizer-time 0.03
 
 A readable table by default (render.py); ``--json`` prints exactly one JSON object (see
 ``to_json_dict``). Exit status: 0 when a plan fits, 1 when nothing fits (the table or JSON is still
@@ -20,8 +22,9 @@ import sys
 from typing import Any, NoReturn
 
 from flatshard.planner.boundaries import BOUNDARIES
+from flatshard.planner.calibration import read_calibration
 from flatshard.planner.errors import PlanError
-from flatshard.planner.inputs import OPTIMIZERS, PRECISIONS, Links, PlanInputs
+from flatshard.planner.inputs import EXCHANGES, OPTIMIZERS, PRECISIONS, Links, PlanInputs
 from flatshard.planner.models import PRESETS, ModelShape, preset, read_hf_config, with_overrides
 from flatshard.planner.plan import PlanReport, plan, recommend_offload, to_json_dict
 from flatshard.planner.quantities import parse_bandwidth, parse_bytes, parse_count
@@ -70,10 +73,35 @@ def _parser() -> argparse.ArgumentParser:
     )
     cluster.add_argument("--headroom", type=float, default=0.1, help="fraction of memory kept free (default 0.1)")
     cluster.add_argument("--sharding-factor", action="append", type=int, help="plan only this F (repeatable)")
-    cluster.add_argument("--intra-bw", default="300GB/s", help="intra-node bandwidth per rank per direction")
-    cluster.add_argument("--inter-bw", default="25GB/s", help="inter-node bandwidth per rank (200Gb/s = 25GB/s)")
-    cluster.add_argument("--intra-latency-us", type=float, default=5.0, help="per ring step (default 5)")
-    cluster.add_argument("--inter-latency-us", type=float, default=10.0, help="per ring step (default 10)")
+    links = p.add_argument_group("links (or --calibration)")
+    links.add_argument("--intra-bw", help="intra-node bandwidth per rank per direction (default 300GB/s)")
+    links.add_argument(
+        "--inter-bw", help="inter-node bandwidth one rank gets, per direction (default 25GB/s = 200Gb/s)"
+    )
+    links.add_argument(
+        "--inter-node-bw",
+        help="what one node's link carries to other nodes, all its ranks together "
+        "(default --gpus-per-node x --inter-bw: a NIC per rank)",
+    )
+    links.add_argument("--intra-latency-us", type=float, help="per collective step (default 5)")
+    links.add_argument("--inter-latency-us", type=float, help="per collective step (default 10)")
+    links.add_argument(
+        "--calibration",
+        metavar="PATH",
+        help="take the link figures from a calibration: bench/results/cluster_<rate>.json of make cluster",
+    )
+    links.add_argument(
+        "--exchange",
+        choices=EXCHANGES,
+        default="ring",
+        help='how all-gathers and reduce-scatters move: "ring" (NCCL, default) or "direct" (flatshard on gloo: '
+        "point-to-point, only the chunks to other nodes cross)",
+    )
+    links.add_argument(
+        "--no-inter-node-in-flight",
+        action="store_true",
+        help="model the engine with inter_node_in_flight=False (every reduction finished before the next unit)",
+    )
     offload = p.add_argument_group("CPU offload (CPUOffload(offload_params=True))")
     offload.add_argument(
         "--offload",
@@ -116,6 +144,11 @@ def _parser() -> argparse.ArgumentParser:
         "--activation-bytes", help="per-rank activation memory with its unit (e.g. 12GB), overriding the estimate"
     )
     training.add_argument("--compute-time", type=float, help="forward+backward compute seconds per step")
+    training.add_argument(
+        "--optimizer-time",
+        type=float,
+        help="seconds of the whole model's optimizer step on one rank (a rank steps 1/F)",
+    )
     training.add_argument("--tflops", type=float, help="achieved TFLOP/s per device, for 6*P*tokens compute")
     training.add_argument(
         "--exposed-all-reduce",
@@ -163,12 +196,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
             f"{' and '.join(given)} both given", "pass one: a preset, a Hugging Face config, or a parameter count"
         )
     shape = _shape(args)
-    links = Links(
-        parse_bandwidth(args.intra_bw, "--intra-bw"),
-        parse_bandwidth(args.inter_bw, "--inter-bw"),
-        args.intra_latency_us / 1e6,
-        args.inter_latency_us / 1e6,
-    )
+    links = _links(args)
     common: dict[str, Any] = dict(
         gpus_per_node=args.gpus_per_node,
         device_memory_bytes=parse_bytes(args.gpu_mem, "--gpu-mem"),
@@ -185,6 +213,9 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         compute_time_s=args.compute_time,
         device_flops=None if args.tflops is None else args.tflops * 1e12,
         links=links,
+        exchange=args.exchange,
+        optimizer_time_s=args.optimizer_time,
+        inter_node_in_flight=not args.no_inter_node_in_flight,
         overlap_all_reduce=not args.exposed_all_reduce,
         sharding_factors=args.sharding_factor,
         activation_bytes=None
@@ -216,6 +247,35 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
             "--root-params goes with --params", "a model shape's root is its embeddings, head and final norm"
         )
     return PlanInputs.from_shape(shape, args.world, units=args.units, **common)
+
+
+_LINK_FLAGS = {
+    "intra_bw": "--intra-bw",
+    "inter_bw": "--inter-bw",
+    "inter_node_bw": "--inter-node-bw",
+    "intra_latency_us": "--intra-latency-us",
+    "inter_latency_us": "--inter-latency-us",
+}
+
+
+def _links(args: argparse.Namespace) -> Links:
+    """The link figures: from --calibration, or from the link flags over the defaults (not both)."""
+    given = [flag for name, flag in _LINK_FLAGS.items() if getattr(args, name) is not None]
+    if args.calibration is not None:
+        if given:
+            raise PlanError(
+                f"--calibration and {', '.join(given)} both given",
+                "pass the measured calibration or the link figures, not both",
+            )
+        return read_calibration(args.calibration, args.gpus_per_node)[0]
+    d = Links()
+    return Links(
+        parse_bandwidth(args.intra_bw, "--intra-bw") if args.intra_bw else d.intra_bandwidth,
+        parse_bandwidth(args.inter_bw, "--inter-bw") if args.inter_bw else d.inter_bandwidth,
+        d.intra_latency_s if args.intra_latency_us is None else args.intra_latency_us / 1e6,
+        d.inter_latency_s if args.inter_latency_us is None else args.inter_latency_us / 1e6,
+        parse_bandwidth(args.inter_node_bw, "--inter-node-bw") if args.inter_node_bw else None,
+    )
 
 
 def exit_status(report: PlanReport) -> int:

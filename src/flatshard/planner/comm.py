@@ -1,4 +1,4 @@
-"""Collectives per step, bytes per rank on each link class, and their ring alpha-beta times.
+"""Collectives per step, bytes per rank and per node link, and the alpha-beta time of each collective.
 
 [Note: planner communication model]
 Per-rank bytes are ring volumes (what one rank sends; it receives as much):
@@ -26,15 +26,38 @@ ring factor (N-1)/N; ratios are unchanged (FULL_SHARD / DDP = 1.5 exactly).
 
 Link classes: shard groups are contiguous ranks [kF, (k+1)F); replicate groups are strided
 {j, j+F, j+2F, ...}; rank r sits on node r // G. A group whose ranks are all on one node is
-intra-node; a group that spans nodes is inter-node, all of its bytes: a ring runs at the speed of
-its slowest hop. So the shard group is intra-node exactly when W <= G, or F <= G and F divides G.
+intra-node; a group that spans nodes is inter-node. So the shard group is intra-node exactly when
+W <= G, or F <= G and F divides G.
 
-Time of one collective over n ranks with per-rank bytes V on a link (alpha, beta):
-    all-gather, reduce-scatter: (n - 1) alpha + V / beta;  all-reduce: 2 (n - 1) alpha + V / beta.
+Which bytes cross a node's link, and how fast (measured on an emulated cluster, docs/multi_node.md).
+For a group of n ranks, g of them on a rank's node (``Spread``: g, the peers off the node n - g, and
+per node the sends and ring hops that leave it), chunk c = S_u bytes:
+* ``exchange="ring"`` (NCCL): a ring runs at the speed of its slowest hop. Each hop carries V per
+  rank (V = (n-1) c for all-gather and reduce-scatter); a node's hops out of it (h per node: one per
+  ring of its ranks that leaves it) share its link:
+      (n-1) alpha + max(V / intra_bw if g > 1, V / inter_bw, h V / node_bw)
+  Every byte of a ring that spans nodes counts as inter-node per rank (its slowest hop's class); the
+  node's link carries h V.
+* ``exchange="direct"`` (flatshard's all-gather and reduce-scatter on gloo, runtime/gloo_exchange.py:
+  one point-to-point message per peer): of a rank's n - 1 chunks only the n - g to other nodes cross,
+  and a node's link carries all its ranks' crossing chunks, s = sum over its ranks of (n - g) c:
+      (n-1) alpha + (g-1) c / intra_bw + max((n-g) c / inter_bw, s / node_bw)
+  per rank (n-g) c is inter-node and (g-1) c intra-node.
+* all-reduces are rings either way (gloo's and NCCL's own): 2 (n-1) alpha and the ring's hop term.
+* a group inside one node: (n-1) alpha + V / intra_bw (all-reduce 2 (n-1) alpha), ring or direct.
+``Links.inter_node_bandwidth`` (node_bw) defaults to G x inter_bw, a NIC per rank: then h V / node_bw
+never exceeds V / inter_bw and the ring figures are the classic (n-1) alpha + V / inter_bw. Where the
+ranks of a node share one link, a crossing made by one rank at a time (the hop of a ring over every
+rank, NO_SHARD) gets the whole link, and crossings made by all at once share it.
+Not modelled: compression (``compress_inter_node``: the bytes are fp32's), per-message costs beyond
+alpha (copies, summing, the threads of gloo on the same cores as compute), TCP/IP headers (the
+kernel's counters read 0-5% above ``node_link``), and for ragged shards the crossing bytes are counted
+at the largest shard.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -63,13 +86,27 @@ class CollectiveCounts:
 
 
 @dataclass(frozen=True)
+class UnitComm:
+    """One unit's collectives in one step, in seconds each (0 for a collective it does not issue)."""
+
+    elements: int
+    is_root: bool
+    all_gather_s: float
+    regather: bool  # gathered again in backward (FULL_SHARD, HYBRID_SHARD; not the resident root)
+    reduce_scatter_s: float
+    all_reduce_s: float
+
+
+@dataclass(frozen=True)
 class CommEstimate:
     """Per-rank bytes per step, by collective and by link class, and the groups' link classes.
 
     forward_s / backward_s are the phases' communication times (serial, one stream);
     first_forward_s is the first forward all-gather (nothing to hide it behind); last_backward_s
     is the last unit's reduce-scatter and all-reduce (nothing left to compute), of which
-    last_all_reduce_s is the all-reduce; all_reduce_s is every all-reduce's time.
+    last_all_reduce_s is the all-reduce; all_reduce_s is every all-reduce's time. node_link is what
+    the busiest node's link sends to other nodes per step, all its ranks together; units has every
+    unit's collective times, in forward order (the root first), for the step schedule (steptime.py).
     """
 
     counts: CollectiveCounts
@@ -87,18 +124,48 @@ class CommEstimate:
     last_backward_s: float
     last_all_reduce_s: float
     all_reduce_s: float
+    node_link: int | float = 0
+    units: tuple[UnitComm, ...] = ()
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How the groups of one kind (shard or replicate groups at F) lie across nodes of G ranks."""
+
+    size: int  # n, ranks per group
+    link: str  # INTRA, INTER or NONE (n = 1)
+    local: int  # g: the most ranks of one group on one node
+    remote: int  # the most peers off its node any rank has (n - g for that rank)
+    node_sends: int  # the most chunks leaving one node in an exchange: sum over its ranks of their peers off it
+    hops_out: int  # the most ring hops leaving one node: one per ring of its ranks that leaves it
+
+
+@functools.lru_cache(maxsize=256)
+def spread(world: int, gpus_per_node: int, f: int, replicate: bool) -> Spread:
+    """Where the shard groups (``replicate=False``) or the replicate groups at factor F put their ranks."""
+    n = world // f if replicate else f
+    if n == 1:
+        return Spread(1, NONE, 1, 0, 0, 0)
+    groups = (
+        [range(j, world, f) for j in range(f)] if replicate else [range(k * f, (k + 1) * f) for k in range(world // f)]
+    )
+    nodes = world // gpus_per_node if world % gpus_per_node == 0 else world // gpus_per_node + 1
+    sends, hops = [0] * nodes, [0] * nodes
+    local = remote = 0
+    for group in groups:
+        node = [r // gpus_per_node for r in group]
+        on = {k: node.count(k) for k in set(node)}
+        local = max(local, max(on.values()))
+        for i, k in enumerate(node):
+            remote = max(remote, n - on[k])
+            sends[k] += n - on[k]
+            hops[k] += node[(i + 1) % n] != k
+    return Spread(n, INTER if remote else INTRA, local, remote, max(sends), max(hops))
 
 
 def group_link(world: int, gpus_per_node: int, f: int, replicate: bool) -> str:
     """Link class of the shard groups (``replicate=False``) or replicate groups at factor F."""
-    size = world // f if replicate else f
-    if size == 1:
-        return NONE
-    groups = (
-        [range(j, world, f) for j in range(f)] if replicate else [range(k * f, (k + 1) * f) for k in range(world // f)]
-    )
-    spans = any(len({r // gpus_per_node for r in g}) > 1 for g in groups)
-    return INTER if spans else INTRA
+    return spread(world, min(gpus_per_node, world), f, replicate).link
 
 
 def _number(x: Fraction) -> int | float:
@@ -106,54 +173,86 @@ def _number(x: Fraction) -> int | float:
     return int(x) if x.denominator == 1 else float(x)
 
 
-def _ring_time(links: Links, link: str, steps: int, volume: int) -> float:
-    if link == NONE or steps == 0:
-        return 0.0
-    alpha, beta = (
-        (links.intra_latency_s, links.intra_bandwidth)
-        if link == INTRA
-        else (links.inter_latency_s, links.inter_bandwidth)
+@dataclass(frozen=True)
+class _Wire:
+    """Seconds of one collective and where its bytes go: per rank inside and across nodes, per node link."""
+
+    seconds: float
+    intra: Fraction
+    inter: Fraction
+    node: Fraction
+
+
+def _ring(links: Links, g: int, sp: Spread, steps: int, volume: Fraction) -> _Wire:
+    """A ring collective moving ``volume`` bytes per rank in ``steps`` latency steps."""
+    if sp.link == NONE or steps == 0:
+        return _Wire(0.0, Fraction(0), Fraction(0), Fraction(0))
+    v = float(volume)
+    if sp.link == INTRA:
+        return _Wire(steps * links.intra_latency_s + v / links.intra_bandwidth, volume, Fraction(0), Fraction(0))
+    hop = max(
+        v / links.intra_bandwidth if sp.local > 1 else 0.0,
+        v / links.inter_bandwidth,
+        sp.hops_out * v / links.node_bandwidth(g),
     )
-    return steps * alpha + volume / beta
+    return _Wire(steps * links.inter_latency_s + hop, Fraction(0), volume, sp.hops_out * volume)
+
+
+def _gather_like(links: Links, g: int, sp: Spread, exchange: str, chunk: int) -> _Wire:
+    """An all-gather or reduce-scatter with ``chunk`` bytes per peer, as ``exchange`` moves it."""
+    n = sp.size
+    if exchange == "ring" or sp.link != INTER:
+        return _ring(links, g, sp, n - 1, Fraction((n - 1) * chunk))
+    cross = max(sp.remote * chunk / links.inter_bandwidth, sp.node_sends * chunk / links.node_bandwidth(g))
+    seconds = (n - 1) * links.inter_latency_s + (sp.local - 1) * chunk / links.intra_bandwidth + cross
+    return _Wire(
+        seconds, Fraction((n - 1 - sp.remote) * chunk), Fraction(sp.remote * chunk), Fraction(sp.node_sends * chunk)
+    )
 
 
 def comm_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> CommEstimate:
     w, links, rec = inputs.world_size, inputs.links, inputs.recipe
+    g = inputs.ranks_per_node
     r = w // f
     units = units_of(inputs, f)
-    shard_link = group_link(w, inputs.gpus_per_node, f, replicate=False)
-    rep_link = group_link(w, inputs.gpus_per_node, f, replicate=True)
+    shard, rep = spread(w, g, f, replicate=False), spread(w, g, f, replicate=True)
     sharded, replicated = f > 1, r > 1
-    ag = [(f - 1) * u.shard * rec.compute_bytes if sharded else 0 for u in units]
-    rs = [(f - 1) * u.shard * rec.reduce_bytes if sharded else 0 for u in units]
-    ar = [Fraction(2 * (r - 1) * u.shard * rec.reduce_bytes, r) if replicated else Fraction(0) for u in units]
+    ag = [_gather_like(links, g, shard, inputs.exchange, u.shard * rec.compute_bytes) for u in units]
+    rs = [_gather_like(links, g, shard, inputs.exchange, u.shard * rec.reduce_bytes) for u in units]
+    ar = [_ring(links, g, rep, 2 * (r - 1), Fraction(2 * (r - 1) * u.shard * rec.reduce_bytes, r)) for u in units]
     regather = [sharded and strategy.reshard_after_forward and not u.is_root for u in units]
+    calls = ag + [a for a, again in zip(ag, regather) if again] + rs + ar
 
-    t_ag = [_ring_time(links, shard_link, f - 1, v) for v in ag]
-    t_rs = [_ring_time(links, shard_link, f - 1, v) for v in rs]
-    t_ar = [_ring_time(links, rep_link, 2 * (r - 1), float(v)) for v in ar]
-    ag_bytes = sum(ag) + sum(v for v, again in zip(ag, regather) if again)
-    ar_bytes = sum(ar)
-    by_link = {INTRA: Fraction(0), INTER: Fraction(0), NONE: Fraction(0)}
-    by_link[shard_link] += ag_bytes + sum(rs)
-    by_link[rep_link] += ar_bytes
+    ag_bytes = sum((f - 1) * u.shard * rec.compute_bytes for u in units)
+    ag_bytes += sum((f - 1) * u.shard * rec.compute_bytes for u, again in zip(units, regather) if again)
+    rs_bytes = sum((f - 1) * u.shard * rec.reduce_bytes for u in units)
+    ar_bytes = sum((c.intra + c.inter for c in ar), Fraction(0))
+    intra = sum((c.intra for c in calls), Fraction(0))
+    inter = sum((c.inter for c in calls), Fraction(0))
+    node = sum((c.node for c in calls), Fraction(0))
     m = len(units)
     counts = CollectiveCounts(m if sharded else 0, sum(regather), m if sharded else 0, m if replicated else 0)
+    t_ag, t_rs, t_ar = [c.seconds for c in ag], [c.seconds for c in rs], [c.seconds for c in ar]
     backward_s = sum(t for t, again in zip(t_ag, regather) if again) + sum(t_rs) + sum(t_ar)
+    per_unit = tuple(
+        UnitComm(u.elements, u.is_root, t_ag[k], regather[k], t_rs[k], t_ar[k]) for k, u in enumerate(units)
+    )
     return CommEstimate(
         counts,
         ag_bytes,
-        sum(rs),
+        rs_bytes,
         _number(ar_bytes),
-        _number(by_link[INTRA]),
-        _number(by_link[INTER]),
-        _number(ag_bytes + sum(rs) + ar_bytes),
-        shard_link,
-        rep_link,
+        _number(intra),
+        _number(inter),
+        _number(ag_bytes + rs_bytes + ar_bytes),
+        shard.link,
+        rep.link,
         sum(t_ag),
         backward_s,
         t_ag[0] if t_ag else 0.0,
         t_rs[0] + t_ar[0] if units else 0.0,
         t_ar[0] if units else 0.0,
         sum(t_ar),
+        _number(node),
+        per_unit,
     )

@@ -69,25 +69,47 @@ _OPTIMIZER_ALIASES = {"adamw": "adam", "sgd_momentum": "sgd-momentum", "momentum
 
 @dataclass(frozen=True)
 class Links:
-    """Ring alpha-beta parameters per link class. Bandwidth is bytes/s per rank per direction.
+    """Alpha-beta parameters per link class ([Note: planner communication model], comm.py).
+
+    intra_bandwidth: bytes/s per rank per direction between ranks of one node, all ranks at once.
+    inter_bandwidth: bytes/s one rank can send to other nodes (per direction).
+    inter_node_bandwidth: bytes/s one node's link carries to other nodes, all its ranks together.
+        None (the default): ``gpus_per_node`` x ``inter_bandwidth``, a NIC per rank, so that
+        ``inter_bandwidth`` is also every rank's share when all send at once (a GPU cluster). Where the
+        ranks of a node share one link (many CPU clusters), give the link's rate here and what one rank
+        gets by itself as ``inter_bandwidth``.
+    intra_latency_s, inter_latency_s: per step of a collective (a peer of an exchange, a hop of a ring).
 
     Defaults are the documents' hardware: NVLink 3 at 600 GB/s bidirectional (300 GB/s each way)
-    inside a node, 200 Gb/s InfiniBand (25 GB/s) between nodes. The latencies (per ring step) are
-    this planner's assumption; the documents give none.
+    inside a node, 200 Gb/s InfiniBand (25 GB/s) between nodes, one per GPU. The latencies are this
+    planner's assumption; the documents give none.
     """
 
     intra_bandwidth: float = 300e9
     inter_bandwidth: float = 25e9
     intra_latency_s: float = 5e-6
     inter_latency_s: float = 10e-6
+    inter_node_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("intra_bandwidth", "inter_bandwidth"):
-            if not getattr(self, name) > 0:
-                raise PlanError(f"{name} must be positive, got {getattr(self, name)}", "pass e.g. 25GB/s")
+        for name in ("intra_bandwidth", "inter_bandwidth", "inter_node_bandwidth"):
+            value = getattr(self, name)
+            if name == "inter_node_bandwidth" and value is None:
+                continue
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise PlanError(f"{name} must be positive, got {value}", "pass e.g. 25GB/s")
         for name in ("intra_latency_s", "inter_latency_s"):
             if not getattr(self, name) >= 0:
                 raise PlanError(f"{name} must be >= 0, got {getattr(self, name)}", "pass e.g. 5e-6")
+
+    def node_bandwidth(self, ranks_per_node: int) -> float:
+        """Bytes/s one node's link carries across: ``inter_node_bandwidth``, or a NIC per rank."""
+        if self.inter_node_bandwidth is not None:
+            return self.inter_node_bandwidth
+        return ranks_per_node * self.inter_bandwidth
+
+
+EXCHANGES = ("ring", "direct")  # how all-gathers and reduce-scatters move: NCCL's ring, flatshard's gloo exchange
 
 
 @dataclass(frozen=True)
@@ -107,9 +129,16 @@ class PlanInputs:
         estimate (0 without a shape, micro-batch and sequence length); activation_bytes overrides it.
     compute_time_s, or device_flops (achieved FLOP/s) with micro_batch * seq_len tokens: compute
         per step; neither means the step time is communication only.
-    links: the ring alpha-beta model. overlap_all_reduce: whether the replicate-group all-reduces
-        (issued per unit in backward, after its reduce-scatter) overlap backward compute in the
-        ``overlapped`` time; False exposes them all.
+    links: the alpha-beta figures of the two link classes (``Links``). exchange: how all-gathers and
+        reduce-scatters move, "ring" (NCCL on GPUs, the default) or "direct" (flatshard's point-to-point
+        exchange on gloo: of a rank's n - 1 chunks only those to other nodes cross); all-reduces are
+        rings either way ([Note: planner communication model]). overlap_all_reduce: whether the
+        replicate-group all-reduces overlap backward compute in the ``overlapped`` time (prefetch >= 1);
+        False exposes them all.
+    optimizer_time_s: the optimizer step of the whole model on one rank, seconds; a rank steps 1/F of
+        it. None: not counted.
+    inter_node_in_flight: as the engine's keyword (default True): what crosses nodes is left in flight
+        while backward goes on ([Note: planner step schedule], steptime.py).
     sharding_factors: restrict the plans to these F (each must divide W); None means every divisor.
     offload: show the CPU offload plans (``CPUOffload(offload_params=True)``) in the JSON and table;
         they are computed for every plan regardless, and the recommendation names them when nothing
@@ -153,7 +182,10 @@ class PlanInputs:
     compute_time_s: float | None = None
     device_flops: float | None = None
     links: Links = field(default_factory=Links)
+    exchange: str = "ring"
     overlap_all_reduce: bool = True
+    optimizer_time_s: float | None = None
+    inter_node_in_flight: bool = True
     sharding_factors: tuple[int, ...] | None = None
     offload: bool = False
     host_memory_bytes: int | None = None
@@ -314,11 +346,19 @@ def _validate(p: PlanInputs) -> None:
             raise PlanError(
                 f"{name} must be >= 0, got {getattr(p, name)}", f"pass a non-negative --{name.replace('_', '-')}"
             )
-    for name in ("activation_bytes", "compute_time_s", "device_flops"):
+    if p.exchange not in EXCHANGES:
+        raise PlanError(
+            f"unknown exchange {p.exchange!r}",
+            'use "ring" (NCCL on GPUs) or "direct" (flatshard on gloo: point-to-point exchanges)',
+        )
+    if not isinstance(p.inter_node_in_flight, bool):
+        raise PlanError(f"inter_node_in_flight must be True or False, got {p.inter_node_in_flight!r}", "pass a bool")
+    for name in ("activation_bytes", "compute_time_s", "device_flops", "optimizer_time_s"):
         value = getattr(p, name)
         if value is not None and (not math.isfinite(value) or value < 0 or (name == "device_flops" and value == 0)):
             raise PlanError(
-                f"{name} must be a positive number, got {value}", f"pass a valid --{name.replace('_', '-')}"
+                f"{name} must be a positive number, got {value}",
+                f"pass a valid --{name.removesuffix('_s').replace('_', '-')}",
             )
     if p.host_memory_bytes is not None and p.host_memory_bytes <= 0:
         raise PlanError(

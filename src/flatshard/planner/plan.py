@@ -1,7 +1,7 @@
 """Plans for every strategy and sharding factor, the recommendation, and the JSON form.
 
 Reading path: ``plan(inputs)`` -> one ``plan_strategy`` per (strategy, F) -> ``memory_estimate``
-(memory.py), ``comm_estimate`` (comm.py), ``time_estimate`` (here), ``offload_estimate``
+(memory.py), ``comm_estimate`` (comm.py), ``time_estimate`` (steptime.py), ``offload_estimate``
 (offload.py: the same plan with CPU offload) -> ``recommend`` and ``recommend_offload``.
 """
 
@@ -16,24 +16,7 @@ from flatshard.planner.inputs import PlanInputs, Strategy
 from flatshard.planner.memory import MemoryEstimate, activations_missing, activations_note, memory_estimate
 from flatshard.planner.offload import OffloadEstimate, offload_estimate
 from flatshard.planner.quantities import fmt_bytes, fmt_seconds
-
-
-@dataclass(frozen=True)
-class TimeEstimate:
-    """Seconds per step. ``serial``: compute then every collective, nothing overlapped.
-    ``overlapped``: collectives hidden behind the phase's compute except the first forward
-    all-gather, the last unit's reduce-scatter and all-reduce, and (unless ``overlap_all_reduce``)
-    every all-reduce.
-    ``expected`` is ``overlapped`` with prefetch (depth >= 1) and ``serial`` without, which is how
-    the engine runs today (prefetch depth 0). The optimizer step (local, no communication) is not
-    counted."""
-
-    compute_forward_s: float
-    compute_backward_s: float
-    comm_s: float
-    serial_s: float
-    overlapped_s: float
-    expected_s: float
+from flatshard.planner.steptime import TimeEstimate, time_estimate
 
 
 @dataclass(frozen=True)
@@ -85,40 +68,6 @@ def strategies_at(world_size: int, f: int) -> tuple[Strategy, ...]:
     return (Strategy.HYBRID_SHARD, Strategy._HYBRID_SHARD_ZERO2)
 
 
-def _compute_times(inputs: PlanInputs) -> tuple[float, float]:
-    """(forward, backward) compute seconds: 6 P tokens FLOPs (2 forward, 4 backward), plus a
-    second forward (2 P tokens) in backward under activation checkpointing."""
-    recompute = inputs.activation_checkpointing
-    if inputs.compute_time_s is not None:
-        share = 0.25 if recompute else 1 / 3
-        return inputs.compute_time_s * share, inputs.compute_time_s * (1 - share)
-    tokens = inputs.micro_batch * inputs.seq_len
-    if not inputs.device_flops or tokens == 0:
-        return 0.0, 0.0
-    unit = inputs.params * tokens / inputs.device_flops
-    return 2 * unit, (6 if recompute else 4) * unit
-
-
-def time_estimate(inputs: PlanInputs, comm: CommEstimate) -> TimeEstimate:
-    cf, cb = _compute_times(inputs)
-    serial = cf + cb + comm.forward_s + comm.backward_s
-    fwd = cf
-    if comm.forward_s > 0:
-        fwd = comm.first_forward_s + max(cf, comm.forward_s - comm.first_forward_s)
-    if inputs.overlap_all_reduce:
-        exposed_ar, tail = 0.0, comm.last_backward_s
-    else:
-        exposed_ar, tail = comm.all_reduce_s, comm.last_backward_s - comm.last_all_reduce_s
-    hideable = comm.backward_s - exposed_ar
-    bwd = cb + exposed_ar
-    if hideable > 0:
-        tail = min(tail, hideable)
-        bwd = tail + max(cb, hideable - tail) + exposed_ar
-    overlapped = fwd + bwd
-    expected = overlapped if inputs.prefetch_depth >= 1 else serial
-    return TimeEstimate(cf, cb, comm.forward_s + comm.backward_s, serial, overlapped, expected)
-
-
 def plan_strategy(inputs: PlanInputs, strategy: Strategy | str, sharding_factor: int) -> StrategyPlan:
     """The plan of one strategy at one sharding factor (which must suit the strategy)."""
     s, f = Strategy(strategy), sharding_factor
@@ -133,7 +82,7 @@ def plan_strategy(inputs: PlanInputs, strategy: Strategy | str, sharding_factor:
         )
     memory = memory_estimate(inputs, s, f)
     comm = comm_estimate(inputs, s, f)
-    time = time_estimate(inputs, comm)
+    time = time_estimate(inputs, comm, f)
     return StrategyPlan(
         s,
         f,
@@ -142,7 +91,7 @@ def plan_strategy(inputs: PlanInputs, strategy: Strategy | str, sharding_factor:
         memory.peak <= inputs.budget_bytes,
         comm,
         time,
-        offload_estimate(inputs, s, f, memory, time.expected_s),
+        offload_estimate(inputs, s, f, memory, time.expected_s - time.optimizer_s),  # the CPU steps instead
     )
 
 
@@ -297,29 +246,62 @@ def recommend(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[Strateg
     return Recommendation(best.strategy, f, why)
 
 
-def choose_sharding_factor(inputs: PlanInputs, *, reshard_after_forward: bool = True) -> tuple[int, str]:
-    """The sharding factor for ``sharding_factor="auto"``: the smallest F dividing W whose peak fits
+def choose_sharding_factor(
+    inputs: PlanInputs, *, reshard_after_forward: bool = True, by_time: bool = False
+) -> tuple[int, str]:
+    """The sharding factor for ``sharding_factor="auto"``, among the F dividing W whose peak fits
     ``inputs.device_memory_bytes`` less ``headroom``, for the FULL_SHARD family
     (``reshard_after_forward=True``: NO_SHARD, HYBRID_SHARD, FULL_SHARD) or the SHARD_GRAD_OP
-    family (False: NO_SHARD, _HYBRID_SHARD_ZERO2, SHARD_GRAD_OP). Returns (F, why). When no F
-    fits it returns (W, why) with ``why`` starting "nothing fits": F = W needs the least memory,
-    and the caller decides whether to go on."""
+    family (False: NO_SHARD, _HYBRID_SHARD_ZERO2, SHARD_GRAD_OP). With ``by_time`` (the caller gave
+    link figures: ``inputs.links``, ``gpus_per_node``, ``exchange``) the one with the smallest expected
+    step time ([Note: planner step schedule]), the smaller F on a tie; without, the smallest F (the
+    paper's R4), time not considered. Returns (F, why). When no F fits it returns (W, why) with
+    ``why`` starting "nothing fits": F = W needs the least memory, and the caller decides whether to
+    go on."""
     w = inputs.world_size
     family = []
     for f in inputs.factors():
         s = [x for x in strategies_at(w, f) if f == 1 or x.reshard_after_forward == reshard_after_forward][0]
         family.append(plan_strategy(inputs, s, f))
-    for p in family:
-        if p.fits:
-            why = (
-                f"F={p.sharding_factor} ({p.strategy.value}) is the smallest sharding factor whose peak "
-                f"{fmt_bytes(p.memory.peak)} fits in {_budget_text(inputs)}"
-            )
-            return p.sharding_factor, why
-    last = family[-1]
-    return last.sharding_factor, (
-        f"nothing fits in {_budget_text(inputs)}: even F={last.sharding_factor} peaks at {fmt_bytes(last.memory.peak)}"
+    fitting = [p for p in family if p.fits]
+    if not fitting:
+        last = family[-1]
+        return last.sharding_factor, (
+            f"nothing fits in {_budget_text(inputs)}: even F={last.sharding_factor} peaks at "
+            f"{fmt_bytes(last.memory.peak)}"
+        )
+    if not by_time:
+        p = fitting[0]
+        return p.sharding_factor, (
+            f"F={p.sharding_factor} ({p.strategy.value}) is the smallest sharding factor whose peak "
+            f"{fmt_bytes(p.memory.peak)} fits in {_budget_text(inputs)}; step time not considered (no link figures)"
+        )
+    best = min(fitting, key=lambda p: (p.time.expected_s, p.sharding_factor))
+    others = ", ".join(
+        f"F={p.sharding_factor} {p.strategy.value} {fmt_seconds(p.time.expected_s)}" for p in fitting if p is not best
     )
+    why = f"F={best.sharding_factor} ({best.strategy.value}): predicted {fmt_seconds(best.time.expected_s)} per step"
+    why += f", the fastest of those that fit ({others})" if others else ", the only one that fits"
+    why += f"; its peak {fmt_bytes(best.memory.peak)} fits in {_budget_text(inputs)}"
+    too_big = [p for p in family if not p.fits]
+    if too_big:
+        why += "; " + ", ".join(f"F={p.sharding_factor} peaks at {fmt_bytes(p.memory.peak)}" for p in too_big)
+    return best.sharding_factor, why + _time_basis(inputs)
+
+
+def _time_basis(inputs: PlanInputs) -> str:
+    """What the predicted step times rest on, said after a choice by time."""
+    links = inputs.links
+    node = links.node_bandwidth(inputs.ranks_per_node)
+    out = (
+        f"; predicted for links of {fmt_bytes(links.inter_bandwidth)}/s per rank and {fmt_bytes(node)}/s per node "
+        f"between nodes of {inputs.ranks_per_node} ranks, {fmt_bytes(links.intra_bandwidth)}/s within, "
+        f"{inputs.exchange} all-gathers and reduce-scatters"
+    )
+    if inputs.compute_time_s is None and not inputs.device_flops:
+        out += "; compute not known: the times are communication"
+        out += " and the optimizer step only" if inputs.optimizer_time_s else " only"
+    return out
 
 
 def _inputs_json(inputs: PlanInputs) -> dict[str, Any]:
@@ -361,6 +343,7 @@ def _plan_json(p: StrategyPlan, activations_counted: bool) -> dict[str, Any]:
             "intra_node": c.intra_node,
             "inter_node": c.inter_node,
             "total": c.total,
+            "node_link": c.node_link,  # what the busiest node's link sends to other nodes, all its ranks
         },
         "step_time_s": p.time.expected_s,
     }

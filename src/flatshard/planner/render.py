@@ -69,7 +69,8 @@ def memory_table(report: PlanReport) -> Table:
 def comm_table(report: PlanReport) -> Table:
     table = Table(
         "communication per rank per step: calls of all-gather (AG, forward/backward), reduce-scatter (RS) and "
-        "all-reduce (AR); GB (10^9 bytes) within and between nodes; step time",
+        "all-reduce (AR); GB (10^9 bytes) within and between nodes, and what a node sends to other nodes (node GB); "
+        "seconds per step serial, overlapped and expected (the engine's schedule, JSON step_time_s)",
         (
             "strategy",
             "F",
@@ -79,8 +80,10 @@ def comm_table(report: PlanReport) -> Table:
             "intra GB",
             "inter GB",
             "total GB",
-            "step serial",
-            "step overlap",
+            "node GB",
+            "serial",
+            "overlapped",
+            "expected",
         ),
     )
     for p in report.plans:
@@ -94,8 +97,10 @@ def comm_table(report: PlanReport) -> Table:
             _gb(c.intra_node),
             _gb(c.inter_node),
             _gb(c.total),
+            _gb(c.node_link),
             fmt_seconds(t.serial_s),
             fmt_seconds(t.overlapped_s),
+            fmt_seconds(t.expected_s),
         )
     return table
 

@@ -62,6 +62,7 @@ Index of every [Note: ...] in the package
   bf16-mixed accounting ........... planner/inputs.py
   planner memory model ............ planner/memory.py
   planner communication model ..... planner/comm.py
+  planner step schedule ........... planner/steptime.py
   planner CPU offload model ....... planner/offload.py
   planner units ................... planner/quantities.py
 """
