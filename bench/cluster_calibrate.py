@@ -1,21 +1,23 @@
 """The calibration of ``make cluster``, run in the ranks by bench/cluster_worker.py before the systems.
 
 [Note: cluster calibration]
-Link classes are measured the way the planner's ``Links`` defines them: bytes/s *per rank* per direction,
-with every rank communicating at once. Latency alpha is the median time of a 4-byte message; bandwidth
-beta is the slope between the medians at 1 MiB and 8 MiB.
+Link classes are measured as bytes/s per direction. Latency alpha is the median time of a 4-byte
+message; bandwidth beta is the slope between the medians at 1 MiB and 8 MiB. The planner's ``Links``
+takes them as flatshard.planner.calibration says: intra from "intra", one rank's rate across from
+"inter, one flow", the node's link from "inter" times the ranks of a node.
 * intra: the ranks of a node pair up (local ranks 2k, 2k+1) and exchange both ways at once (isend +
   irecv, as flatshard's gloo exchanges do) over the namespace's loopback, where the cost is CPU.
 * inter: every rank of node 2m sends to the rank of the same local rank on node 2m+1, all at once: the
   P ranks of a node share its link, as the replicate all-reduces of a hybrid do, each getting ~1/P.
+* inter, one flow: one rank sending, one receiving: what one rank gets by itself (here the link's rate).
 * for reading, not for the planner: "inter, pairs both ways" (the same pairs exchanging both ways on
   one connection each: gloo moves a connection's two directions at about half the rate each, which
-  flatshard's collectives, using several connections at once, do not suffer) and "inter, one flow"
-  (one rank sending, one receiving: the link's own rate).
+  flatshard's collectives, using several connections at once, do not suffer).
 Compute is one rank's forward + backward on its batch, timed in the run itself: the system with no
 communication is interleaved with the others, its forward + backward and its optimizer step timed
-apart (the planner leaves the optimizer out), every rank computing at once as in training (on a shared
-CPU they compete for cores), so the load of the moment weighs on compute and systems alike.
+apart (the planner's ``compute_time_s`` and ``optimizer_time_s``), every rank computing at once as in
+training (on a shared CPU they compete for cores), so the load of the moment weighs on compute and
+systems alike.
 
 Then the collectives themselves, one Block unit's worth of fp32 (what one unit moves), every rank at
 once, each the way flatshard issues it on gloo: the all-gather as one round of point-to-point sends to

@@ -1,35 +1,52 @@
 """The planner's step times from a calibration, beside the measured ones: the table and the JSON of
-``make cluster``. Every prediction comes from ``flatshard.planner``'s public API (``PlanInputs``,
-``Links``, ``plan_strategy``); nothing here adjusts the planner's figures.
+``make cluster``, and the same recomputed offline from the committed results.
+
+    python bench/cluster_predict.py          # the committed runs (bench/results/cluster_*.json and
+                                             # slow_link_*.json) predicted again by today's planner; no root
+
+Every prediction comes from ``flatshard.planner``'s public API (``PlanInputs``, ``Links``,
+``plan_strategy``, ``links_from_calibration``); nothing here adjusts the planner's figures.
 
 [Note: cluster predictions]
-The planner is given what the calibration measured and nothing else: ``Links`` (per-rank bandwidth and
-latency within a node and between nodes, [Note: cluster calibration] in cluster_calibrate.py), the
-forward + backward time of one rank as ``compute_time_s``, the model's units (``PlanInputs.from_module``
-on the GPT, one unit per Block, the rest in the root), fp32, AdamW, and the topology (W = N·P,
-``gpus_per_node`` = P). Its prediction for a flatshard system is ``plan_strategy(...).time.expected_s``
-for that strategy and F; for the run with no communication it is the same inputs at W = 1. DDP and
-FSDP2 are not what the planner models (flatshard's schedule); their rows show the planner's figure for
-the strategy they share, for reference, and take no part in the verdicts. The verdicts: every flatshard
-prediction within 25% of the measured step, and the planner's order of flatshard's strategies equal to
-the measured order.
+The planner is given what the calibration measured and nothing else: the links
+(``links_from_calibration``: within a node from the pairs, one rank's rate across from the single
+flow, the node's link from every rank sending at once), the forward + backward time of one rank as
+``compute_time_s`` and its AdamW step as ``optimizer_time_s``, the model's units
+(``PlanInputs.from_module`` on the GPT, one unit per Block, the rest in the root), fp32, AdamW, the
+topology (W = N·P, ``gpus_per_node`` = P), ``exchange="direct"`` (flatshard on gloo) and the engine's
+``inter_node_in_flight`` as the system ran it (off for a system named "..., in flight off" and for
+runs of an engine older than the setting). Its prediction for a flatshard system is
+``plan_strategy(...).time.expected_s`` for that strategy and F; for the run with no communication it
+is the same inputs at W = 1. DDP, FSDP2 and int8 compression are not what the planner models; their
+rows show the planner's figure for the strategy they share, for reference, and take no part in the
+verdicts. The verdicts: every flatshard prediction within 25% of the measured step, and the planner's
+order of flatshard's systems equal to the measured order, where two systems measured within 5% of
+each other are a tie (run to run, medians move about that much).
 """
 
 from __future__ import annotations
 
-import math
+import json
+import sys
+from pathlib import Path
 
-import cluster_model
 import compare
 
-from flatshard.planner import Links, PlanInputs, plan_strategy
+from flatshard.planner import PlanInputs, links_from_calibration, plan_strategy
 
 TOLERANCE = 0.25
-TIE = 0.05  # two systems measured closer than this are a tie: run to run, medians move about that much
+TIE = 0.05
+RESULTS = Path(__file__).resolve().parent / "results"
+RATES = ("1gbit", "200mbit")
+# The committed cluster_<rate>.json ran at commit 2d9a36d, before inter_node_in_flight (d1d9bb4):
+# every reduction there finished before the next unit computed.
+BEFORE_IN_FLIGHT = ("cluster_1gbit.json", "cluster_200mbit.json")
 
 
 def planned_as(name: str, world: int, nproc: int) -> tuple[str, int] | None:
     """The planner's (strategy, F) for a system of the worker, or None (no communication)."""
+    if "ZERO2" in name:
+        return "_HYBRID_SHARD_ZERO2", nproc
     if "HYBRID" in name or "HSDP" in name:
         return "HYBRID_SHARD", nproc
     for strategy, f in (("FULL_SHARD", world), ("SHARD_GRAD_OP", world), ("NO_SHARD", 1)):
@@ -40,22 +57,22 @@ def planned_as(name: str, world: int, nproc: int) -> tuple[str, int] | None:
     return None
 
 
-def links_from(calibration: dict) -> Links:
-    links = calibration["links"]
-    intra = links.get("intra", links["inter"])  # one rank per node: no intra-node class
-    return Links(
-        intra_bandwidth=intra["bandwidth_Bps"],
-        inter_bandwidth=links["inter"]["bandwidth_Bps"],
-        intra_latency_s=intra["latency_s"],
-        inter_latency_s=links["inter"]["latency_s"],
-    )
+def modelled(name: str) -> bool:
+    """flatshard's strategies as such (", in flight off" included) and the no-communication run; not
+    other libraries' schedules, nor a variant the planner does not model (", int8", ...)."""
+    if name == "no communication":
+        return True
+    return name.startswith("flatshard") and name.split(", ")[1:] in ([], ["in flight off"])
 
 
-def planner_inputs(result: dict, world: int | None = None) -> PlanInputs:
-    """The planner's inputs for the measured job (or the same model and compute at ``world`` ranks)."""
+def planner_inputs(result: dict, world: int | None = None, in_flight: bool = True, links_from=None) -> PlanInputs:
+    """The planner's inputs for the measured job (or the same model and compute at ``world`` ranks).
+    ``links_from``: another result whose calibration holds the links (a run measured without one)."""
     gpt = compare.load_gpt_module()
     cfg = compare.sizes()[result["size"]]
     w = world or result["nodes"] * result["nproc"]
+    links, _ = links_from_calibration(links_from or result, result["nproc"])
+    compute = result["calibration"]["compute"]
     return PlanInputs.from_module(
         gpt.GPT(cfg),
         [gpt.Block],
@@ -65,83 +82,55 @@ def planner_inputs(result: dict, world: int | None = None) -> PlanInputs:
         optimizer="adam",
         micro_batch=result["batch_size"],
         seq_len=result["block_size"],
-        compute_time_s=result["calibration"]["compute"]["forward_backward_s"],
-        links=links_from(result["calibration"]),
+        compute_time_s=compute["forward_backward_s"],
+        optimizer_time_s=compute["optimizer_step_s"],
+        links=links,
+        exchange="direct",
+        inter_node_in_flight=in_flight,
     )
 
 
-def predict(result: dict) -> dict:
-    """Per system: measured median step, the planner's prediction, their ratio, and the bytes."""
+def predict(result: dict, in_flight: bool = True, links_from: dict | None = None) -> dict:
+    """Per system: measured median step, the planner's prediction, their ratio, and the bytes across.
+    ``in_flight``: whether the engine that ran had ``inter_node_in_flight`` (by default on)."""
     world, nproc = result["nodes"] * result["nproc"], result["nproc"]
-    inputs, alone = planner_inputs(result), planner_inputs(result, world=1)
+    inputs = {on: planner_inputs(result, in_flight=on, links_from=links_from) for on in (True, False)}
+    alone = planner_inputs(result, world=1, links_from=links_from)
+    floor = result["systems"].get("no communication", {}).get("step_s_median")
     rows = {}
     for name, fig in result["systems"].items():
         measured = fig["step_s_median"]
-        plan = None
         how = planned_as(name, world, nproc)
-        if how is None:
-            plan = plan_strategy(alone, "NO_SHARD", 1)
-        else:
-            plan = plan_strategy(inputs, *how)
-        predicted = plan.time.expected_s
-        proposed = _proposed(result, inputs, how)
+        on = in_flight and "in flight off" not in name
+        plan = plan_strategy(alone, "NO_SHARD", 1) if how is None else plan_strategy(inputs[on], *how)
         rows[name] = {
             "planned_as": list(how) if how else ["NO_SHARD", 1, "W=1"],
-            "modelled": name.startswith("flatshard") or how is None,
+            "in_flight": on,
+            "modelled": modelled(name),
             "measured_s": measured,
-            "predicted_s": predicted,
+            "predicted_s": plan.time.expected_s,
             "predicted_serial_s": plan.time.serial_s,
-            "predicted_overlapped_s": plan.time.overlapped_s,
             "predicted_comm_s": plan.time.comm_s,
-            "error": predicted / measured - 1,
-            "proposed_s": proposed["step_s"],
-            "proposed_error": proposed["step_s"] / measured - 1,
-            "proposed_node_crossing_bytes": proposed["node_crossing_bytes"],
-            "ratio_to_compute": measured / result["systems"]["no communication"]["step_s_median"]
-            if "no communication" in result["systems"]
-            else None,
+            "error": plan.time.expected_s / measured - 1,
+            "ratio_to_compute": measured / floor if floor else None,
+            "planner_node_link_bytes": plan.comm.node_link,
             "planner_inter_node_bytes_per_rank": plan.comm.inter_node,
-            "planner_intra_node_bytes_per_rank": plan.comm.intra_node,
             "link_tx_bytes_per_step_per_node": result["link_tx_bytes_per_step_per_node"].get(name),
         }
-    return {
-        "rows": rows,
-        "verdicts": verdicts(rows),
-        "collectives": collective_predictions(result),
-        "planner_inputs": _inputs_summary(inputs),
-    }
+    out = {"rows": rows, "verdicts": verdicts(rows), "planner_inputs": _inputs_summary(inputs[in_flight])}
+    if "collectives" in result["calibration"]:
+        out["collectives"] = collective_predictions(result, inputs[in_flight])
+    return out
 
 
-def _proposed(result: dict, inputs: PlanInputs, how: tuple[str, int] | None) -> dict:
-    """The step by bench/cluster_model.py's model ([Note: cluster link model]), for comparison only."""
-    comp = result["calibration"]["compute"]
-    link = cluster_model.link_model(result["calibration"], result["nproc"])
-    strategy, f = how or ("NO_SHARD", 1)
-    world = inputs.world_size if how else 1
-    return cluster_model.step_time(
-        link,
-        strategy,
-        world,
-        f,
-        inputs.root_elements,
-        inputs.unit_elements,
-        comp["forward_backward_s"],
-        comp["optimizer_step_s"],
-    )
-
-
-def collective_predictions(result: dict) -> dict:
+def collective_predictions(result: dict, inputs: PlanInputs) -> dict:
     """Per collective of the calibration: measured seconds and the planner's for one root-less unit of
     the same size (``CommEstimate`` of a one-unit model: the first forward all-gather, the backward's
     reduce-scatter, the all-reduces), with the planner's link class for its group."""
     cal = result["calibration"]["collectives"]
     world, nproc = result["nodes"] * result["nproc"], result["nproc"]
-    one = PlanInputs(
-        world_size=world,
-        unit_elements=(cal["unit_numel"],),
-        gpus_per_node=nproc,
-        precision="fp32",
-        links=links_from(result["calibration"]),
+    one = inputs.replace(
+        unit_elements=(cal["unit_numel"],), root_elements=0, unit_param_shapes=None, root_param_shapes=None
     )
     full, sgo, ddp = (
         plan_strategy(one, s, f).comm for s, f in (("FULL_SHARD", world), ("SHARD_GRAD_OP", world), ("NO_SHARD", 1))
@@ -165,30 +154,27 @@ def collective_predictions(result: dict) -> dict:
 
 
 def verdicts(rows: dict) -> dict:
-    modelled = {n: r for n, r in rows.items() if r["modelled"]}
-    flat = [n for n in modelled if n.startswith("flatshard")]
-    measured_order = sorted(flat, key=lambda n: rows[n]["measured_s"])
-    out = {"measured_order": measured_order}
-    for key, label in (("predicted_s", "planner"), ("proposed_s", "proposed")):
-        within = {n: abs(r[key] / r["measured_s"] - 1) <= TOLERANCE for n, r in modelled.items()}
-        order = sorted(flat, key=lambda n: rows[n][key])
-        out[label] = {
-            "within_25_percent": within,
-            "all_within": all(within.values()),
-            "order": order,
-            "same_order": order == measured_order,
-            "misordered_pairs": _misordered(rows, flat, key),
-        }
-        out[label]["same_order_but_ties"] = all(m["measured_gap"] <= TIE for m in out[label]["misordered_pairs"])
-    return out
+    judged = {n: r for n, r in rows.items() if r["modelled"]}
+    flat = [n for n in judged if n.startswith("flatshard")]
+    within = {n: abs(r["predicted_s"] / r["measured_s"] - 1) <= TOLERANCE for n, r in judged.items()}
+    misordered = _misordered(rows, flat)
+    return {
+        "measured_order": sorted(flat, key=lambda n: rows[n]["measured_s"]),
+        "predicted_order": sorted(flat, key=lambda n: rows[n]["predicted_s"]),
+        "within_25_percent": within,
+        "all_within": all(within.values()),
+        "misordered_pairs": misordered,
+        "same_order_but_ties": all(m["measured_gap"] <= TIE for m in misordered),
+    }
 
 
-def _misordered(rows: dict, names: list[str], key: str) -> list[dict]:
-    """Pairs the model orders the other way from the measurement, with how far apart they measured."""
+def _misordered(rows: dict, names: list[str]) -> list[dict]:
+    """Pairs the planner orders the other way from the measurement, with how far apart they measured."""
     out = []
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
-            ma, mb, pa, pb = rows[a]["measured_s"], rows[b]["measured_s"], rows[a][key], rows[b][key]
+            ma, mb = rows[a]["measured_s"], rows[b]["measured_s"]
+            pa, pb = rows[a]["predicted_s"], rows[b]["predicted_s"]
             if (ma - mb) * (pa - pb) < 0 or (pa == pb and ma != mb):
                 out.append({"pair": [a, b], "measured_gap": abs(ma - mb) / min(ma, mb)})
     return out
@@ -202,19 +188,76 @@ def _inputs_summary(inputs: PlanInputs) -> dict:
         "params": inputs.params,
         "units": len(inputs.unit_elements) + (1 if inputs.root_elements else 0),
         "compute_time_s": inputs.compute_time_s,
+        "optimizer_time_s": inputs.optimizer_time_s,
         "intra_bandwidth_Bps": links.intra_bandwidth,
         "inter_bandwidth_Bps": links.inter_bandwidth,
+        "inter_node_bandwidth_Bps": links.node_bandwidth(inputs.ranks_per_node),
         "intra_latency_s": links.intra_latency_s,
         "inter_latency_s": links.inter_latency_s,
+        "exchange": inputs.exchange,
+        "inter_node_in_flight": inputs.inter_node_in_flight,
         "prefetch_depth": inputs.prefetch_depth,
     }
 
 
-# ---- printing ------------------------------------------------------------------------------------------
-def _mb(x) -> str:
-    return "" if x is None else f"{x / 1e6:,.1f}"
+# ---- the committed runs, offline ------------------------------------------------------------------------
+def committed(rate: str, kind: str = "cluster") -> dict:
+    """The planner's predictions for a committed result: ``kind`` "cluster" (its own calibration, the
+    engine before inter_node_in_flight) or "slow_link" (no link calibration of its own: the links of
+    cluster_<rate>.json, its own compute and optimizer figures)."""
+    name = f"{kind}_{rate}.json"
+    result = json.loads((RESULTS / name).read_text())["result"]
+    links_from = None
+    if kind != "cluster":
+        links_from = json.loads((RESULTS / f"cluster_{rate}.json").read_text())["result"]
+    return predict(result, in_flight=name not in BEFORE_IN_FLIGHT, links_from=links_from)
 
 
+def table(prediction: dict) -> list[str]:
+    """A Markdown table of one prediction: system, measured, predicted, ratio, bytes across per node."""
+    out = [
+        "| system | measured ms | predicted ms | predicted / measured | link MB/step/node (kernel) | planner MB/node |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in prediction["rows"].items():
+        ratio = r["predicted_s"] / r["measured_s"]
+        mark = ("" if abs(ratio - 1) <= TOLERANCE else " **off**") if r["modelled"] else " (not modelled)"
+        kernel = r["link_tx_bytes_per_step_per_node"]
+        out.append(
+            f"| {name} | {r['measured_s'] * 1e3:,.0f} | {r['predicted_s'] * 1e3:,.0f} | {ratio:.2f}{mark} | "
+            f"{'' if kernel is None else f'{max(kernel) / 1e6:,.1f}'} | {r['planner_node_link_bytes'] / 1e6:,.1f} |"
+        )
+    return out
+
+
+def summary(prediction: dict) -> str:
+    v = prediction["verdicts"]
+    within = v["within_25_percent"]
+    off = [n for n, ok in within.items() if not ok]
+    gaps = ", ".join(f"{' / '.join(m['pair'])} ({m['measured_gap']:.0%} apart measured)" for m in v["misordered_pairs"])
+    if not v["misordered_pairs"]:
+        order = "the measured order"
+    else:
+        order = ("the measured order but for ties: " if v["same_order_but_ties"] else "a DIFFERENT order: ") + gaps
+    return (
+        f"within 25%: {sum(within.values())}/{len(within)}"
+        + (f" (off: {', '.join(off)})" if off else "")
+        + f"; {order}"
+    )
+
+
+def main() -> int:
+    for kind in ("cluster", "slow_link"):
+        for rate in RATES:
+            prediction = committed(rate, kind)
+            how = "own calibration" if kind == "cluster" else f"links of cluster_{rate}.json"
+            print(f"\n{kind}_{rate}.json ({how})\n")
+            print("\n".join(table(prediction)))
+            print(f"\n{summary(prediction)}")
+    return 0
+
+
+# ---- printing (make cluster) ----------------------------------------------------------------------------
 def print_report(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -250,7 +293,7 @@ def print_report(report: dict) -> None:
     )
     for col in ("collective", "measured ms", "planner ms", "planner / measured", "planner's link"):
         k.add_column(col, justify="right")
-    for name, row in pred["collectives"].items():
+    for name, row in pred.get("collectives", {}).items():
         k.add_row(
             name,
             f"{row['measured_s'] * 1e3:,.1f}",
@@ -260,23 +303,11 @@ def print_report(report: dict) -> None:
         )
     console.print(k)
     t = Table(title="median step of the slowest rank, measured (interleaved) and predicted (flatshard.planner)")
-    for col in (
-        "system",
-        "measured ms",
-        "/ compute",
-        "planner ms",
-        "/ measured",
-        "proposed ms",
-        "/ measured",
-        "link MB/node",
-        "proposed MB/node",
-        "planner MB/rank",
-    ):
+    for col in ("system", "measured ms", "/ compute", "planner ms", "/ measured", "link MB/node", "planner MB/node"):
         t.add_column(col, justify="right")
     for name, row in pred["rows"].items():
-        ratio, ratio2 = row["predicted_s"] / row["measured_s"], row["proposed_s"] / row["measured_s"]
+        ratio = row["predicted_s"] / row["measured_s"]
         mark = "" if not row["modelled"] else (" ok" if abs(ratio - 1) <= TOLERANCE else " OFF")
-        mark2 = "" if not row["modelled"] else (" ok" if abs(ratio2 - 1) <= TOLERANCE else " OFF")
         how, link = row["planned_as"], row["link_tx_bytes_per_step_per_node"]
         t.add_row(
             name,
@@ -284,37 +315,26 @@ def print_report(report: dict) -> None:
             "" if row["ratio_to_compute"] is None else f"{row['ratio_to_compute']:.2f}",
             f"{row['predicted_s'] * 1e3:,.0f}" + ("" if row["modelled"] else f" ({how[0]})"),
             f"{ratio:.2f}{mark}",
-            f"{row['proposed_s'] * 1e3:,.0f}",
-            f"{ratio2:.2f}{mark2}",
-            _mb(None if link is None else max(link)),
-            _mb(row["proposed_node_crossing_bytes"]),
-            _mb(row["planner_inter_node_bytes_per_rank"]),
+            "" if link is None else f"{max(link) / 1e6:,.1f}",
+            f"{row['planner_node_link_bytes'] / 1e6:,.1f}",
         )
     console.print(t)
     console.print(
-        "planner: plan_strategy(...).time.expected_s. proposed: bench/cluster_model.py ([Note: cluster link model]), "
-        "not the planner. DDP and FSDP2 are not what the planner models: their figures are their strategy's, for "
-        "reference. link MB/node: bytes the node's link interface sent per step (kernel counter); proposed MB/node: "
-        "the bytes the proposed model says cross; planner MB/rank: the planner's inter-node bytes per rank"
+        "planner: plan_strategy(...).time.expected_s ([Note: cluster predictions]). DDP, FSDP2 and int8 are not what "
+        "the planner models: their figures are their strategy's, for reference. link MB/node: bytes the node's link "
+        "interface sent per step (kernel counter); planner MB/node: what the planner says crosses "
+        "(CommEstimate.node_link)"
     )
-    v = pred["verdicts"]
-    console.print(f"measured order: {' < '.join(v['measured_order'])}")
-    for label in ("planner", "proposed"):
-        w = v[label]
-        gaps = ", ".join(
-            f"{' / '.join(m['pair'])} ({m['measured_gap']:.0%} apart measured)" for m in w["misordered_pairs"]
-        )
-        if w["same_order"]:
-            order = "same"
-        else:
-            order = ("same but for a tie: " if w["same_order_but_ties"] else "DIFFERENT: ") + gaps
-        console.print(
-            f"{label}: within 25% {sum(w['within_25_percent'].values())}/{len(w['within_25_percent'])}; order {order}"
-        )
+    console.print(f"measured order: {' < '.join(pred['verdicts']['measured_order'])}")
+    console.print(f"planner: {summary(pred)}")
     agree = report["losses_agree"]
     bad = [n for n, a in agree.items() if not a["agree"]]
-    worst = max((a["max_rel_diff"] for a in agree.values()), default=math.nan)
+    worst = max((a["max_rel_diff"] for a in agree.values()), default=float("nan"))
     console.print(
         f"losses: every system but 'no communication' equals flatshard FULL_SHARD's within 1e-4 "
         f"(worst {worst:.1e})" + (f"; DIFFERENT: {', '.join(bad)}" if bad else "")
     )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
