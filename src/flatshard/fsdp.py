@@ -57,6 +57,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         *,
         sharding_factor: Union[int, str, None] = None,
         memory_budget: Optional[int] = None,
+        link_figures: Any = None,
         shard_boundaries: str = "flat",
         ranks_per_node: Optional[int] = None,
         inter_node_in_flight: bool = True,
@@ -70,6 +71,9 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         and gradients all-reduced across them. ``"auto"`` asks the planner for the smallest F whose
         per-rank peak (AdamW, no activations) fits ``memory_budget`` bytes (default: the accelerator's
         free memory); the choice and why are logged on rank 0 and kept in ``model.sharding_decision``.
+        With ``link_figures`` (a ``flatshard.planner.Links``: bandwidths and latencies within and between
+        nodes; read only with ``"auto"``) it chooses among the F that fit the one whose step the planner
+        predicts fastest for the ranks per node (``ranks_per_node``) and those links.
 
         ``shard_boundaries``: where a unit's flat is cut between ranks ([Note: shard boundaries]):
         ``"flat"`` (default) anywhere, each rank holding 1-D pieces; ``"rows"`` only between rows, each
@@ -97,6 +101,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
             device_mesh=device_mesh,
             sharding_factor=sharding_factor,
             memory_budget=memory_budget,
+            link_figures=link_figures,
             auto_wrap_policy=auto_wrap_policy,
             ignored_modules=ignored_modules,
             ignored_states=ignored_states,
@@ -109,6 +114,8 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
             ranks_per_node=ranks_per_node,
             compress_inter_node=compress_inter_node,
         )
+        if link_figures is not None and sharding_factor != "auto":
+            raise ValueError('link_figures is read only with sharding_factor="auto" (it chooses F by time)')
         if not isinstance(inter_node_in_flight, bool):
             raise TypeError(f"inter_node_in_flight must be True or False, got {inter_node_in_flight!r}")
         built = build.build_units(module, options, self._host)

@@ -57,6 +57,7 @@ class BuildOptions:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     ranks_per_node: Optional[int] = None  # which ranks share a node (None: LOCAL_WORLD_SIZE; compress.py, Nodes)
     compress_inter_node: Optional[str] = None  # "int8": [Note: inter-node compression] (compress.py)
+    link_figures: Any = None  # sharding_factor="auto" by time: a flatshard.planner.Links (autoshard.py)
 
 
 @dataclass
@@ -283,6 +284,10 @@ def _auto_factor(options: BuildOptions, module, chosen, by_unit) -> tuple[int, s
         world_size=torch.distributed.get_world_size(group),
         memory_budget=options.memory_budget,
         device=next((p.device for _, p in root_params), torch.device("cpu")),
+        link_figures=options.link_figures,
+        ranks_per_node=options.ranks_per_node,
+        group=group,
+        inter_node_in_flight=options.schedule.inter_node_in_flight,
     )
 
 
