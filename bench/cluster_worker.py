@@ -97,7 +97,7 @@ def link_builders(gpt, cfg, nodes: int, nproc: int) -> dict:
     fs = compare.build_flatshard
     out = {}
     for strategy, kw, variants in [
-        (f"HYBRID_SHARD F={nproc}", {"sharding_factor": nproc}, ("off", "on", "int8")),
+        (f"HYBRID_SHARD F={nproc}", {"sharding_factor": nproc}, ("off", "on", "int8", "pieces")),
         (f"_HYBRID_SHARD_ZERO2 F={nproc}", {"sharding_factor": nproc}, ("on", "int8")),  # no gathers in backward
         ("FULL_SHARD", {}, ("off", "on", "int8")),
         ("NO_SHARD", {}, ("off", "on")),  # int8 over all W ranks sends more than hybrid's: not run
@@ -107,6 +107,7 @@ def link_builders(gpt, cfg, nodes: int, nproc: int) -> dict:
             "off": (f"{name}, in flight off", {"inter_node_in_flight": False}),
             "on": (name, {}),
             "int8": (f"{name}, int8", {"compress_inter_node": "int8"}),
+            "pieces": (f"{name}, {PIECES}", {"shard_optimizer_across_replicas": True}),
         }
         for variant in variants:
             label, extra = settings[variant]
@@ -118,6 +119,7 @@ def link_builders(gpt, cfg, nodes: int, nproc: int) -> dict:
 
 
 SETS = {"strategies": builders, "link": link_builders}
+PIECES = "optimizer across replicas"  # shard_optimizer_across_replicas=True (runtime/pieces.py)
 
 
 def make_systems(

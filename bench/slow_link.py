@@ -8,6 +8,8 @@ At each rate, one job (bench/cluster_worker.py --set link) runs interleaved, ste
 HYBRID_SHARD (F = ranks per node), FULL_SHARD and NO_SHARD, each with ``inter_node_in_flight=False``
 (every reduction finished before the next unit computes: the engine before this setting), with the
 default (what crosses nodes left in flight) and with ``compress_inter_node="int8"`` too (not NO_SHARD);
+HYBRID_SHARD also with ``shard_optimizer_across_replicas=True`` (gradients and optimizer state over all
+ranks: the same bits as HYBRID_SHARD);
 _HYBRID_SHARD_ZERO2 (no gathers in backward) with the default and int8; DDP; PyTorch FSDP2's HSDP; no
 communication. It prints the median step of the slowest rank, its ratio to the step
 without communication and to FSDP2 HSDP's, the bytes each node's link sent per step (the kernel's
@@ -63,7 +65,7 @@ def _twin(name: str, names) -> str | None:
     int8 run whose strategy has no run with it off)."""
     if not name.startswith("flatshard") or name.endswith(", in flight off"):
         return None
-    exact = name.removesuffix(", int8")
+    exact = name.removesuffix(", int8").removesuffix(", optimizer across replicas")
     off = exact + ", in flight off"
     return off if off in names else (exact if exact != name else None)
 

@@ -62,6 +62,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         ranks_per_node: Optional[int] = None,
         inter_node_in_flight: bool = True,
         compress_inter_node: Optional[str] = None,
+        shard_optimizer_across_replicas: bool = False,
     ):
         """All keywords as in PyTorch FSDP, plus flatshard's own:
 
@@ -87,7 +88,14 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         all-reduce across replicas until the end of backward ([Note: reductions in flight]); and
         ``compress_inter_node="int8"`` sends what crosses (the replicate all-reduce; a shard group's
         all-gathers and reduce-scatters to ranks on other nodes) as block-wise int8 with fp32 scales,
-        on gloo ([Note: inter-node compression]). It raises where it cannot apply (NCCL, one node)."""
+        on gloo ([Note: inter-node compression]). It raises where it cannot apply (NCCL, one node).
+
+        ``shard_optimizer_across_replicas=True`` (HYBRID_SHARD or _HYBRID_SHARD_ZERO2, 1 < F < W): parameters
+        sharded and gathered inside each shard group (a node) as the hybrid strategy does, gradients and
+        optimizer state split over all W ranks: the shard views, and the optimizer's state, are this rank's
+        piece of its flat shard, T/W elements; the gradient is reduce-scattered across replicas instead of
+        all-reduced, and the updated pieces are gathered back across them at the next forward ([Note:
+        optimizer state across replicas])."""
         super().__init__()
         # PyTorch FSDP's own enums and configs are taken as flatshard's (a script with one import unswapped)
         sharding_strategy, backward_prefetch, mixed_precision, cpu_offload = map(
@@ -113,7 +121,12 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
             shard_boundaries=shard_boundaries,
             ranks_per_node=ranks_per_node,
             compress_inter_node=compress_inter_node,
+            shard_optimizer_across_replicas=shard_optimizer_across_replicas,
         )
+        if not isinstance(shard_optimizer_across_replicas, bool):
+            raise TypeError(
+                f"shard_optimizer_across_replicas must be True or False, got {shard_optimizer_across_replicas!r}"
+            )
         if link_figures is not None and sharding_factor != "auto":
             raise ValueError('link_figures is read only with sharding_factor="auto" (it chooses F by time)')
         if not isinstance(inter_node_in_flight, bool):

@@ -29,7 +29,7 @@ def shard_ranges(model: nn.Module) -> dict[int, tuple[int, int]]:
     """id(shard view) -> [start, end) of the flattened original parameter that this rank holds."""
     out = {}
     for unit in units_under(model):
-        for view, rng in zip(unit.shard_views, unit.layout.param_ranges(unit.groups.shard_rank)):
+        for view, rng in zip(unit.shard_views, unit.owner_layout.param_ranges(unit.owner_rank)):
             out[id(view)] = rng
     return out
 

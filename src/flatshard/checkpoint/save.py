@@ -228,8 +228,8 @@ def _prepare(path: str, view: ModelView, optimizer, step, extra, keep_last) -> S
     plan = SavePlan(path, rank_in(group), world_of(group), keep_last)
     _json_check(step, "step")
     _json_check(extra, "extra")
-    groups = view.units[0].groups if view.units else None
-    replica0 = groups is None or groups.replicate_size == 1 or dist.get_rank(groups.replicate_group) == 0
+    unit = view.units[0] if view.units else None  # replicas that own the same elements: the first one writes
+    replica0 = unit is None or not unit.owners_replicated or dist.get_rank(unit.groups.replicate_group) == 0
     tensor_of, extra_state = {}, {}
     for p in view.params:
         if replica0 and p.end > p.start:

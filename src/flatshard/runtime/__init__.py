@@ -42,6 +42,7 @@ Index of every [Note: ...] in the package
   prefetch ........................ runtime/schedule.py
   exchange tags ................... runtime/gloo_exchange.py
   inter-node compression .......... runtime/compress.py
+  optimizer state across replicas .. runtime/pieces.py
   forward inside summon_full_params .. runtime/summon.py
   recomputation in backward ....... runtime/hooks.py
   free before the flat gradient ... runtime/hooks.py

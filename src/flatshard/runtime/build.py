@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.runtime import collectives, compress, deferred, fingerprint, hooks, optim_check, precision
+from flatshard.runtime import agree, collectives, compress, deferred, fingerprint, hooks, optim_check, precision
 from flatshard.runtime.autoshard import auto_sharding_factor
 from flatshard.runtime.chunked import ChunkedLayout
 from flatshard.runtime.layout import BOUNDARIES, FlatLayout, ParamInfo
 from flatshard.runtime.mesh import ShardGroups, device_of, require_initialized, resolve_groups
+from flatshard.runtime.pieces import Pieces
 from flatshard.runtime.placement import Placement, check_no_tie_into_wrapped
 from flatshard.runtime.schedule import RunContext, ScheduleConfig
 from flatshard.runtime.tree import UnitHost, clean_name, unit_hosts
@@ -58,6 +59,7 @@ class BuildOptions:
     ranks_per_node: Optional[int] = None  # which ranks share a node (None: LOCAL_WORLD_SIZE; compress.py, Nodes)
     compress_inter_node: Optional[str] = None  # "int8": [Note: inter-node compression] (compress.py)
     link_figures: Any = None  # sharding_factor="auto" by time: a flatshard.planner.Links (autoshard.py)
+    shard_optimizer_across_replicas: bool = False  # [Note: optimizer state across replicas] (pieces.py)
 
 
 @dataclass
@@ -99,13 +101,14 @@ def build_units(module: nn.Module, options: BuildOptions, make_host: MakeHost) -
     elif options.memory_budget is not None:
         raise ValueError('memory_budget is read only with sharding_factor="auto"')
     groups = resolve_groups(options.strategy, options.process_group, options.device_mesh, factor)
-    root = _build_each(module, chosen, by_unit, placement.path, skip, device_id, groups, options, make_host)
+    owners = owner_ranks(options, groups) if options.shard_optimizer_across_replicas else None
+    root = _build_each(module, chosen, by_unit, placement.path, skip, device_id, groups, options, make_host, owners)
     if options.sync_module_states:
         _broadcast_buffers(module, groups, ignored)
     return Built(root, ignored_params, decision)
 
 
-def _build_each(module, chosen, by_unit, paths, skip, device_id, groups, options, make_host) -> Unit:
+def _build_each(module, chosen, by_unit, paths, skip, device_id, groups, options, make_host, owners=None) -> Unit:
     """One unit per chosen module (each replaced in its parents by its host), and the root's own."""
     parents = _parents(module)
     if deferred.has_meta_states(module, skip):  # [Note: deferred initialisation] (deferred.py)
@@ -117,7 +120,7 @@ def _build_each(module, chosen, by_unit, paths, skip, device_id, groups, options
     loads = [0] * groups.shard_size  # elements per shard rank so far ([Note: shard boundaries], "params")
     for unit_module, params in units:
         name = "" if unit_module is module else paths[unit_module]
-        unit = build_unit(name, params, groups, options, loads)
+        unit = build_unit(name, params, groups, options, loads, owners)
         if unit_module is module:
             root = unit
         else:
@@ -134,8 +137,10 @@ def build_unit(
     groups: ShardGroups,
     options: BuildOptions,
     loads: Optional[list[int]] = None,
+    owners: Optional[tuple[int, ...]] = None,
 ) -> Unit:
-    """Flatten ``params`` (layout info, original parameter) into one unit on this rank."""
+    """Flatten ``params`` (layout info, original parameter) into one unit on this rank. ``owners``: the
+    global rank of every owner rank, when the optimizer state is split over the replicas (pieces.py)."""
     infos = [info for info, _ in params]
     originals = [p for _, p in params]
     dtypes = {p.dtype for p in originals}
@@ -153,8 +158,14 @@ def build_unit(
         )
     dtype = dtypes.pop() if dtypes else torch.float32
     device = originals[0].device if originals else torch.device("cpu")
+    pieces = None
     if options.shard_boundaries == "chunks":  # fully_shard: FSDP2's dim-0 chunks ([Note: chunked layout])
         layout = ChunkedLayout(infos, groups.shard_size)
+    elif owners is not None:  # [Note: optimizer state across replicas] (pieces.py)
+        layout = FlatLayout(infos, groups.shard_size, "flat", replicas=groups.replicate_size)
+        owner = FlatLayout(layout.infos, groups.shard_size * groups.replicate_size, "flat")
+        v = groups.shard_rank * groups.replicate_size + groups.replicate_rank
+        pieces = Pieces(owner, v, groups.replicate_rank, groups.replicate_size, groups.replicate_group, list(owners))
     else:
         layout = FlatLayout(infos, groups.shard_size, options.shard_boundaries, loads)
     flat = layout.flatten({info.name: p for info, p in params}, dtype=dtype, device=device)
@@ -168,6 +179,7 @@ def build_unit(
         reshard_after_forward=options.strategy.reshard_after_forward,
         precision=precision.resolve(options.mixed_precision, dtype),
         offload=options.offload_params,
+        pieces=pieces,
     )
     nodes = compress.Nodes.resolve(options.ranks_per_node)
     unit.inter_node = compress.inter_node(
@@ -310,9 +322,40 @@ def _check_same_model(options: BuildOptions, module, chosen, by_unit, paths) -> 
         options.shard_boundaries,
         _ranks_per_node(options.ranks_per_node),
         options.compress_inter_node,
+        bool(options.shard_optimizer_across_replicas),
     )
     units = [(paths[m] if m is not module else "<root>", by_unit.get(m, [])) for m in [*chosen, module]]
     fingerprint.check_same_model(fingerprint.entries(head, units), group)
+
+
+def owner_ranks(options: BuildOptions, groups: ShardGroups) -> tuple[int, ...]:
+    """[Note: optimizer state across replicas] (pieces.py): check that the wrap call can split its
+    optimizer state over the replicas, and return the global rank of every owner rank (one small
+    all-gather over the model's group, at wrap time)."""
+    if not options.strategy.is_hybrid or groups.shard_size == 1 or groups.replicate_size == 1:
+        raise ValueError(
+            "shard_optimizer_across_replicas=True splits a hybrid model's gradients and optimizer state over its "
+            f"replicas; this wrap has {options.strategy.name} with F={groups.shard_size} ranks per shard group and "
+            f"R={groups.replicate_size} replicas. Use HYBRID_SHARD or _HYBRID_SHARD_ZERO2 with 1 < F < W "
+            "(sharding_factor=<ranks per node>), or FULL_SHARD, which shards everything over all ranks."
+        )
+    unbuilt = [
+        name
+        for name, on in (
+            (f"shard_boundaries={options.shard_boundaries!r}", options.shard_boundaries != "flat"),
+            ("cpu_offload", options.offload_params),
+            ("compress_inter_node", options.compress_inter_node is not None),
+        )
+        if on
+    ]
+    if unbuilt:
+        raise NotBuiltError(
+            f"shard_optimizer_across_replicas=True is not built with {', '.join(unbuilt)}; drop one of the two "
+            '(shard_boundaries="flat", cpu_offload=None, compress_inter_node=None).'
+        )
+    v = groups.shard_rank * groups.replicate_size + groups.replicate_rank
+    pairs = agree.gather_json([v, torch.distributed.get_rank()], groups.process_group)
+    return tuple(rank for _, rank in sorted(pairs))
 
 
 def _ranks_per_node(given: Optional[int]) -> object:

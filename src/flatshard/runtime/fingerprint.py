@@ -78,10 +78,12 @@ def options_line(
     boundaries: str = "flat",
     ranks_per_node: object = None,
     compress_inter_node: Optional[str] = None,
+    optimizer_across_replicas: bool = False,
 ) -> str:
     """The wrap call's options that decide what every collective sends; ``ranks_per_node`` as resolved."""
     return (
         f"wrap: {strategy.name}, sharding_factor={factor!r}, mixed_precision={mixed_precision!r}, "
         f"offload_params={offload}, shard_boundaries={boundaries!r}, world_size={world}, "
-        f"ranks_per_node={ranks_per_node!r}, compress_inter_node={compress_inter_node!r}"
+        f"ranks_per_node={ranks_per_node!r}, compress_inter_node={compress_inter_node!r}, "
+        f"shard_optimizer_across_replicas={optimizer_across_replicas}"
     )

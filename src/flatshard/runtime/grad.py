@@ -22,7 +22,8 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """The global gradient norm, computed from this rank's gradient shards with one all-reduce over the
-    shard group (replicas hold identical shards, so each element is counted once), then every gradient
+    shard group (replicas hold identical shards, so each element is counted once; when the optimizer state
+    is split over the replicas, pieces.py, a second over the replicate group), then every gradient
     scaled by ``min(1, max_norm / (norm + 1e-6))``. Parameters flatshard does not manage (ignored
     modules) are replicated: their share is added after the reduction, once.
 
@@ -40,15 +41,20 @@ def _clip(ctx: RunContext, unmanaged, max_norm: float, norm_type: float, error_i
     local = [p.grad for p in unmanaged if p.grad is not None]
     device = ctx.root.compute_device  # where collectives run (gradient shards are on CPU under CPUOffload)
     total = _partial_norm(sharded, norm_type, device)
-    shard_group = ctx.root.groups.shard_group
-    if shard_group is not None:
+    groups = ctx.root.groups
+    across = [(groups.shard_group, "shard")]
+    if ctx.root.pieces is not None:
+        across.append((groups.replicate_group, "replicate"))
+    for group, name in across:
+        if group is None:
+            continue
         if math.isinf(norm_type):  # [max, NaN seen]: MAX of both; a NaN never rides the maximum itself
             pair = torch.stack([torch.nan_to_num(total, nan=0.0), torch.isnan(total).float()])
-            result = collectives.all_reduce(pair, shard_group, op=ReduceOp.MAX)
+            result = collectives.all_reduce(pair, group, op=ReduceOp.MAX)
             total = torch.where(pair[1] > 0, torch.full_like(pair[0], float("nan")), pair[0])
         else:  # a sum carries a NaN or an inf by itself
-            result = collectives.all_reduce(total, shard_group, op=ReduceOp.SUM)
-        ctx.record(result, "shard", "clip_grad_norm_", phase=Phase.OPTIMIZER)
+            result = collectives.all_reduce(total, group, op=ReduceOp.SUM)
+        ctx.record(result, name, "clip_grad_norm_", phase=Phase.OPTIMIZER)
     rest = _partial_norm(local, norm_type, device)
     total = torch.maximum(total, rest) if math.isinf(norm_type) else total + rest
     if not math.isinf(norm_type):

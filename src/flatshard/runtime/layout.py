@@ -73,10 +73,17 @@ class FlatLayout:
     """
 
     def __init__(
-        self, infos: list[ParamInfo], shard_size: int, boundaries: str = "flat", loads: Optional[list[int]] = None
+        self,
+        infos: list[ParamInfo],
+        shard_size: int,
+        boundaries: str = "flat",
+        loads: Optional[list[int]] = None,
+        replicas: int = 1,
     ):
         """``loads``: elements each shard rank holds of the units laid out before this one (``"params"``
-        deals against them and adds this unit's shards to them)."""
+        deals against them and adds this unit's shards to them). ``replicas`` R > 1 (``"flat"`` only):
+        each shard is R equal pieces, the "flat" shards over F·R ranks ([Note: optimizer state across
+        replicas], pieces.py)."""
         self.boundaries = boundaries
         self.shard_size = shard_size  # F
         loads = loads if loads is not None else [0] * shard_size
@@ -84,6 +91,9 @@ class FlatLayout:
         self.infos = _laid_out(infos, cut.order) if boundaries == "params" and shard_size > 1 else infos
         self.total = sum(i.numel for i in self.infos)  # T
         self.bounds = list(cut.bounds)
+        if replicas > 1:
+            piece = -(-self.total // (shard_size * replicas)) if self.total else 0
+            self.bounds = [k * replicas * piece for k in range(shard_size + 1)]
         for rank, size in enumerate(self.shard_sizes):
             loads[rank] += size
         self.padded = self.bounds[-1]  # the unsharded flat: F·S for "flat", T otherwise

@@ -32,6 +32,9 @@ class ReduceSpec:
     label: str  # the unit's name, for profiler labels
     divide_factor: Optional[float] = None  # what the summed gradient is divided by (None: the data-parallel size)
     inter_node: compress.InterNode = compress.LOCAL  # which peers are on other nodes; int8 across them
+    scatter_replicas: bool = (
+        False  # reduce-scatter across replicas, not all-reduce ([Note: optimizer state across replicas])
+    )
 
 
 @dataclass
@@ -39,11 +42,13 @@ class PendingReduction:
     work: Optional[Any]  # a Work (or a point-to-point exchange) still in flight, or None
     full: Optional[torch.Tensor]  # the gradient being reduced, kept alive until the collective is done
     out: torch.Tensor  # this rank's reduced shard (reduce dtype)
-    all_reduce_after: bool  # hybrid: the shard still has to be all-reduced across replicas
+    all_reduce_after: bool  # hybrid: the shard still has to be all-reduced (or scattered) across replicas
+    source: Optional[torch.Tensor] = None  # the shard a reduce-scatter across replicas sends from
 
     def nbytes(self) -> tuple[int, int]:
         """(full-size gradient and receive buffer bytes, reduced shard bytes) held now."""
         full = 0 if self.full is None or self.full is self.out else self.full.untyped_storage().nbytes()
+        full += 0 if self.source is None else self.source.untyped_storage().nbytes()
         buffers = self.work.nbytes() if hasattr(self.work, "nbytes") else 0  # a point-to-point exchange's
         return full + buffers, self.out.untyped_storage().nbytes()
 
@@ -96,6 +101,16 @@ def advance(pending: PendingReduction, spec: ReduceSpec, record: Record, *, asyn
         return
     pending.all_reduce_after = False
     groups, inter = spec.groups, spec.inter_node
+    if spec.scatter_replicas:  # [Note: optimizer state across replicas] (pieces.py): S elements to this piece
+        shard, r = pending.out, groups.replicate_size
+        pending.source, pending.out = shard, torch.empty(shard.numel() // r, dtype=shard.dtype, device=shard.device)
+        with torch.profiler.record_function(f"flatshard::reduce_scatter_pieces ({spec.label})"):
+            result = collectives.reduce_scatter(
+                pending.out, shard, groups.replicate_group, async_op=async_op, tag=tag, sizes=[pending.out.numel()] * r
+            )
+        record(result, "replicate")
+        pending.work = result.work
+        return
     with torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
         result = collectives.all_reduce(
             pending.out, groups.replicate_group, async_op=async_op, compressed=inter.compress_replicate, tag=tag
@@ -111,6 +126,7 @@ def finish(
     if pending.work is not None:
         pending.work.wait()
         pending.work = None
+    pending.source = None
     out = pending.out
     groups = spec.groups
     factor = spec.divide_factor if spec.divide_factor is not None else groups.data_parallel_size

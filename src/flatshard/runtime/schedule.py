@@ -128,6 +128,8 @@ class RunContext:
         self.passes += 1
         self.phase = Phase.FORWARD
         self.order_this_pass = []
+        for unit in self.units:  # pieces the optimizer changed travel while the first units compute (pieces.py)
+            unit.start_piece_sync()
 
     def end_forward(self, completed: bool = True) -> None:
         """The root's forward returned (``completed``) or raised: record the order, free unused prefetches."""

@@ -59,8 +59,8 @@ def summon(
     held: list[Optional[torch.Tensor]] = []
     with traced("summon_full_params"), phase:
         for unit in units:
-            full = unit.gather_full(unit.flat_shard)
-            grads = unit.gather_full(_grad_shard(unit)) if with_grads else None
+            full = unit.gather_owned(unit.owned)
+            grads = unit.gather_owned(_grad_shard(unit)) if with_grads else None
             if offload_to_cpu:
                 full = full.cpu() if full.device.type != "cpu" else full
                 grads = grads.cpu() if grads is not None and grads.device.type != "cpu" else grads
@@ -92,9 +92,9 @@ def summon(
 
 
 def _grad_shard(unit: Unit) -> torch.Tensor:
-    """This rank's gradient as one flat shard (zeros where a shard view has no gradient)."""
-    out = torch.zeros_like(unit.flat_shard)
-    for view, (lo, hi) in zip(unit.shard_views, unit.layout.local_slices(unit.groups.shard_rank)):
+    """This rank's gradient laid out like what its shard views own (zeros where a view has no gradient)."""
+    out = torch.zeros_like(unit.owned)
+    for view, (lo, hi) in zip(unit.shard_views, unit.owner_layout.local_slices(unit.owner_rank)):
         if view.grad is not None:
             out[lo:hi].copy_(local(view.grad).reshape(-1))
     return out

@@ -90,7 +90,7 @@ class UnitInfo:
 
 def unit_info(unit: Unit) -> UnitInfo:
     groups, layout = unit.groups, unit.layout
-    local = sum(hi - lo for lo, hi in layout.local_slices(groups.shard_rank))
+    local = sum(hi - lo for lo, hi in unit.owner_layout.local_slices(unit.owner_rank))  # what the shard views hold
     return UnitInfo(
         name=unit.name,
         param_names=tuple(i.name for i in layout.infos),

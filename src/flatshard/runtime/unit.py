@@ -30,6 +30,7 @@ from flatshard.api import MixedPrecision, ShardingStrategy
 from flatshard.runtime import collectives, compress, order, reduce
 from flatshard.runtime.layout import FlatLayout, make_compute_views, make_shard_views, set_views_on_modules
 from flatshard.runtime.mesh import ShardGroups
+from flatshard.runtime.pieces import Pieces
 from flatshard.runtime.precision import UnitPrecision
 from flatshard.runtime.schedule import RunContext, ScheduleConfig
 
@@ -96,12 +97,15 @@ class Unit:
         reshard_after_forward: bool,
         precision: UnitPrecision,
         offload: bool = False,
+        pieces: Optional[Pieces] = None,
     ):
         """``flat_full`` is the zero-padded concatenation of the unit's parameters, identical on every
         rank of the shard group, on the compute device; the unit keeps this rank's slice and frees the
         rest. With ``offload`` (CPUOffload) the flat shard, and so the shard views, their gradients and
         the optimizer's state, live in CPU memory (pinned when computing on CUDA): each gather copies
-        the shard to the compute device first, and each reduced gradient shard is copied back.
+        the shard to the compute device first, and each reduced gradient shard is copied back. With
+        ``pieces`` the shard views own only a piece of the flat shard ([Note: optimizer state across
+        replicas], pieces.py).
 
         The unit starts with a run context of its own; the root that builds or adopts it hands it the
         root's (build.py)."""
@@ -126,7 +130,12 @@ class Unit:
             self.unsharded.untyped_storage().resize_(0)
         self.unsharded.requires_grad_(self.requires_grad)
         self._gather_target = self.unsharded.data  # what collectives write into (own version counter)
-        self.shard_views = make_shard_views(layout, self.flat_shard, groups.shard_rank)
+        self.pieces = pieces
+        if pieces is not None:
+            pieces.synced_version = self.flat_shard._version
+        self.owner_layout = layout if pieces is None else pieces.layout  # how the shard views cut the flat
+        self.owner_rank = groups.shard_rank if pieces is None else pieces.rank
+        self.shard_views = make_shard_views(self.owner_layout, self.owned, self.owner_rank)
         self.state = UnitState.UNSHARDED if self.plan.aliased else UnitState.SHARDED
         self.ctx = RunContext([self], self, ScheduleConfig())
         self.reduction: Optional[reduce.PendingReduction] = None
@@ -164,6 +173,22 @@ class Unit:
         return self.layout.segment(flat_full, rank).clone()
 
     @property
+    def owned(self) -> torch.Tensor:
+        """What this rank's shard views view: the flat shard, or its piece ([Note: optimizer state across
+        replicas]). Laid out by ``owner_layout`` at ``owner_rank``."""
+        return self.flat_shard if self.pieces is None else self.pieces.piece(self.flat_shard)
+
+    @property
+    def owners_replicated(self) -> bool:
+        """Whether other replicas own the same elements as this rank (hybrid strategies without pieces)."""
+        return self.groups.replicate_size > 1 and self.pieces is None
+
+    def start_piece_sync(self) -> None:
+        """Issue the all-gather of the replicas' pieces if the optimizer (or a load) changed them."""
+        if self.pieces is not None and self.pieces.stale(self.flat_shard):
+            self.pieces.start_sync(self.flat_shard, self.ctx.next_tag(self), self.record, self._errors)
+
+    @property
     def is_root(self) -> bool:
         """The root is the outermost unit of a model; it stays gathered from forward to backward."""
         return self.ctx.root is self
@@ -174,6 +199,9 @@ class Unit:
         With ``wait=False`` the all-gather is only issued (a prefetch)."""
         if self.plan.aliased:
             return
+        if self.pieces is not None:
+            self.start_piece_sync()
+            self.pieces.finish_sync(self._errors)
         if self.state is UnitState.UNSHARDED and self._gathered_version == self.flat_shard._version:
             if wait:
                 self.wait_for_unshard()
@@ -352,7 +380,7 @@ class Unit:
         added to it in place, as ``torch.autograd`` accumulates, and ``reduced`` is dropped."""
         if self.offload:
             reduced = reduced.to(self.flat_shard.device)
-        slices = self.layout.local_slices(self.groups.shard_rank)
+        slices = self.owner_layout.local_slices(self.owner_rank)
         trainable = [(i, v, lo, hi) for i, (v, (lo, hi)) in enumerate(zip(self.shard_views, slices)) if v.requires_grad]
         wrap = self.grad_as or (lambda _i, g: g)
         if all(v.grad is None for _, v, _, _ in trainable):
@@ -388,6 +416,14 @@ class Unit:
             return flat
         return full
 
+    def gather_owned(self, owned: torch.Tensor) -> torch.Tensor:
+        """``gather_full`` of a tensor laid out like ``owned`` (parameters, gradients, optimizer state)."""
+        if self.pieces is not None:
+            owned = self.pieces.gather(
+                owned.to(self.compute_device), self.ctx.next_tag(self), self.record, self._errors
+            )
+        return self.gather_full(owned)
+
     # ---- accounting ------------------------------------------------------------------------
     def _errors(self, collective: str):
         return order.collective_errors(self, collective)
@@ -400,6 +436,7 @@ class Unit:
             self.name,
             self.gradient_divide_factor,
             self.inter_node,
+            self.pieces is not None,
         )
 
     def _reduction_kind(self) -> str:

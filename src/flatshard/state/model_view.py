@@ -106,8 +106,8 @@ def model_view(module: nn.Module, prefix: str = "") -> ModelView:
     owners = {}
     for h in hosts:
         unit = h._unit
-        rank = unit.groups.shard_rank
-        layout = unit.layout
+        rank = unit.owner_rank  # the shard views' cut: the shard group's, or pieces over all ranks (pieces.py)
+        layout = unit.owner_layout
         for info, view, rng, loc in zip(
             layout.infos, unit.shard_views, layout.param_ranges(rank), layout.local_slices(rank)
         ):
@@ -146,22 +146,24 @@ def _walk(module: nn.Module, prefix: str, out: ModelView, owners: dict, seen: di
 
 def layout_fingerprint(unit: Unit) -> torch.Tensor:
     """What must match for a LOCAL state dict to load: F, shard rank, sizes and every name and shape."""
-    text = ";".join(f"{i.name}:{tuple(i.shape)}" for i in unit.layout.infos)
+    layout = unit.owner_layout
+    text = ";".join(f"{i.name}:{tuple(i.shape)}" for i in layout.infos)
     return torch.tensor(
         [
-            unit.groups.shard_size,
-            unit.groups.shard_rank,
-            unit.layout.total,
-            zlib.crc32(unit.layout.signature.encode()),
+            layout.shard_size,
+            unit.owner_rank,
+            layout.total,
+            zlib.crc32(layout.signature.encode()),
             zlib.crc32(text.encode()),
         ],
         dtype=torch.int64,
     )
 
 
-def gather_to(unit: Unit, shard: torch.Tensor) -> torch.Tensor:
-    """``unit.gather_full(shard)`` returned where ``shard`` lives (CPU under CPUOffload)."""
-    return unit.gather_full(shard).to(shard.device)
+def gather_to(unit: Unit, owned: torch.Tensor) -> torch.Tensor:
+    """``unit.gather_owned(owned)`` (a tensor laid out like ``unit.owned``: the flat shard, or its piece)
+    returned where ``owned`` lives (CPU under CPUOffload)."""
+    return unit.gather_owned(owned).to(owned.device)
 
 
 # ---- moving flat pieces between ranks -----------------------------------------------------------

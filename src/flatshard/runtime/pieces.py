@@ -1,0 +1,103 @@
+"""Gradients and optimizer state over every rank of a hybrid model, parameters over the node.
+
+[Note: optimizer state across replicas]
+``shard_optimizer_across_replicas=True`` with HYBRID_SHARD or _HYBRID_SHARD_ZERO2 (shard groups of F
+ranks, a node; R = W / F replicas): parameters are sharded and gathered inside the shard group as the
+hybrid strategy does, while gradient shards and optimizer state are split over all W ranks, so a rank
+holds T/F parameter elements but only T/W gradient and optimizer elements (AdamW: 4·T/F + 12·T/W bytes,
+against HYBRID_SHARD's 16·T/F and FULL_SHARD's 16·T/W).
+* Two layouts of the same flat. The *owner layout* is the ``"flat"`` layout over all W ranks: S_w =
+  ceil(T / W) elements each, owner rank v = shard_rank·R + replicate_rank. The shard group's layout
+  (``FlatLayout(..., replicas=R)``) gives shard rank p the elements [p·R·S_w, (p+1)·R·S_w): the owner
+  shards pR, ..., pR+R-1 one after another. So this rank's *owned piece* is the slice
+  [r·S_w, (r+1)·S_w) of its flat shard (r its replicate rank), and ranks of one replicate group (the
+  same shard rank on every replica) own the R pieces of the same flat shard.
+* The shard views, and so ``named_parameters()``, the optimizer and its state, view the piece
+  (``Unit.owned``, laid out by ``Unit.owner_layout`` at ``Unit.owner_rank``); the grad shard is
+  piece-sized; state dicts and checkpoints read and write pieces, as they would a FULL_SHARD model's
+  shards over W ranks.
+* Backward: the reduce-scatter inside the shard group as for HYBRID_SHARD (the full-size gradient to
+  S elements), then a reduce-scatter across the replicas (S to the S_w piece) where HYBRID_SHARD
+  all-reduces: (R-1)·S_w elements sent per rank, half the all-reduce's, left in flight as the
+  all-reduce would be ([Note: reductions in flight], schedule.py). The R contributions are summed by
+  the same exchange as any reduce-scatter; the piece is divided by W.
+* After the optimizer writes the pieces, the rest of each flat shard is out of date. The flat shard's
+  version counter says so (the optimizer's in-place updates of the shard views bump it, as do
+  ``load_state_dict`` and ``summon_full_params(writeback=True)``), the same signal ``Unit.unshard``
+  already uses to gather again: when the root's forward begins, every such unit issues an all-gather
+  of the pieces across the replicas into its flat shard (the other (R-1)·S_w elements), and a unit's
+  gather inside the shard group waits for its own first. With the version unchanged (evaluation,
+  ``generate``) nothing crosses. Every rank must change the same units, as for any gather.
+* Bytes across the replicas per step: the same as HYBRID_SHARD's all-reduce, half of them moved into
+  the next forward, where they overlap the first units' compute.
+Not built with it: ``"rows"``/``"params"`` boundaries, CPU offload, ``compress_inter_node`` and the
+``fully_shard`` front end (each raises NotBuiltError); F = 1 or R = 1 is refused (nothing to split).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from flatshard.runtime import collectives
+from flatshard.runtime.layout import FlatLayout
+
+
+@dataclass
+class Pieces:
+    """A unit's owned piece of its flat shard, and the all-gather that brings the other replicas' pieces."""
+
+    layout: FlatLayout  # the owner layout over all W ranks
+    rank: int  # this rank's owner rank v = shard_rank * R + replicate_rank
+    replicate_rank: int  # r: which piece of the flat shard this rank owns
+    replicate_size: int  # R
+    group: Any  # the replicate group: the ranks owning the pieces of this flat shard
+    global_ranks: list[int]  # the global rank of every owner rank, in owner order
+    synced_version: int = -1  # the flat shard's version when its pieces last agreed across replicas
+    pending: Optional[tuple[Any, torch.Tensor]] = field(default=None, repr=False)  # (work, source) in flight
+
+    @property
+    def numel(self) -> int:
+        """S_w, the elements of every piece."""
+        return self.layout.shard_numel
+
+    def piece(self, flat_shard: torch.Tensor) -> torch.Tensor:
+        return flat_shard[self.replicate_rank * self.numel : (self.replicate_rank + 1) * self.numel]
+
+    def stale(self, flat_shard: torch.Tensor) -> bool:
+        return self.pending is None and self.synced_version != flat_shard._version
+
+    def start_sync(self, flat_shard: torch.Tensor, tag: int, record: Callable, errors) -> None:
+        """Issue the all-gather of the pieces into ``flat_shard`` if its pieces may differ across replicas.
+        Written through ``.data`` (a version counter of its own): the flat shard's version stays as the
+        optimizer left it, so the unit still knows its unsharded flat is out of date."""
+        if not self.stale(flat_shard):
+            return
+        target = flat_shard.data
+        source = self.piece(target)
+        sizes = [self.numel] * self.replicate_size
+        with torch.profiler.record_function("flatshard::all_gather_pieces"), errors("all_gather"):
+            result = collectives.all_gather(target, source, self.group, async_op=True, tag=tag, sizes=sizes)
+        record(result, "replicate")
+        self.pending = (result.work, source) if result.work is not None else None
+        self.synced_version = flat_shard._version
+
+    def finish_sync(self, errors) -> None:
+        if self.pending is not None:
+            work, _source = self.pending
+            with errors("all_gather"):
+                work.wait()
+            self.pending = None
+
+    def gather(self, owned: torch.Tensor, tag: int, record: Callable, errors) -> torch.Tensor:
+        """The replicas' ``owned``-shaped tensors (a piece each: parameters, gradients or optimizer state)
+        side by side: one tensor laid out like the flat shard."""
+        out = torch.empty(self.numel * self.replicate_size, dtype=owned.dtype, device=owned.device)
+        sizes = [self.numel] * self.replicate_size
+        with errors("all_gather"):
+            result = collectives.all_gather(out, owned.contiguous(), self.group, tag=tag, sizes=sizes)
+        record(result, "replicate")
+        return out
