@@ -19,7 +19,7 @@ from flatshard import interop
 from flatshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.runtime import build, grad, hooks, recording, summon
 from flatshard.runtime.instrument import CommRecorder, MemoryRecorder
-from flatshard.runtime.schedule import RunContext
+from flatshard.runtime.schedule import RunContext, ScheduleConfig
 from flatshard.runtime.tree import WRAPPED, UnitHost, clean_name, unit_hosts, units_under
 from flatshard.runtime.unit import Unit
 from flatshard.state import module as state_module
@@ -122,6 +122,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
             ranks_per_node=ranks_per_node,
             compress_inter_node=compress_inter_node,
             shard_optimizer_across_replicas=shard_optimizer_across_replicas,
+            schedule=ScheduleConfig(inter_node_in_flight=inter_node_in_flight),  # what auto by time predicts
         )
         if not isinstance(shard_optimizer_across_replicas, bool):
             raise TypeError(
