@@ -5,6 +5,7 @@
     flatshard plan --hf-config path/to/config.json --world 8 --gpu-mem 80GB --micro-batch 4 --seq-len 4096
     flatshard plan --params 70B --units 80 --world 8 --offload --host-mem 2TB
     flatshard plan --model llama-7b --world 8 --shard-boundaries params
+    flatshard plan --model llama2-7b --world 16 --gpu-mem 40GB --optimizer-across-replicas
     flatshard plan --params 3241472 --units 4 --root-params 82432 --world 4 --gpus-per-node 2 \\
         --exchange direct --calibration bench/results/cluster_200mbit.json --compute-time 0.33 --optimizer-time 0.03
 
@@ -134,6 +135,12 @@ def _parser() -> argparse.ArgumentParser:
         help='where units are cut between ranks, as FullyShardedDataParallel(shard_boundaries=...): "rows" and '
         '"params" need a model shape (with --params: flat\'s figures, and a note); default flat',
     )
+    training.add_argument(
+        "--optimizer-across-replicas",
+        action="store_true",
+        help="also plan the hybrids with shard_optimizer_across_replicas=True (rows +OptR): gradients and "
+        "optimizer state split over all W ranks",
+    )
     training.add_argument("--micro-batch", type=int, default=0, help="sequences per rank per step")
     training.add_argument("--seq-len", type=int, default=0, help="tokens per sequence")
     training.add_argument("--checkpointing", action="store_true", help="per-layer activation checkpointing")
@@ -206,6 +213,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         param_tensors=args.param_tensors,
         prefetch_depth=args.prefetch,
         shard_boundaries=args.shard_boundaries,
+        optimizer_across_replicas=args.optimizer_across_replicas,
         micro_batch=args.micro_batch,
         seq_len=args.seq_len,
         activation_checkpointing=args.checkpointing,

@@ -24,6 +24,16 @@ So with no root and F | T_u: FULL_SHARD moves 3 P b (F-1)/F, SHARD_GRAD_OP 2 P b
 2 P b (W-1)/W, and the hybrid all-reduces 2 (P/F) b (R-1)/R. The documents' "3P" and "2P" drop the
 ring factor (N-1)/N; ratios are unchanged (FULL_SHARD / DDP = 1.5 exactly).
 
+Optimizer state across replicas (the "+OptR" plans; S_u = R P_u, P_u = ceil(T_u / W), [Note: planner
+memory model]): inside the shard group as the hybrid, with this S_u; across the replicas, for the all-reduce,
+    reduce-scatter of unit u over R ranks (backward):                   (R - 1) * P_u * reduce bytes
+    all-gather of unit u's pieces over R ranks (forward, after every optimizer step): (R - 1) * P_u * master bytes
+each moved as any all-gather or reduce-scatter (``exchange``, chunk P_u bytes): M more of each per step,
+counted with the all-gathers and reduce-scatters, none in ``all_reduce``. With equal reduce and master
+dtypes the two move together what the all-reduce moved, 2 (R - 1) / R * S_u bytes, and cross nodes alike.
+``CommEstimate.by_collective`` names every collective as the engine's recorder does
+("backward/reduce_scatter/replicate", "forward/all_gather/replicate", ...).
+
 Link classes: shard groups are contiguous ranks [kF, (k+1)F); replicate groups are strided
 {j, j+F, j+2F, ...}; rank r sits on node r // G. A group whose ranks are all on one node is
 intra-node; a group that spans nodes is inter-node. So the shard group is intra-node exactly when
@@ -58,7 +68,7 @@ at the largest shard.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from flatshard.planner.inputs import Links, PlanInputs, Strategy
@@ -87,7 +97,9 @@ class CollectiveCounts:
 
 @dataclass(frozen=True)
 class UnitComm:
-    """One unit's collectives in one step, in seconds each (0 for a collective it does not issue)."""
+    """One unit's collectives in one step, in seconds each (0 for a collective it does not issue).
+    ``all_reduce_s`` is its reduction across replicas: the all-reduce, or with the optimizer state across
+    replicas the reduce-scatter that replaces it; ``pieces_gather_s`` the all-gather of the pieces."""
 
     elements: int
     is_root: bool
@@ -95,6 +107,7 @@ class UnitComm:
     regather: bool  # gathered again in backward (FULL_SHARD, HYBRID_SHARD; not the resident root)
     reduce_scatter_s: float
     all_reduce_s: float
+    pieces_gather_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +120,10 @@ class CommEstimate:
     last_all_reduce_s is the all-reduce; all_reduce_s is every all-reduce's time. node_link is what
     the busiest node's link sends to other nodes per step, all its ranks together; units has every
     unit's collective times, in forward order (the root first), for the step schedule (steptime.py).
+    ``pieces``: the optimizer state across replicas, whose replicate reduce-scatters take the all-reduces'
+    place in every ``*all_reduce_s`` figure and whose pieces' all-gathers count in ``forward_s`` (the
+    root's in ``first_forward_s``). ``by_collective``: "phase/kind/group" (as the engine's recorder
+    names them) -> (calls, bytes per rank) per step.
     """
 
     counts: CollectiveCounts
@@ -126,6 +143,8 @@ class CommEstimate:
     all_reduce_s: float
     node_link: int | float = 0
     units: tuple[UnitComm, ...] = ()
+    pieces: bool = False
+    by_collective: dict[str, tuple[int, int | float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -210,32 +229,56 @@ def _gather_like(links: Links, g: int, sp: Spread, exchange: str, chunk: int) ->
     )
 
 
-def comm_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> CommEstimate:
+def comm_estimate(inputs: PlanInputs, strategy: Strategy, f: int, pieces: bool = False) -> CommEstimate:
+    """``pieces``: with the optimizer state across replicas (``inputs.across_replicas(strategy, f)``)."""
     w, links, rec = inputs.world_size, inputs.links, inputs.recipe
     g = inputs.ranks_per_node
     r = w // f
-    units = units_of(inputs, f)
+    units = units_of(inputs, f, pieces)
     shard, rep = spread(w, g, f, replicate=False), spread(w, g, f, replicate=True)
     sharded, replicated = f > 1, r > 1
     ag = [_gather_like(links, g, shard, inputs.exchange, u.shard * rec.compute_bytes) for u in units]
     rs = [_gather_like(links, g, shard, inputs.exchange, u.shard * rec.reduce_bytes) for u in units]
-    ar = [_ring(links, g, rep, 2 * (r - 1), Fraction(2 * (r - 1) * u.shard * rec.reduce_bytes, r)) for u in units]
+    if pieces:  # across replicas: a reduce-scatter to the piece, and the pieces gathered in the next forward
+        ar = [_gather_like(links, g, rep, inputs.exchange, u.piece * rec.reduce_bytes) for u in units]
+        pag = [_gather_like(links, g, rep, inputs.exchange, u.piece * rec.master_bytes) for u in units]
+    else:
+        ar = [_ring(links, g, rep, 2 * (r - 1), Fraction(2 * (r - 1) * u.shard * rec.reduce_bytes, r)) for u in units]
+        pag = []
     regather = [sharded and strategy.reshard_after_forward and not u.is_root for u in units]
-    calls = ag + [a for a, again in zip(ag, regather) if again] + rs + ar
+    calls = ag + [a for a, again in zip(ag, regather) if again] + rs + ar + pag
 
-    ag_bytes = sum((f - 1) * u.shard * rec.compute_bytes for u in units)
-    ag_bytes += sum((f - 1) * u.shard * rec.compute_bytes for u, again in zip(units, regather) if again)
+    ag_fwd = sum((f - 1) * u.shard * rec.compute_bytes for u in units)
+    ag_bwd = sum((f - 1) * u.shard * rec.compute_bytes for u, again in zip(units, regather) if again)
     rs_bytes = sum((f - 1) * u.shard * rec.reduce_bytes for u in units)
     ar_bytes = sum((c.intra + c.inter for c in ar), Fraction(0))
+    pag_bytes = sum((c.intra + c.inter for c in pag), Fraction(0))
+    m = len(units)
+    by_collective = {
+        "forward/all_gather/shard": (m if sharded else 0, ag_fwd),
+        "backward/all_gather/shard": (sum(regather), ag_bwd),
+        "backward/reduce_scatter/shard": (m if sharded else 0, rs_bytes),
+        f"backward/{'reduce_scatter' if pieces else 'all_reduce'}/replicate": (m if replicated else 0, ar_bytes),
+        "forward/all_gather/replicate": (len(pag), pag_bytes),
+    }
+    by_collective = {k: (n, _number(Fraction(b))) for k, (n, b) in by_collective.items() if n}
+    ag_bytes = ag_fwd + ag_bwd + (int(pag_bytes) if pieces else 0)
+    if pieces:  # whole numbers: (R - 1) P_u elements each
+        rs_bytes, ar_bytes = rs_bytes + int(ar_bytes), Fraction(0)
     intra = sum((c.intra for c in calls), Fraction(0))
     inter = sum((c.inter for c in calls), Fraction(0))
     node = sum((c.node for c in calls), Fraction(0))
-    m = len(units)
-    counts = CollectiveCounts(m if sharded else 0, sum(regather), m if sharded else 0, m if replicated else 0)
+    counts = CollectiveCounts(
+        (m if sharded else 0) + len(pag),
+        sum(regather),
+        (m if sharded else 0) + (m if pieces else 0),
+        m if replicated and not pieces else 0,
+    )
     t_ag, t_rs, t_ar = [c.seconds for c in ag], [c.seconds for c in rs], [c.seconds for c in ar]
+    t_pag = [c.seconds for c in pag] or [0.0] * m
     backward_s = sum(t for t, again in zip(t_ag, regather) if again) + sum(t_rs) + sum(t_ar)
     per_unit = tuple(
-        UnitComm(u.elements, u.is_root, t_ag[k], regather[k], t_rs[k], t_ar[k]) for k, u in enumerate(units)
+        UnitComm(u.elements, u.is_root, t_ag[k], regather[k], t_rs[k], t_ar[k], t_pag[k]) for k, u in enumerate(units)
     )
     return CommEstimate(
         counts,
@@ -247,12 +290,14 @@ def comm_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> CommEstimat
         _number(ag_bytes + rs_bytes + ar_bytes),
         shard.link,
         rep.link,
-        sum(t_ag),
+        sum(t_ag) + (sum(t_pag) if pieces else 0.0),
         backward_s,
-        t_ag[0] if t_ag else 0.0,
+        (t_ag[0] + (t_pag[0] if pieces else 0.0)) if t_ag else 0.0,
         t_rs[0] + t_ar[0] if units else 0.0,
         t_ar[0] if units else 0.0,
         sum(t_ar),
         _number(node),
         per_unit,
+        pieces,
+        by_collective,
     )

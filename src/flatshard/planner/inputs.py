@@ -157,6 +157,13 @@ class PlanInputs:
         each unit, its parameters' shapes in module order) and ``root_param_shapes``, which
         ``from_shape`` and ``from_module`` fill in; with unit sizes only the figures are flat's, and
         the report says so (``boundaries_note``).
+    optimizer_across_replicas: as the engine's ``shard_optimizer_across_replicas=True``: the hybrid
+        strategies at 1 < F < W split gradients and optimizer state over all W ranks (pieces of
+        ceil(T_u / W) elements), reduce-scatter across the replicas instead of all-reducing and gather the
+        updated pieces in the next forward ([Note: planner memory model], [Note: planner communication
+        model], [Note: planner step schedule]). ``plan`` then lists these plans beside the plain ones
+        (``StrategyPlan.label`` "HYBRID_SHARD+OptR"); ``plan_strategy`` of a hybrid at 1 < F < W gives
+        them; every other strategy and F is planned as without. Needs shard_boundaries "flat".
     host_bandwidth: bytes/s per node at which the CPUs get through the optimizer step's minimal
         traffic (read and write master and state, read the gradient); default 100e9, an assumption
         (about a third of a two-socket DDR4-3200 server's STREAM bandwidth; eager PyTorch CPU Adam
@@ -195,6 +202,7 @@ class PlanInputs:
     shard_boundaries: str = "flat"
     unit_param_shapes: tuple[tuple[tuple[int, ...], ...], ...] | None = None
     root_param_shapes: tuple[tuple[int, ...], ...] | None = None
+    optimizer_across_replicas: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_elements", tuple(int(t) for t in self.unit_elements))
@@ -255,6 +263,12 @@ class PlanInputs:
     def ranks_per_node(self) -> int:
         """Ranks sharing one node's host memory: G, or W when the world is less than a node."""
         return min(self.gpus_per_node, self.world_size)
+
+    def across_replicas(self, strategy: Strategy, f: int) -> bool:
+        """Whether ``strategy`` at F is planned with its optimizer state across replicas: the field is on,
+        the strategy is a hybrid and 1 < F < W (elsewhere there is nothing to split)."""
+        hybrid = strategy in (Strategy.HYBRID_SHARD, Strategy._HYBRID_SHARD_ZERO2)
+        return self.optimizer_across_replicas and hybrid and 1 < f < self.world_size
 
     def factors(self) -> tuple[int, ...]:
         """The sharding factors to plan: every divisor of W, or the ones asked for."""
@@ -351,8 +365,15 @@ def _validate(p: PlanInputs) -> None:
             f"unknown exchange {p.exchange!r}",
             'use "ring" (NCCL on GPUs) or "direct" (flatshard on gloo: point-to-point exchanges)',
         )
-    if not isinstance(p.inter_node_in_flight, bool):
-        raise PlanError(f"inter_node_in_flight must be True or False, got {p.inter_node_in_flight!r}", "pass a bool")
+    for name in ("inter_node_in_flight", "optimizer_across_replicas"):
+        if not isinstance(getattr(p, name), bool):
+            raise PlanError(f"{name} must be True or False, got {getattr(p, name)!r}", "pass a bool")
+    if p.optimizer_across_replicas and p.shard_boundaries != "flat":
+        raise PlanError(
+            f"optimizer_across_replicas is not built with shard_boundaries={p.shard_boundaries!r} (the engine "
+            "refuses the pair)",
+            "pass --shard-boundaries flat, or leave out --optimizer-across-replicas",
+        )
     for name in ("activation_bytes", "compute_time_s", "device_flops", "optimizer_time_s"):
         value = getattr(p, name)
         if value is not None and (not math.isfinite(value) or value < 0 or (name == "device_flops" and value == 0)):

@@ -42,8 +42,25 @@ The documents' 16P/N + 4P/M is ``forward_peak`` with no root, d = 0 and no activ
 figure leaves out the unit's unsharded gradient, which exists in backward alongside its gathered
 parameters, so the real peak of that case is 16P/N + 8P/M (fp32).
 
+Optimizer state across replicas (``optimizer_across_replicas``: the engine's
+``shard_optimizer_across_replicas=True``, [Note: optimizer state across replicas] in runtime/pieces.py;
+the hybrids at 1 < F < W, "flat" only; R = W / F): a unit is cut as the "flat" layout over W ranks, pieces
+P_u = ceil(T_u / W), and a flat shard is R of them: S_u = R * P_u (more than ceil(T_u / F) when W does not
+divide T_u well), N_u = W * P_u. Owner rank v = shard rank * R + replicate rank holds
+    params S_u * master (the whole flat shard, as the hybrid); grad shard P_u * grad shard bytes;
+    optimizer state real_v * optimizer bytes (real_v: its piece's parameter elements) + the step tensors;
+``steady_per_rank`` has the W owner ranks' figures (owner 0 is the largest). Transients as the hybrid's
+with this N_u, and a unit's reduction holds its S_u-element shard (reduce dtype) while the reduce-scatter
+across the replicas brings it to the P_u-element piece. Finished before the next unit, that is within
+the unit's own g_u + ug_u; left in flight to the end of backward (the replicate groups span nodes, with
+``inter_node_in_flight``), each reduced unit holds h_u = (S_u + P_u) * reduce bytes until then, added to
+every later backward position (``held_reductions``: sum_u h_u).
+
 Not counted: the reduce-scatter output buffer (S_u elements, 1/F of ug_u), allocator rounding
-and fragmentation, CUDA context and workspaces (that is what ``headroom`` is for).
+and fragmentation, CUDA context and workspaces (that is what ``headroom`` is for); and the plain
+hybrid's all-reduced shards while in flight to the end of backward (S_u * reduce bytes per unit reduced,
+as h_u above: the small GPT of tests/test_planner_engine.py at W = 4, F = 2 as two nodes of two measured
+11% above its planned peak).
 
 CPU offload (``CPUOffload(offload_params=True)``) is planned beside every plan by offload.py, whose
 [Note: planner CPU offload model] has the formulas. In short: params, grad shards and optimizer state
@@ -77,6 +94,7 @@ class MemoryEstimate:
     backward_peak: int
     peak: int
     steady_per_rank: tuple[int, ...] = ()
+    held_reductions: int = 0  # in-flight replicate reduce-scatters held at the end of backward (pieces)
 
     @property
     def imbalance(self) -> float:
@@ -88,25 +106,33 @@ class MemoryEstimate:
 @dataclass(frozen=True)
 class Unit:
     """One unit as the planner sees it: elements, whether it is the root, its largest shard (what its
-    collectives wait on), every shard rank's shard, and the length of its unsharded flat."""
+    collectives wait on), every shard rank's shard, the length of its unsharded flat, and with the
+    optimizer state across replicas the piece P_u each rank owns (0 without)."""
 
     elements: int
     is_root: bool
     shard: int
     shards: tuple[int, ...] = ()
     padded: int = 0
+    piece: int = 0
 
 
-def units_of(inputs: PlanInputs, f: int) -> list[Unit]:
+def units_of(inputs: PlanInputs, f: int, pieces: bool = False) -> list[Unit]:
     """Units in forward order: the root first (when it holds parameters), then the others; each cut as
     the engine cuts it under ``inputs.boundaries_modelled`` (the units in build order: the others, then
-    the root, so "params" deals the root against the others' loads)."""
+    the root, so "params" deals the root against the others' loads). With ``pieces`` (the optimizer
+    state across replicas, "flat" only) a flat shard is R pieces of P_u = ceil(T_u / W)."""
     mode = inputs.boundaries_modelled
     sizes = [(t, False, k) for k, t in enumerate(inputs.unit_elements)] + [(inputs.root_elements, True, -1)]
     loads = [0] * f
     built: dict[int, Unit] = {}
     for t, is_root, k in sizes:
         if t <= 0:
+            continue
+        if pieces:
+            w = inputs.world_size
+            piece = -(-t // w)
+            built[k] = Unit(t, is_root, piece * (w // f), (piece * (w // f),) * f, w * piece, piece)
             continue
         if mode == "flat":
             s = -(-t // f)
@@ -126,26 +152,48 @@ def _real(u: Unit, rank: int) -> int:
     return max(0, min(u.elements, start + u.shards[rank]) - start)
 
 
-def memory_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> MemoryEstimate:
+def replicas_cross_nodes(inputs: PlanInputs, f: int) -> bool:
+    """Whether a replicate group at F ({j, j+F, j+2F, ...}) has ranks on more than one node."""
+    g, w = inputs.ranks_per_node, inputs.world_size
+    return any(j // g != (j + k * f) // g for j in range(f) for k in range(1, w // f))
+
+
+def _owned(inputs: PlanInputs, units: list[Unit], f: int, pieces: bool) -> list[tuple[int, int, int]]:
+    """Every rank's (flat shard, grad shard, real parameter) elements: per shard rank, or with ``pieces``
+    per owner rank v = shard rank * R + replicate rank, whose grad shard and optimizer state cover its
+    piece [v P_u, (v + 1) P_u) of each unit (the "flat" layout over W ranks)."""
+    if not pieces:
+        return [(sum(u.shards[k] for u in units),) * 2 + (sum(_real(u, k) for u in units),) for k in range(f)]
+    held, grad = sum(u.shard for u in units), sum(u.piece for u in units)
+    return [
+        (held, grad, sum(max(0, min(u.elements, (v + 1) * u.piece) - v * u.piece) for u in units))
+        for v in range(inputs.world_size)
+    ]
+
+
+def memory_estimate(inputs: PlanInputs, strategy: Strategy, f: int, pieces: bool = False) -> MemoryEstimate:
+    """``pieces``: with the optimizer state across replicas (``inputs.across_replicas(strategy, f)``)."""
     rec = inputs.recipe
     opt_bytes, step_bytes = OPTIMIZERS[inputs.optimizer]
-    units = units_of(inputs, f)
-    held = [sum(u.shards[k] for u in units) for k in range(f)]  # each rank's flat shard elements
-    real = [sum(_real(u, k) for u in units) for k in range(f)]
+    units = units_of(inputs, f, pieces)
+    ranks = _owned(inputs, units, f, pieces)
     per_rank = tuple(
-        n * (rec.master_bytes + rec.grad_shard_bytes) + r * opt_bytes + inputs.param_tensors * step_bytes
-        for n, r in zip(held, real)
+        n * rec.master_bytes + g * rec.grad_shard_bytes + r * opt_bytes + inputs.param_tensors * step_bytes
+        for n, g, r in ranks
     )
-    top = max(range(f), key=lambda k: (per_rank[k], -k))  # the largest rank (the first of equals)
+    top = max(range(len(ranks)), key=lambda k: (per_rank[k], -k))  # the largest rank (the first of equals)
     # "flat": rank 0's optimizer state is S_u per unit, as its shards hold only real elements
-    params, grads = held[top] * rec.master_bytes, held[top] * rec.grad_shard_bytes
-    optimizer = real[top] * opt_bytes + inputs.param_tensors * step_bytes
+    params, grads = ranks[top][0] * rec.master_bytes, ranks[top][1] * rec.grad_shard_bytes
+    optimizer = ranks[top][2] * opt_bytes + inputs.param_tensors * step_bytes
     steady = params + grads + optimizer
 
     in_place = f == 1 and rec.compute_bytes == rec.master_bytes
     gathered = [0 if in_place else u.padded * rec.compute_bytes for u in units]
     ugrad = [u.padded * rec.reduce_bytes for u in units]
-    fwd, bwd, buffer = transients(units, gathered, ugrad, strategy, inputs.prefetch_depth)
+    held = None  # the replicate reduce-scatters in flight to the end of backward: (S_u + P_u) * reduce each
+    if pieces and inputs.inter_node_in_flight and replicas_cross_nodes(inputs, f):
+        held = [(u.shard + u.piece) * rec.reduce_bytes for u in units]
+    fwd, bwd, buffer = transients(units, gathered, ugrad, strategy, inputs.prefetch_depth, held)
     acts = activation_bytes(inputs)
     forward_peak, backward_peak = steady + acts + fwd, steady + acts + bwd
     return MemoryEstimate(
@@ -160,24 +208,33 @@ def memory_estimate(inputs: PlanInputs, strategy: Strategy, f: int) -> MemoryEst
         backward_peak,
         max(forward_peak, backward_peak),
         per_rank,
+        sum(held or ()),
     )
 
 
 def transients(
-    units: list[Unit], gathered: list[int], ugrad: list[int], strategy: Strategy, depth: int
+    units: list[Unit],
+    gathered: list[int],
+    ugrad: list[int],
+    strategy: Strategy,
+    depth: int,
+    held: list[int] | None = None,
 ) -> tuple[int, int, int]:
     """(max forward transient, max backward transient, max gathered bytes) of gathered parameters
-    ``gathered`` and unsharded gradients ``ugrad`` (bytes per unit, forward order) under ``strategy``."""
+    ``gathered`` and unsharded gradients ``ugrad`` (bytes per unit, forward order) under ``strategy``;
+    ``held``: bytes each unit holds from its reduction to the end of backward (reductions in flight)."""
+    held = held or [0] * len(units)
     if strategy.reshard_after_forward:
-        return _resharding_transients(units, gathered, ugrad, depth)
-    # each unit is freed after its own backward, so unit i's backward holds units 0..i
+        return _resharding_transients(units, gathered, ugrad, depth, held)
+    # each unit is freed after its own backward, so unit i's backward holds units 0..i (and, in flight,
+    # the reductions of the units after it, reduced before it)
     fwd = sum(gathered)
-    bwd = max((sum(gathered[: i + 1]) + ugrad[i] for i in range(len(units))), default=0)
+    bwd = max((sum(gathered[: i + 1]) + ugrad[i] + sum(held[i + 1 :]) for i in range(len(units))), default=0)
     return fwd, bwd, fwd
 
 
 def _resharding_transients(
-    units: list[Unit], gathered: list[int], ugrad: list[int], depth: int
+    units: list[Unit], gathered: list[int], ugrad: list[int], depth: int, held: list[int]
 ) -> tuple[int, int, int]:
     """(max forward transient, max backward transient, max gathered bytes) under FULL_SHARD."""
     root = sum(g for u, g in zip(units, gathered) if u.is_root)
@@ -186,7 +243,11 @@ def _resharding_transients(
     fwd_windows = [sum(gathered[j] for j in inner[k : k + depth + 1]) for k in range(len(inner))]
     bwd_windows = [sum(gathered[j] for j in inner[max(0, k - depth) : k + 1]) for k in range(len(inner))]
     fwd = root + max(fwd_windows, default=0)
-    bwd = max([root + w + ugrad[inner[k]] for k, w in enumerate(bwd_windows)] + [root + root_grad])
+    before = [sum(held[j] for j in inner[k + 1 :]) for k in range(len(inner))]  # reduced before inner[k]
+    bwd = max(
+        [root + w + ugrad[inner[k]] + before[k] for k, w in enumerate(bwd_windows)]
+        + [root + root_grad + sum(held[j] for j in inner)]
+    )
     buffer = root + max(fwd_windows + bwd_windows, default=0)
     return fwd, bwd, buffer
 

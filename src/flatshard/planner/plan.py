@@ -28,7 +28,13 @@ class StrategyPlan:
     fits: bool
     comm: CommEstimate
     time: TimeEstimate
-    offload: OffloadEstimate  # the same strategy and F with CPUOffload(offload_params=True)
+    offload: OffloadEstimate | None  # the same with CPUOffload(offload_params=True); None: not built with pieces
+    optimizer_across_replicas: bool = False  # shard_optimizer_across_replicas=True (PlanInputs)
+
+    @property
+    def label(self) -> str:
+        """The strategy's name, "+OptR" added with the optimizer state across replicas."""
+        return self.strategy.value + ("+OptR" if self.optimizer_across_replicas else "")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class Recommendation:
     strategy: Strategy | None
     sharding_factor: int | None
     why: str
+    optimizer_across_replicas: bool = False  # the recommended plan is a "+OptR" one
 
 
 @dataclass(frozen=True)
@@ -47,13 +54,17 @@ class PlanReport:
     plans: tuple[StrategyPlan, ...]
     recommendation: Recommendation
 
-    def plan_for(self, strategy: Strategy | str, sharding_factor: int | None = None) -> StrategyPlan:
-        """The plan of ``strategy`` (at ``sharding_factor`` for the hybrids)."""
+    def plan_for(
+        self, strategy: Strategy | str, sharding_factor: int | None = None, optimizer_across_replicas: bool = False
+    ) -> StrategyPlan:
+        """The plan of ``strategy`` (at ``sharding_factor`` for the hybrids; the "+OptR" one with
+        ``optimizer_across_replicas``)."""
         s = Strategy(strategy)
         for p in self.plans:
             if p.strategy is s and sharding_factor in (None, p.sharding_factor):
-                return p
-        raise KeyError(f"no {s.value} plan at F={sharding_factor}")
+                if p.optimizer_across_replicas == optimizer_across_replicas:
+                    return p
+        raise KeyError(f"no {s.value}{'+OptR' if optimizer_across_replicas else ''} plan at F={sharding_factor}")
 
     def to_json_dict(self) -> dict[str, Any]:
         return to_json_dict(self)
@@ -69,7 +80,8 @@ def strategies_at(world_size: int, f: int) -> tuple[Strategy, ...]:
 
 
 def plan_strategy(inputs: PlanInputs, strategy: Strategy | str, sharding_factor: int) -> StrategyPlan:
-    """The plan of one strategy at one sharding factor (which must suit the strategy)."""
+    """The plan of one strategy at one sharding factor (which must suit the strategy); a hybrid at
+    1 < F < W with ``inputs.optimizer_across_replicas`` is planned with its optimizer state across replicas."""
     s, f = Strategy(strategy), sharding_factor
     if f < 1 or inputs.world_size % f:
         raise PlanError(
@@ -80,8 +92,9 @@ def plan_strategy(inputs: PlanInputs, strategy: Strategy | str, sharding_factor:
             f"{s.value} does not run at F={f} with W={inputs.world_size}",
             "NO_SHARD is F=1, FULL_SHARD and SHARD_GRAD_OP are F=W, the hybrids 1<F<W",
         )
-    memory = memory_estimate(inputs, s, f)
-    comm = comm_estimate(inputs, s, f)
+    pieces = inputs.across_replicas(s, f)
+    memory = memory_estimate(inputs, s, f, pieces)
+    comm = comm_estimate(inputs, s, f, pieces)
     time = time_estimate(inputs, comm, f)
     return StrategyPlan(
         s,
@@ -91,14 +104,22 @@ def plan_strategy(inputs: PlanInputs, strategy: Strategy | str, sharding_factor:
         memory.peak <= inputs.budget_bytes,
         comm,
         time,
-        offload_estimate(inputs, s, f, memory, time.expected_s - time.optimizer_s),  # the CPU steps instead
+        # the CPU steps instead; the engine builds no CPU offload with the optimizer state across replicas
+        None if pieces else offload_estimate(inputs, s, f, memory, time.expected_s - time.optimizer_s),
+        pieces,
     )
 
 
 def plan(inputs: PlanInputs) -> PlanReport:
-    """Every strategy at every sharding factor F dividing W (ascending F), and the recommendation."""
-    plans = tuple(plan_strategy(inputs, s, f) for f in inputs.factors() for s in strategies_at(inputs.world_size, f))
-    return PlanReport(inputs, plans, recommend(inputs, plans))
+    """Every strategy at every sharding factor F dividing W (ascending F), and the recommendation. With
+    ``inputs.optimizer_across_replicas`` each hybrid F also has its "+OptR" plans, after the plain ones."""
+    plain = inputs.replace(optimizer_across_replicas=False) if inputs.optimizer_across_replicas else inputs
+    plans = []
+    for f in inputs.factors():
+        strategies = strategies_at(inputs.world_size, f)
+        plans += [plan_strategy(plain, s, f) for s in strategies]
+        plans += [plan_strategy(inputs, s, f) for s in strategies if inputs.across_replicas(s, f)]
+    return PlanReport(inputs, tuple(plans), recommend(inputs, plans))
 
 
 def _budget_text(inputs: PlanInputs) -> str:
@@ -141,7 +162,21 @@ def notes(inputs: PlanInputs) -> list[str]:
             "--units defaulted to 1: the whole model is one unit, gathered at once; pass --units M (e.g. one "
             "per layer) for M units"
         )
+    if inputs.optimizer_across_replicas:
+        out.append(_across_replicas_note(inputs))
     return out
+
+
+def _across_replicas_note(inputs: PlanInputs) -> str:
+    w = inputs.world_size
+    if not any(1 < f < w for f in inputs.factors()):
+        return f"no +OptR plan: the optimizer state across replicas needs a hybrid sharding factor 1 < F < {w}"
+    return (
+        "+OptR: the hybrid with shard_optimizer_across_replicas=True: parameters 1/F per rank as the plain "
+        f"hybrid, gradients and optimizer state 1/{w}; across replicas a reduce-scatter in backward and, in the "
+        "next forward, an all-gather of the updated pieces instead of the all-reduce"
+        + ("; it has no CPU offload figures (the engine builds the two only apart)" if inputs.offload else "")
+    )
 
 
 def _host_budget_text(inputs: PlanInputs) -> str:
@@ -164,6 +199,7 @@ def recommend_offload(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list
     """The R4 rule for the plans with CPU offload: the smallest F whose device peak and host bytes per
     node both fit, then the fastest. With host memory unknown nothing is judged: ``strategy`` is None
     and ``why`` names the plan that fits the device with the least host memory per node."""
+    plans = [p for p in plans if p.offload is not None]  # not the "+OptR" plans: not built with offload
     if not plans:
         return Recommendation(None, None, "no plans")
     device_ok = [p for p in plans if p.offload.device_fits]
@@ -220,7 +256,7 @@ def recommend(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[Strateg
             None,
             (
                 f"nothing fits in {_budget_text(inputs)}: the smallest peak is {fmt_bytes(best.memory.peak)} "
-                f"({best.strategy.value}, F={best.sharding_factor}{counted}); {_remedies(inputs, best)}; {verdict}"
+                f"({best.label}, F={best.sharding_factor}{counted}); {_remedies(inputs, best)}; {verdict}"
             ),
         )
     f = min(p.sharding_factor for p in fitting)
@@ -229,21 +265,48 @@ def recommend(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list[Strateg
     smaller = [p for p in plans if p.sharding_factor < f]
     why = (
         f"F={f} is the smallest sharding factor whose peak fits in {_budget_text(inputs)}: "
-        f"{best.strategy.value} peaks at {fmt_bytes(best.memory.peak)}"
+        f"{best.label} peaks at {fmt_bytes(best.memory.peak)}"
     )
     if smaller:
         worst = min(smaller, key=lambda p: p.memory.peak)
         why += f"; F={worst.sharding_factor} would need {fmt_bytes(worst.memory.peak)}"
     if len(at_f) > 1:
         why += (
-            f"; {best.strategy.value} is estimated faster than {at_f[1].strategy.value} "
+            f"; {best.label} is estimated faster than {at_f[1].label} "
             f"({fmt_seconds(best.time.expected_s)} vs {fmt_seconds(at_f[1].time.expected_s)} per step)"
         )
+    elif len([p for p in plans if p.sharding_factor == f]) > 2:  # "+OptR" plans too
+        why += "; the other plans at this F do not fit"
     elif len([p for p in plans if p.sharding_factor == f]) > 1:
         why += "; the other strategy at this F does not fit"
+    if inputs.optimizer_across_replicas:
+        why += _across_replicas_why(inputs, best, [p for p in plans if p.sharding_factor == f])
     if activations_missing(inputs):
         why += "; activations are not counted (the peaks leave them out)"
-    return Recommendation(best.strategy, f, why)
+    return Recommendation(best.strategy, f, why, best.optimizer_across_replicas)
+
+
+def _across_replicas_why(inputs: PlanInputs, best: StrategyPlan, at_f: list[StrategyPlan]) -> str:
+    """Why the recommendation is, or is not, a "+OptR" plan (the optimizer state across replicas)."""
+    w, f = inputs.world_size, best.sharding_factor
+    if best.optimizer_across_replicas:
+        plain = next(p for p in at_f if p.strategy is best.strategy and not p.optimizer_across_replicas)
+        out = (
+            f"; +OptR is shard_optimizer_across_replicas=True: gradients and optimizer state split over all {w} "
+            f"ranks, not {f}, so it holds {fmt_bytes(plain.memory.steady - best.memory.steady)} less per rank "
+            f"between steps than {plain.label}"
+        )
+        if not plain.fits:
+            return out + f", which peaks at {fmt_bytes(plain.memory.peak)} and does not fit"
+        return out + f" (estimated {fmt_seconds(plain.time.expected_s)} per step)"
+    others = [p for p in at_f if p.optimizer_across_replicas]
+    if not others:
+        return f"; no +OptR plan at F={f} (the optimizer state across replicas needs a hybrid, 1 < F < {w})"
+    o = min(others, key=lambda p: (p.time.expected_s, p.memory.peak))
+    verdict = "fits" if o.fits else "does not fit"
+    return (
+        f"; {o.label} {verdict}, estimated {fmt_seconds(o.time.expected_s)} per step, peak {fmt_bytes(o.memory.peak)}"
+    )
 
 
 def choose_sharding_factor(
@@ -273,14 +336,14 @@ def choose_sharding_factor(
     if not by_time:
         p = fitting[0]
         return p.sharding_factor, (
-            f"F={p.sharding_factor} ({p.strategy.value}) is the smallest sharding factor whose peak "
+            f"F={p.sharding_factor} ({p.label}) is the smallest sharding factor whose peak "
             f"{fmt_bytes(p.memory.peak)} fits in {_budget_text(inputs)}; step time not considered (no link figures)"
         )
     best = min(fitting, key=lambda p: (p.time.expected_s, p.sharding_factor))
     others = ", ".join(
-        f"F={p.sharding_factor} {p.strategy.value} {fmt_seconds(p.time.expected_s)}" for p in fitting if p is not best
+        f"F={p.sharding_factor} {p.label} {fmt_seconds(p.time.expected_s)}" for p in fitting if p is not best
     )
-    why = f"F={best.sharding_factor} ({best.strategy.value}): predicted {fmt_seconds(best.time.expected_s)} per step"
+    why = f"F={best.sharding_factor} ({best.label}): predicted {fmt_seconds(best.time.expected_s)} per step"
     why += f", the fastest of those that fit ({others})" if others else ", the only one that fits"
     why += f"; its peak {fmt_bytes(best.memory.peak)} fits in {_budget_text(inputs)}"
     too_big = [p for p in family if not p.fits]
@@ -319,8 +382,16 @@ def _inputs_json(inputs: PlanInputs) -> dict[str, Any]:
     return out
 
 
-def _plan_json(p: StrategyPlan, activations_counted: bool) -> dict[str, Any]:
+def _plan_json(p: StrategyPlan, activations_counted: bool, across: bool = False) -> dict[str, Any]:
+    """One plan; ``across`` (the inputs' optimizer_across_replicas): with "optimizer_across_replicas"
+    and "comm_bytes_by_collective" ("phase/kind/group" -> bytes per rank, the recorder's names)."""
     m, c = p.memory, p.comm
+    extra = {}
+    if across:
+        extra = {
+            "optimizer_across_replicas": p.optimizer_across_replicas,
+            "comm_bytes_by_collective": {k: b for k, (_, b) in c.by_collective.items()},
+        }
     return {
         "strategy": p.strategy.value,
         "sharding_factor": p.sharding_factor,
@@ -346,11 +417,13 @@ def _plan_json(p: StrategyPlan, activations_counted: bool) -> dict[str, Any]:
             "node_link": c.node_link,  # what the busiest node's link sends to other nodes, all its ranks
         },
         "step_time_s": p.time.expected_s,
-    }
+    } | extra
 
 
-def _offload_json(p: StrategyPlan, activations_counted: bool) -> dict[str, Any]:
+def _offload_json(p: StrategyPlan, activations_counted: bool) -> dict[str, Any] | None:
     o = p.offload
+    if o is None:  # a "+OptR" plan: the engine builds no CPU offload with it
+        return None
     return {
         "device_bytes": {
             "gather_buffer": o.gather_buffer,
@@ -380,26 +453,30 @@ def _offload_json(p: StrategyPlan, activations_counted: bool) -> dict[str, Any]:
     }
 
 
-def _recommendation_json(rec: Recommendation) -> dict[str, Any]:
-    return {
-        "strategy": rec.strategy.value if rec.strategy else None,
-        "sharding_factor": rec.sharding_factor,
-        "why": rec.why,
-    }
+def _recommendation_json(rec: Recommendation, across: bool = False) -> dict[str, Any]:
+    out = {"strategy": rec.strategy.value if rec.strategy else None, "sharding_factor": rec.sharding_factor}
+    out |= {"optimizer_across_replicas": rec.optimizer_across_replicas} if across else {}
+    return out | {"why": rec.why}
 
 
 def to_json_dict(report: PlanReport) -> dict[str, Any]:
     """The report as ``flatshard plan --json`` prints it: exactly the keys inputs, plans, recommendation,
     activations_counted (False: every plan's "activations" is None and its peaks leave them out) and
     notes (sentences on what the figures leave out or assume); with ``inputs.offload`` each plan also has
-    "offload" and the report "offload_recommendation"."""
+    "offload" and the report "offload_recommendation" (a "+OptR" plan's "offload" is null); with
+    ``inputs.optimizer_across_replicas`` each plan and the recommendation say whether they are "+OptR"
+    (``optimizer_across_replicas``) and each plan has its bytes per collective."""
     offload = report.inputs.offload
     counted = not activations_missing(report.inputs)
-    plans = [_plan_json(p, counted) | ({"offload": _offload_json(p, counted)} if offload else {}) for p in report.plans]
+    across = report.inputs.optimizer_across_replicas
+    plans = [
+        _plan_json(p, counted, across) | ({"offload": _offload_json(p, counted)} if offload else {})
+        for p in report.plans
+    ]
     out = {
         "inputs": _inputs_json(report.inputs),
         "plans": plans,
-        "recommendation": _recommendation_json(report.recommendation),
+        "recommendation": _recommendation_json(report.recommendation, across),
         "activations_counted": counted,
         "notes": notes(report.inputs),
     }

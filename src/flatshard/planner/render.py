@@ -45,13 +45,15 @@ def memory_table(report: PlanReport) -> Table:
         title += (
             f' (shard_boundaries="{report.inputs.boundaries_modelled}": the largest rank; steady min: the smallest)'
         )
+    if any(p.optimizer_across_replicas for p in report.plans):
+        title += "; +OptR: shard_optimizer_across_replicas=True (gradients and optimizer state over all W ranks)"
     columns = ("strategy", "F", "R", "steady", *(("steady min",) if ragged else ()), "gathered", "unsh. grad")
     table = Table(title, (*columns, "activations", "fwd peak", "peak", "fits"))
     for p in report.plans:
         b = p.memory
         acts = _gb(b.activations) if counted else "not counted"
         table.add(
-            p.strategy.value,
+            p.label,
             str(p.sharding_factor),
             str(p.replicas),
             _gb(b.steady),
@@ -86,10 +88,14 @@ def comm_table(report: PlanReport) -> Table:
             "expected",
         ),
     )
+    if any(p.optimizer_across_replicas for p in report.plans):
+        table.title += (
+            "; +OptR: the replicate group's reduce-scatter counts as RS, its all-gather of the pieces as AG forward"
+        )
     for p in report.plans:
         c, t, n = p.comm, p.time, p.comm.counts
         table.add(
-            p.strategy.value,
+            p.label,
             str(p.sharding_factor),
             f"{n.all_gather_forward}/{n.all_gather_backward}",
             str(n.reduce_scatter_backward),
@@ -130,6 +136,8 @@ def offload_table(report: PlanReport) -> Table:
     )
     for p in report.plans:
         o = p.offload
+        if o is None:  # a "+OptR" plan: not built with CPU offload
+            continue
         table.add(
             p.strategy.value,
             str(p.sharding_factor),

@@ -20,9 +20,17 @@ step is ``optimizer_time_s / F`` (a rank steps its shard). Four figures:
   issued; a collective of a group that spans nodes issued meanwhile (a gather in backward) waits
   for the link, one inside a node does not. The step ends when both backward's compute and the
   link are done, then the optimizer steps. With nothing crossing a node, scheduled = serial.
+  With the optimizer state across replicas ("+OptR") the reduce-scatter across replicas takes the
+  all-reduce's place above, in flight alike, and forward overlaps too: every unit's all-gather of
+  the pieces is issued when the root's forward begins, in forward order, one after another on the
+  link between nodes when the replicate groups cross it (else on a link of their own), and each unit
+  waits for its own before its gather; the root's compute is counted at the end of forward (its head),
+  so the pieces travel during the compute of the units before theirs. This holds with or without
+  ``inter_node_in_flight`` (which decides backward only), and the optimizer step is
+  ``optimizer_time_s / W`` (a rank steps its piece).
 * overlapped (prefetch depth >= 1): each phase takes max(compute, communication) plus what cannot
-  hide: the first forward all-gather, the last unit's reduce-scatter and all-reduce (and every
-  all-reduce unless ``overlap_all_reduce``).
+  hide: the first forward all-gather (+OptR: with the first unit's pieces), the last unit's
+  reduce-scatter and all-reduce (and every all-reduce unless ``overlap_all_reduce``).
 * expected: overlapped with prefetch (d >= 1), scheduled without (the engine's d = 0).
 Not modelled: BACKWARD_PRE's gather of the next unit during this unit's backward (the engine issues
 it on CPU too; with the cores, not a link, the bottleneck it was not seen to help, and FULL_SHARD's
@@ -109,13 +117,30 @@ class _Link:
         return self.free
 
 
-def _scheduled(comm: CommEstimate, cf: float, cb: float) -> float:
-    """Forward and backward (no optimizer) as [Note: planner step schedule] says the engine runs them
-    with ``inter_node_in_flight``, when something crosses nodes."""
+def _forward(comm: CommEstimate, cf: float, link: _Link, shard_x: bool, rep_x: bool) -> float:
+    """Forward as the engine runs it: serial, but for the pieces' all-gathers (optimizer state across
+    replicas), all issued when forward begins, one after another on their links (the link between nodes
+    when the replicate groups cross), each waited for at its unit's gather; the root computes last."""
+    if not comm.pieces:
+        return cf + comm.forward_s  # nothing is in flight
+    total = sum(u.elements for u in comm.units) or 1
+    channel = link if rep_x else _Link()
+    ready = [channel.send(0.0, u.pieces_gather_s) for u in comm.units]
+    now = 0.0
+    for u, done in zip(comm.units, ready):
+        now = link.run(max(now, done), u.all_gather_s, shard_x)
+        now += 0.0 if u.is_root else cf * u.elements / total
+    return now + cf * sum(u.elements for u in comm.units if u.is_root) / total
+
+
+def _scheduled(comm: CommEstimate, cf: float, cb: float, in_flight: bool = True) -> float:
+    """Forward and backward (no optimizer) as [Note: planner step schedule] says the engine runs them,
+    what crosses nodes left in flight in backward with ``in_flight`` (``inter_node_in_flight``)."""
     shard_x, rep_x = comm.shard_link == INTER, comm.replicate_link == INTER
     total = sum(u.elements for u in comm.units) or 1
     link = _Link()
-    now = cf + comm.forward_s  # forward: nothing is in flight
+    now = _forward(comm, cf, link, shard_x, rep_x)
+    shard_x, rep_x = shard_x and in_flight, rep_x and in_flight  # what backward leaves in flight
     pending: tuple[float, UnitComm] | None = None  # a reduce-scatter across nodes in flight, and its unit
 
     def settle(now: float) -> float:
@@ -147,12 +172,16 @@ def _scheduled(comm: CommEstimate, cf: float, cb: float) -> float:
 
 
 def time_estimate(inputs: PlanInputs, comm: CommEstimate, f: int) -> TimeEstimate:
-    """The step of one plan at sharding factor ``f`` ([Note: planner step schedule])."""
+    """The step of one plan at sharding factor ``f`` ([Note: planner step schedule]); with the optimizer
+    state across replicas (``comm.pieces``) a rank steps 1/W of the model."""
     cf, cb = compute_times(inputs)
-    opt = (inputs.optimizer_time_s or 0.0) / f
+    opt = (inputs.optimizer_time_s or 0.0) / (inputs.world_size if comm.pieces else f)
     serial = cf + cb + comm.forward_s + comm.backward_s + opt
     overlapped = _overlapped(comm, cf, cb, inputs.overlap_all_reduce) + opt
     crosses = INTER in (comm.shard_link, comm.replicate_link)
-    scheduled = _scheduled(comm, cf, cb) + opt if inputs.inter_node_in_flight and crosses else serial
+    if comm.pieces:  # the pieces' all-gathers overlap forward whether or not anything crosses
+        scheduled = _scheduled(comm, cf, cb, inputs.inter_node_in_flight) + opt
+    else:
+        scheduled = _scheduled(comm, cf, cb) + opt if inputs.inter_node_in_flight and crosses else serial
     expected = overlapped if inputs.prefetch_depth >= 1 else scheduled
     return TimeEstimate(cf, cb, comm.forward_s + comm.backward_s, serial, overlapped, expected, opt, scheduled)
