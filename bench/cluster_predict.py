@@ -8,20 +8,20 @@ Every prediction comes from ``flatshard.planner``'s public API (``PlanInputs``, 
 ``plan_strategy``, ``links_from_calibration``); nothing here adjusts the planner's figures.
 
 [Note: cluster predictions]
-The planner is given what the calibration measured and nothing else: the links
-(``links_from_calibration``: within a node from the pairs, one rank's rate across from the single
-flow, the node's link from every rank sending at once), the forward + backward time of one rank as
-``compute_time_s`` and its AdamW step as ``optimizer_time_s``, the model's units
-(``PlanInputs.from_module`` on the GPT, one unit per Block, the rest in the root), fp32, AdamW, the
-topology (W = N·P, ``gpus_per_node`` = P), ``exchange="direct"`` (flatshard on gloo) and the engine's
-``inter_node_in_flight`` as the system ran it (off for a system named "..., in flight off" and for
-runs of an engine older than the setting). Its prediction for a flatshard system is
-``plan_strategy(...).time.expected_s`` for that strategy and F; for the run with no communication it
-is the same inputs at W = 1. DDP, FSDP2 and int8 compression are not what the planner models; their
-rows show the planner's figure for the strategy they share, for reference, and take no part in the
-verdicts. The verdicts: every flatshard prediction within 25% of the measured step, and the planner's
-order of flatshard's systems equal to the measured order, where two systems measured within 5% of
-each other are a tie (run to run, medians move about that much).
+The planner is given what the calibration measured and nothing else: the links (``links_from_calibration``:
+within a node from the pairs, one rank's rate across from the single flow, the node's link from every rank
+sending at once), the forward + backward time of one rank as ``compute_time_s`` and its AdamW step as
+``optimizer_time_s``, the model's units (``PlanInputs.from_module`` on the GPT, one unit per Block, the rest
+in the root), fp32, AdamW, the topology (W = N·P, ``gpus_per_node`` = P), ``exchange="direct"`` (flatshard
+on gloo) and the engine's ``inter_node_in_flight`` as the system ran it (off for a system named "..., in
+flight off" and for runs of an engine older than the setting). Its prediction for a flatshard system is
+``plan_strategy(...).time.expected_s`` for that strategy and F (for "..., optimizer across replicas",
+``shard_optimizer_across_replicas=True``, the same with ``optimizer_across_replicas=True``: the "+OptR"
+plan); for the run with no communication it is the same inputs at W = 1. DDP, FSDP2 and int8 compression are
+not what the planner models; their rows show the planner's figure for the strategy they share, for
+reference, and take no part in the verdicts. The verdicts: every flatshard prediction within 25% of the
+measured step, and the planner's order of flatshard's systems equal to the measured order, where two systems
+measured within 5% of each other are a tie (run to run, medians move about that much).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ RATES = ("1gbit", "200mbit")
 # The committed cluster_<rate>.json ran at commit 2d9a36d, before inter_node_in_flight (d1d9bb4):
 # every reduction there finished before the next unit computed.
 BEFORE_IN_FLIGHT = ("cluster_1gbit.json", "cluster_200mbit.json")
+PIECES = "optimizer across replicas"  # a system's suffix for shard_optimizer_across_replicas=True (cluster_worker.py)
 
 
 def planned_as(name: str, world: int, nproc: int) -> tuple[str, int] | None:
@@ -58,16 +59,24 @@ def planned_as(name: str, world: int, nproc: int) -> tuple[str, int] | None:
 
 
 def modelled(name: str) -> bool:
-    """flatshard's strategies as such (", in flight off" included) and the no-communication run; not
-    other libraries' schedules, nor a variant the planner does not model (", int8", ...)."""
+    """flatshard's strategies as such (", in flight off" and ", optimizer across replicas" included) and the
+    no-communication run; not other libraries' schedules, nor a variant the planner does not model (", int8")."""
     if name == "no communication":
         return True
-    return name.startswith("flatshard") and name.split(", ")[1:] in ([], ["in flight off"])
+    return name.startswith("flatshard") and name.split(", ")[1:] in ([], ["in flight off"], [PIECES])
 
 
-def planner_inputs(result: dict, world: int | None = None, in_flight: bool = True, links_from=None) -> PlanInputs:
+def across_replicas(name: str) -> bool:
+    """Whether a system ran with shard_optimizer_across_replicas=True (the planner's "+OptR" plans)."""
+    return PIECES in name.split(", ")[1:]
+
+
+def planner_inputs(
+    result: dict, world: int | None = None, in_flight: bool = True, links_from=None, across: bool = False
+) -> PlanInputs:
     """The planner's inputs for the measured job (or the same model and compute at ``world`` ranks).
-    ``links_from``: another result whose calibration holds the links (a run measured without one)."""
+    ``links_from``: another result whose calibration holds the links (a run measured without one);
+    ``across``: the optimizer state across replicas (``optimizer_across_replicas``)."""
     gpt = compare.load_gpt_module()
     cfg = compare.sizes()[result["size"]]
     w = world or result["nodes"] * result["nproc"]
@@ -87,6 +96,7 @@ def planner_inputs(result: dict, world: int | None = None, in_flight: bool = Tru
         links=links,
         exchange="direct",
         inter_node_in_flight=in_flight,
+        optimizer_across_replicas=across,
     )
 
 
@@ -94,18 +104,25 @@ def predict(result: dict, in_flight: bool = True, links_from: dict | None = None
     """Per system: measured median step, the planner's prediction, their ratio, and the bytes across.
     ``in_flight``: whether the engine that ran had ``inter_node_in_flight`` (by default on)."""
     world, nproc = result["nodes"] * result["nproc"], result["nproc"]
-    inputs = {on: planner_inputs(result, in_flight=on, links_from=links_from) for on in (True, False)}
+    inputs = {
+        (on, across): planner_inputs(result, in_flight=on, links_from=links_from, across=across)
+        for on in (True, False)
+        for across in (False, True)
+    }
     alone = planner_inputs(result, world=1, links_from=links_from)
     floor = result["systems"].get("no communication", {}).get("step_s_median")
     rows = {}
     for name, fig in result["systems"].items():
         measured = fig["step_s_median"]
         how = planned_as(name, world, nproc)
-        on = in_flight and "in flight off" not in name
-        plan = plan_strategy(alone, "NO_SHARD", 1) if how is None else plan_strategy(inputs[on], *how)
+        on, across = in_flight and "in flight off" not in name, across_replicas(name)
+        plan = plan_strategy(alone, "NO_SHARD", 1) if how is None else plan_strategy(inputs[on, across], *how)
         rows[name] = {
-            "planned_as": list(how) if how else ["NO_SHARD", 1, "W=1"],
+            "planned_as": [*how, *([PIECES] if plan.optimizer_across_replicas else [])]
+            if how
+            else ["NO_SHARD", 1, "W=1"],
             "in_flight": on,
+            "optimizer_across_replicas": plan.optimizer_across_replicas,
             "modelled": modelled(name),
             "measured_s": measured,
             "predicted_s": plan.time.expected_s,
@@ -117,9 +134,9 @@ def predict(result: dict, in_flight: bool = True, links_from: dict | None = None
             "planner_inter_node_bytes_per_rank": plan.comm.inter_node,
             "link_tx_bytes_per_step_per_node": result["link_tx_bytes_per_step_per_node"].get(name),
         }
-    out = {"rows": rows, "verdicts": verdicts(rows), "planner_inputs": _inputs_summary(inputs[in_flight])}
+    out = {"rows": rows, "verdicts": verdicts(rows), "planner_inputs": _inputs_summary(inputs[in_flight, False])}
     if "collectives" in result["calibration"]:
-        out["collectives"] = collective_predictions(result, inputs[in_flight])
+        out["collectives"] = collective_predictions(result, inputs[in_flight, False])
     return out
 
 

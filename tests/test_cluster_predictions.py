@@ -63,3 +63,31 @@ def test_the_table_and_summary_print(capsys):
     assert cluster_predict.main() == 0
     out = capsys.readouterr().out
     assert out.count("| system | measured ms |") == 4 and "within 25%: 5/5" in out
+
+
+def test_a_run_with_the_optimizer_across_replicas_is_predicted_by_its_plan():
+    """bench/slow_link.py's "flatshard HYBRID_SHARD F=2, optimizer across replicas" (no committed run has it
+    yet): predicted by the planner's "+OptR" plan, judged with flatshard's systems, printed in the table."""
+    import copy
+    import json
+
+    from flatshard.planner import plan_strategy
+
+    base = json.loads((cluster_predict.RESULTS / "slow_link_1gbit.json").read_text())["result"]
+    links_from = json.loads((cluster_predict.RESULTS / "cluster_1gbit.json").read_text())["result"]
+    result = copy.deepcopy(base)
+    plain, name = "flatshard HYBRID_SHARD F=2", f"flatshard HYBRID_SHARD F=2, {cluster_predict.PIECES}"
+    result["systems"][name] = dict(result["systems"][plain])  # a stand-in measurement
+    prediction = cluster_predict.predict(result, links_from=links_from)
+    row, other = prediction["rows"][name], prediction["rows"][plain]
+    assert row["modelled"] and row["optimizer_across_replicas"] and not other["optimizer_across_replicas"]
+    assert row["planned_as"] == ["HYBRID_SHARD", 2, cluster_predict.PIECES]
+    inputs = cluster_predict.planner_inputs(result, links_from=links_from, across=True)
+    assert row["predicted_s"] == plan_strategy(inputs, "HYBRID_SHARD", 2).time.expected_s != other["predicted_s"]
+    assert row["planner_node_link_bytes"] == other["planner_node_link_bytes"]  # the same bytes cross, moved apart
+    assert name in prediction["verdicts"]["within_25_percent"] and name in prediction["verdicts"]["predicted_order"]
+    assert any(
+        line.startswith(f"| {name} |") and "not modelled" not in line for line in cluster_predict.table(prediction)
+    )
+    # the committed runs do not have it: nothing changes there
+    assert not any(cluster_predict.across_replicas(n) for n in cluster_predict.committed("1gbit", "slow_link")["rows"])
