@@ -38,9 +38,9 @@ TOLERANCE = 0.25
 TIE = 0.05
 RESULTS = Path(__file__).resolve().parent / "results"
 RATES = ("1gbit", "200mbit")
-# The committed cluster_<rate>.json ran at commit 2d9a36d, before inter_node_in_flight (d1d9bb4):
-# every reduction there finished before the next unit computed.
-BEFORE_IN_FLIGHT = ("cluster_1gbit.json", "cluster_200mbit.json")
+# Runs of the engine before inter_node_in_flight (d1d9bb4), by the commit their JSON records: every
+# reduction there finished before the next unit computed (the first committed cluster runs, 2d9a36d).
+BEFORE_IN_FLIGHT = ("2d9a36d",)
 PIECES = "optimizer across replicas"  # a system's suffix for shard_optimizer_across_replicas=True (cluster_worker.py)
 
 
@@ -219,15 +219,17 @@ def _inputs_summary(inputs: PlanInputs) -> dict:
 
 # ---- the committed runs, offline ------------------------------------------------------------------------
 def committed(rate: str, kind: str = "cluster") -> dict:
-    """The planner's predictions for a committed result: ``kind`` "cluster" (its own calibration, the
-    engine before inter_node_in_flight) or "slow_link" (no link calibration of its own: the links of
-    cluster_<rate>.json, its own compute and optimizer figures)."""
+    """The planner's predictions for a committed result: ``kind`` "cluster" (its own calibration; a run
+    of the engine before inter_node_in_flight predicted with it off) or "slow_link" (no link calibration
+    of its own: the links of cluster_<rate>.json, its own compute and optimizer figures)."""
     name = f"{kind}_{rate}.json"
-    result = json.loads((RESULTS / name).read_text())["result"]
+    report = json.loads((RESULTS / name).read_text())
+    result = report["result"]
+    before = str(report.get("commit") or "").startswith(BEFORE_IN_FLIGHT)
     links_from = None
     if kind != "cluster":
         links_from = json.loads((RESULTS / f"cluster_{rate}.json").read_text())["result"]
-    return predict(result, in_flight=name not in BEFORE_IN_FLIGHT, links_from=links_from)
+    return predict(result, in_flight=not before, links_from=links_from)
 
 
 def table(prediction: dict) -> list[str]:
