@@ -32,8 +32,9 @@ from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.runtime import build, hooks, recording
 from flatshard.runtime.layout import set_views_on_modules
 from flatshard.runtime.mesh import group_timeout
+from flatshard.runtime.post_forward import PostForwardGroup
 from flatshard.runtime.tree import UnitHost, unit_hosts
-from flatshard.runtime.unit import PostForwardGroup, Unit
+from flatshard.runtime.unit import Unit
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,7 @@ def _reshard_after_forward(value, shard_size: int) -> tuple[bool, int]:
 
 
 def _post_forward_group(mesh, size: int, total: int) -> PostForwardGroup:
-    """[Note: reshard after forward to a smaller group] (unit.py): groups of ``size`` consecutive ranks of
+    """[Note: reshard after forward to a smaller group] (post_forward.py): groups of ``size`` consecutive ranks of
     every shard group, made by every rank in the same order (``new_group`` is collective)."""
     rows = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
     me = dist.get_rank()

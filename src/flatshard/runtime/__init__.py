@@ -36,7 +36,7 @@ Index of every [Note: ...] in the package
   flatshard tensors ............... runtime/layout.py
   shard boundaries ................ runtime/layout.py
   chunked layout .................. runtime/chunked.py
-  reshard after forward to a smaller group .. runtime/unit.py
+  reshard after forward to a smaller group .. runtime/post_forward.py
   precision of a unit's tensors ... runtime/precision.py
   reductions in flight ............ runtime/schedule.py
   prefetch ........................ runtime/schedule.py
