@@ -32,9 +32,8 @@ class ReduceSpec:
     label: str  # the unit's name, for profiler labels
     divide_factor: Optional[float] = None  # what the summed gradient is divided by (None: the data-parallel size)
     inter_node: compress.InterNode = compress.LOCAL  # which peers are on other nodes; int8 across them
-    scatter_replicas: bool = (
-        False  # reduce-scatter across replicas, not all-reduce ([Note: optimizer state across replicas])
-    )
+    # across replicas a reduce-scatter, not an all-reduce ([Note: optimizer state across replicas], pieces.py)
+    scatter_replicas: bool = False
 
 
 @dataclass
