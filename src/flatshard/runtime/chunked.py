@@ -16,6 +16,7 @@ gradient into a rank-major buffer (``to_rank_major``). 0-D parameters have no di
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -109,9 +110,10 @@ class ChunkedLayout:
                 out[lo:hi].copy_(full[info.offset + a : info.offset + b])
         return out
 
-    def to_rank_major(self, full: torch.Tensor) -> torch.Tensor:
-        """``full`` (param-major, e.g. the flat gradient) as F·S elements, rank after rank, padding zero."""
-        out = torch.zeros(self.shard_size, self.seg_numel, dtype=full.dtype, device=full.device)
+    def to_rank_major(self, full: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``full`` (param-major, e.g. the flat gradient) as F·S elements, rank after rank, padding zero, in
+        ``dtype`` (the reduce dtype: the copy casts, so no cast of its own follows)."""
+        out = torch.zeros(self.shard_size, self.seg_numel, dtype=dtype or full.dtype, device=full.device)
         for i, info in enumerate(self.infos):
             c, r = self.chunk_rows[i] * self.row_numel[i], self.row_numel[i]
             param = full[info.offset : info.offset + info.numel]

@@ -225,11 +225,9 @@ def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:
                 unit.reshard()
             return
         ctx.prefetch_backward(unit, pre=False)  # BACKWARD_POST: the next gather goes before this reduction
-        grad, unsharded.grad = unsharded.grad, None
         in_flight = ctx.reduction_in_flight(unit)  # [Note: reductions in flight] (schedule.py)
         with label("post_backward_reduce", unit):
-            unit.start_reduction(grad, async_op=in_flight)
-        del grad
+            unit.start_reduction(unsharded, async_op=in_flight)  # takes the flat gradient off ``unsharded``
         if unit.reshard_after_backward:
             unit.reshard()
         if in_flight:

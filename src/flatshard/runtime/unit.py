@@ -60,6 +60,7 @@ class _Gather:
     work: Any
     source: torch.Tensor
     then: Optional[Any] = None  # run once it has arrived (a rank-major layout's copy into the unsharded flat)
+    buffer: Optional[torch.Tensor] = None  # where a rank-major gather lands first (counted as gathered)
 
 
 class Unit:
@@ -183,12 +184,12 @@ class Unit:
                 self.wait_for_unshard()
             return
         self.wait_for_unshard()
-        storage = self.unsharded.untyped_storage()
-        nbytes = self.layout.padded * self.unsharded.element_size()
-        if storage.nbytes() != nbytes:
-            storage.resize_(nbytes)
+        rank_major = self.layout.rank_major and self.groups.shard_size > 1
+        if not rank_major:  # a rank-major gather lands in a buffer of its own first (_copy_out)
+            self._allocate()
         partial, self._partial = self._partial, None
         if partial is not None and partial[1] == self.flat_shard._version:  # the smaller group's gather
+            self._allocate()
             self._unshard_from(partial[0], wait)
             return
         source = self.flat_shard
@@ -200,11 +201,11 @@ class Unit:
             self.ctx.checker.check(order.GATHER, self, self.ctx.phase)
             group, tag = self.groups.shard_group, self.ctx.next_tag(self)
             target, then = self._gather_target, None
-            if self.layout.rank_major:  # [Note: chunked layout]: gather rank after rank, then copy out
+            if rank_major:  # [Note: chunked layout]: gather rank after rank, then copy out
                 target = torch.empty(
                     self.groups.shard_size * self.layout.shard_numel, dtype=source.dtype, device=source.device
                 )
-                then = functools.partial(self.layout.from_rank_major, target, self._gather_target)
+                then = functools.partial(self._copy_out, target)
             with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"), self._errors("all_gather"):
                 result = collectives.all_gather(
                     target,
@@ -217,12 +218,24 @@ class Unit:
                 )
             self.record(result, "shard")
             if result.work is not None:
-                self._gather = _Gather(result.work, source, then)
+                self._gather = _Gather(result.work, source, then, target if rank_major else None)
             elif then is not None:
                 then()
         self._gathered_version = self.flat_shard._version
         self.state = UnitState.UNSHARDED
         self.ctx.sample_memory()
+
+    def _allocate(self) -> None:
+        storage = self.unsharded.untyped_storage()
+        nbytes = self.layout.padded * self.unsharded.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+    def _copy_out(self, staging: torch.Tensor) -> None:
+        """A rank-major gather has arrived: only now does the unsharded flat take memory, so a gather in
+        flight (a prefetch) holds one copy of the unit, as FSDP2's does, not two."""
+        self._allocate()
+        self.layout.from_rank_major(staging, self._gather_target)
 
     def _unshard_from(self, piece: torch.Tensor, wait: bool) -> None:
         """All-gather the unsharded flat from the pieces the post-forward group kept."""
@@ -294,15 +307,23 @@ class Unit:
         return True
 
     # ---- gradients -----------------------------------------------------------------------
-    def start_reduction(self, grad: torch.Tensor, async_op: bool) -> None:
-        """Issue the reduction of the full-size gradient ``grad`` to this rank's grad shard."""
+    def start_reduction(self, unsharded: torch.Tensor, async_op: bool) -> None:
+        """Issue the reduction of the unsharded flat's full-size gradient to this rank's grad shard. The
+        gradient is taken off ``unsharded``; what the collective sends is made from it in the reduce dtype
+        (a cast, or [Note: chunked layout]'s rank-major copy) before the reduction starts, and the
+        original is released then, so the two never wait out the collective together."""
         spec = self._reduce_spec()
         if self.groups.shard_size > 1 or self.groups.replicate_size > 1:
             self.ctx.checker.check(order.REDUCE, self, self.ctx.phase)
-        if self.layout.rank_major and self.groups.shard_size > 1:  # [Note: chunked layout]: copy in
-            grad = self.layout.to_rank_major(grad)
+        grad = self._take_gradient(unsharded, spec.reduce_dtype)
         with self._errors(self._reduction_kind()):
             self.reduction = reduce.start(grad, spec, self.record, async_op=async_op, tag=self.ctx.next_tag(self))
+
+    def _take_gradient(self, unsharded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        grad, unsharded.grad = unsharded.grad, None  # the one reference left: freed when this returns
+        if self.layout.rank_major and self.groups.shard_size > 1:  # [Note: chunked layout]: copy in
+            return self.layout.to_rank_major(grad, dtype)
+        return grad if grad.dtype == dtype else grad.to(dtype)
 
     def advance_reduction(self, async_op: bool) -> None:
         """Finish the shard group's part of the reduction in flight and issue the all-reduce across
@@ -435,6 +456,8 @@ class Unit:
         gathered += self.view_grad_bytes
         if self._partial is not None:
             gathered += self._partial[0].untyped_storage().nbytes()
+        if self._gather is not None and self._gather.buffer is not None:
+            gathered += self._gather.buffer.untyped_storage().nbytes()
         if self.reduction is not None:  # in flight: the full-size gradient and the shard it lands in
             full, out = self.reduction.nbytes()
             gathered += full
