@@ -181,6 +181,22 @@ def test_clip_summon_state_dicts_and_checkpoints(tmp_path):
     assert run_distributed(load_at_two_worker, 2, str(tmp_path), timeout=120) == [True, True]
 
 
+def auto_worker(rank: int, world: int) -> dict:
+    _, model, _, _ = build(
+        "odd_mlp", "HYBRID_SHARD", shard_optimizer_across_replicas=True, sharding_factor="auto", memory_budget=10**9
+    )
+    units = flatshard.units(model)
+    return {"sizes": sorted({(u.shard_size, u.replicate_size) for u in units}), "why": model.sharding_decision[1]}
+
+
+def test_auto_picks_among_the_factors_that_split_the_optimizer_state():
+    """sharding_factor="auto" with the optimizer state across replicas picks among 1 < F < W (the planner's
+    "+OptR" plans): at W = 4 that is F = 2, although F = 1 fits the budget."""
+    for out in run_distributed(auto_worker, 4, timeout=60):
+        assert out["sizes"] == [(2, 2)], out
+        assert "F=2 (HYBRID_SHARD+OptR)" in out["why"], out["why"]
+
+
 def refused_worker(rank: int, world: int, kwargs: dict) -> str:
     try:
         build("odd_mlp", kwargs.pop("strategy"), shard_optimizer_across_replicas=True, **kwargs)

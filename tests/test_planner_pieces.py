@@ -190,6 +190,28 @@ def test_cli_rows_and_json(capsys):
     )
 
 
+def test_auto_chooses_among_the_hybrid_factors_only():
+    """choose_sharding_factor (sharding_factor="auto") with the optimizer state across replicas picks among
+    1 < F < W, the plans that have it; where W has no such F it says so."""
+    from flatshard.planner import choose_sharding_factor
+
+    wide = PlanInputs(world_size=8, unit_elements=(T, T), gpus_per_node=4, optimizer_across_replicas=True)
+    f, why = choose_sharding_factor(wide.replace(device_memory_bytes=10**9, headroom=0.0))
+    assert f == 2 and why.startswith("F=2 (HYBRID_SHARD+OptR) is the smallest"), why
+    # a budget only F = 4 fits: F = 8 (FULL_SHARD) would fit too, but it is not a hybrid
+    f4 = plan_strategy(wide, "HYBRID_SHARD", 4).memory.peak
+    f2 = plan_strategy(wide, "HYBRID_SHARD", 2).memory.peak
+    assert f4 < f2
+    f, why = choose_sharding_factor(wide.replace(device_memory_bytes=f4, headroom=0.0))
+    assert f == 4 and "F=4 (HYBRID_SHARD+OptR)" in why, why
+    z4 = plan_strategy(wide, "_HYBRID_SHARD_ZERO2", 4).memory.peak
+    assert z4 < plan_strategy(wide, "_HYBRID_SHARD_ZERO2", 2).memory.peak
+    f, why = choose_sharding_factor(wide.replace(device_memory_bytes=z4, headroom=0.0), reshard_after_forward=False)
+    assert f == 4 and "F=4 (_HYBRID_SHARD_ZERO2+OptR)" in why, why
+    with pytest.raises(PlanError, match=r"optimizer_across_replicas needs 1 < F < W; W=2 has no such F"):
+        choose_sharding_factor(PlanInputs(world_size=2, unit_elements=(T,), optimizer_across_replicas=True))
+
+
 def test_refused_where_the_engine_refuses():
     with pytest.raises(PlanError, match="shard_boundaries='rows'"):
         inputs(shard_boundaries="rows")

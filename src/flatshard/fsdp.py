@@ -95,7 +95,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         optimizer state split over all W ranks: the shard views, and the optimizer's state, are this rank's
         piece of its flat shard, T/W elements; the gradient is reduce-scattered across replicas instead of
         all-reduced, and the updated pieces are gathered back across them at the next forward ([Note:
-        optimizer state across replicas])."""
+        optimizer state across replicas]). With ``sharding_factor="auto"`` it picks among 1 < F < W."""
         super().__init__()
         # PyTorch FSDP's own enums and configs are taken as flatshard's (a script with one import unswapped)
         sharding_strategy, backward_prefetch, mixed_precision, cpu_offload = map(

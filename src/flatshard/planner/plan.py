@@ -320,10 +320,21 @@ def choose_sharding_factor(
     step time ([Note: planner step schedule]), the smaller F on a tie; without, the smallest F (the
     paper's R4), time not considered. Returns (F, why). When no F fits it returns (W, why) with
     ``why`` starting "nothing fits": F = W needs the least memory, and the caller decides whether to
-    go on."""
+    go on. With ``inputs.optimizer_across_replicas`` only the hybrids' factors 1 < F < W are candidates
+    (the "+OptR" plans; the engine splits the optimizer state over replicas nowhere else), and a W with
+    no such F is a PlanError."""
     w = inputs.world_size
+    factors = inputs.factors()
+    if inputs.optimizer_across_replicas:
+        factors = tuple(f for f in factors if 1 < f < w)
+        if not factors:
+            raise PlanError(
+                f"optimizer_across_replicas needs 1 < F < W; W={w} has no such F",
+                "turn optimizer_across_replicas (shard_optimizer_across_replicas) off, or use a world size with "
+                "a divisor between 1 and W (e.g. 2 nodes of 2 ranks)",
+            )
     family = []
-    for f in inputs.factors():
+    for f in factors:
         s = [x for x in strategies_at(w, f) if f == 1 or x.reshard_after_forward == reshard_after_forward][0]
         family.append(plan_strategy(inputs, s, f))
     fitting = [p for p in family if p.fits]

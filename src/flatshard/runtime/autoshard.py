@@ -46,6 +46,7 @@ def auto_sharding_factor(
     ranks_per_node: Optional[int] = None,
     group: Any = None,
     inter_node_in_flight: bool = True,
+    optimizer_across_replicas: bool = False,
 ) -> tuple[int, str]:
     if strategy is ShardingStrategy.NO_SHARD:
         raise ValueError('sharding_factor="auto" chooses how far to shard; NO_SHARD fixes F = 1. Drop one of the two.')
@@ -72,6 +73,7 @@ def auto_sharding_factor(
         headroom=0.0,
         optimizer=optimizer,
         param_tensors=param_tensors,
+        optimizer_across_replicas=optimizer_across_replicas,
         **topology,
     )
     factor, why = choose_sharding_factor(

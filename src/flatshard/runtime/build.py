@@ -300,6 +300,7 @@ def _auto_factor(options: BuildOptions, module, chosen, by_unit) -> tuple[int, s
         ranks_per_node=options.ranks_per_node,
         group=group,
         inter_node_in_flight=options.schedule.inter_node_in_flight,
+        optimizer_across_replicas=bool(options.shard_optimizer_across_replicas),
     )
 
 
