@@ -77,7 +77,7 @@ def _serve(rank: int, world_size: int, store_path: str, tasks, results) -> None:
 def _destroy_groups_made_since(before: set) -> None:
     """Destroy the process groups a task made (hybrid shard and replicate groups, a checkpoint's commit
     group, the tests' own), once every rank has finished it. A gloo group keeps threads and sockets
-    alive in the process; a pool that keeps a hundred of them runs later tests about a third slower.
+    alive in the process (at W = 4 on 2 cores, 120 of them made two small training cases 1.36x slower).
     torch has no public list of groups, so this reads c10d's registry (the harness only)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
