@@ -120,14 +120,19 @@ def smaller_group_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     base = TinyGPT()
     theirs, ours, freed = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    import torch.distributed as dist
+
+    groups = {}
     for model, shard, after in (
         (theirs, torch_fsdp.fully_shard, 2),
         (ours, flatshard.fully_shard, 2),
         (freed, flatshard.fully_shard, True),
     ):
+        before = dist.get_pg_count()
         for block in model.blocks:
             shard(block, reshard_after_forward=after)
         shard(model)
+        groups[model is ours] = dist.get_pg_count() - before
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours, freed)]
     out = {"bitwise": 0}
     for step in range(3):
@@ -156,11 +161,14 @@ def smaller_group_worker(rank: int, world: int) -> dict:
     out["full backward gathers"] = sum(
         1 for e in rec.events if e.kind == "all_gather" and e.phase == "backward" and e.group == "shard"
     )
+    # every block's call with the same mesh and g = 2 shares the two groups of 2 ranks, made once
+    out["groups made"] = (groups[True], len(model.blocks))
     return out
 
 
 def test_reshard_after_forward_to_a_smaller_group():
     for out in run_distributed(smaller_group_worker, 4, timeout=300):
+        assert out.pop("groups made") == (2, 2), out  # (groups, blocks): one group per block would be 4
         assert out == {"bitwise": 3, "post_forward gathers": True, "full backward gathers": 0}, out
 
 

@@ -18,6 +18,7 @@ what PyTorch's own tools read: ``torch.nn.utils.clip_grad_norm_``, ``p.full_tens
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -258,20 +259,29 @@ def _reshard_after_forward(value, shard_size: int) -> tuple[bool, int]:
     )
 
 
+# (mesh, g) -> (this rank's post-forward group, its position in it): every fully_shard call with the same
+# mesh and reshard_after_forward=g shares the groups, made once; one per call would leave a model of L
+# blocks with L·W/g gloo groups, each with its threads and sockets, each slowing every collective a little
+_POST_FORWARD_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _post_forward_group(mesh, size: int, total: int) -> PostForwardGroup:
     """[Note: reshard after forward to a smaller group] (post_forward.py): groups of ``size`` consecutive ranks of
-    every shard group, made by every rank in the same order (``new_group`` is collective)."""
-    rows = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
-    me = dist.get_rank()
-    timeout = group_timeout(mesh.get_group(mesh.ndim - 1))
-    mine = None
-    for row in rows:
-        for start in range(0, len(row), size):
-            ranks = row[start : start + size]
-            group = dist.new_group(ranks, timeout=timeout)
-            if me in ranks:
-                mine = PostForwardGroup.of(group, size, ranks.index(me), total)
-    return mine
+    every shard group, made by every rank in the same order (``new_group`` is collective), once per mesh
+    and size."""
+    made = _POST_FORWARD_GROUPS.setdefault(mesh, {})
+    if size not in made:
+        rows = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
+        me = dist.get_rank()
+        timeout = group_timeout(mesh.get_group(mesh.ndim - 1))
+        for row in rows:
+            for start in range(0, len(row), size):
+                ranks = row[start : start + size]
+                group = dist.new_group(ranks, timeout=timeout)
+                if me in ranks:
+                    made[size] = (group, ranks.index(me))
+    group, rank = made[size]
+    return PostForwardGroup.of(group, size, rank, total)
 
 
 def _strategy(mesh, reshard: bool) -> ShardingStrategy:
