@@ -37,6 +37,22 @@ def _inputs(world: int, **kw):
     return PlanInputs.from_module(_gpt(), [Block], world, gpus_per_node=world, headroom=0.0, **kw)
 
 
+def third_step(model, rank: int, events: bool = False):
+    """Three AdamW steps of the GPT on this rank's batches (zero_grad(set_to_none=False)), measuring the
+    third, when gradients and optimizer state exist: (memory recorder, its last sample, comms recorder)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x, y = torch.randint(0, 61, (2, 8), generator=g), torch.randint(0, 61, (2, 8), generator=g)
+        opt.zero_grad(set_to_none=False)
+        with model.record_memory(opt) as mem, model.record_comms(events=events) as rec:
+            mem.reset_peak()
+            F_.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            now = mem.sample()
+    return mem, now, rec
+
+
 def measured_vs_planned_worker(rank: int, world: int) -> list:
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard import ShardingStrategy
@@ -53,16 +69,7 @@ def measured_vs_planned_worker(rank: int, world: int) -> list:
             sharding_factor=factor if strategy.startswith("_HYBRID") or strategy == "HYBRID_SHARD" else None,
             backward_prefetch=None,
         )
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(3):  # measure the third step: gradients and optimizer state exist
-            x, y = torch.randint(0, 61, (2, 8), generator=g), torch.randint(0, 61, (2, 8), generator=g)
-            opt.zero_grad(set_to_none=False)
-            with model.record_memory(opt) as mem, model.record_comms() as rec:
-                mem.reset_peak()
-                F_.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-                opt.step()
-                now = mem.sample()
+        mem, now, rec = third_step(model, rank)
         predicted = plan_strategy(_inputs(world), strategy, factor)
         measured_steady = now["params"] + now["grads"] + now["optimizer"]
         row = {
@@ -121,16 +128,7 @@ def boundaries_worker(rank: int, world: int) -> list:
             backward_prefetch=None,
             shard_boundaries=mode,
         )
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(3):  # the third step, as above
-            x, y = torch.randint(0, 61, (2, 8), generator=g), torch.randint(0, 61, (2, 8), generator=g)
-            opt.zero_grad(set_to_none=False)
-            with model.record_memory(opt) as mem, model.record_comms(events=True) as rec:
-                mem.reset_peak()
-                F_.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-                opt.step()
-                now = mem.sample()
+        mem, now, rec = third_step(model, rank, events=True)
         sent: dict[str, dict[str, float]] = {k: {} for k in KINDS}  # kind -> unit -> bytes this rank sent
         for e in rec.events:
             if e.kind in sent:

@@ -15,13 +15,13 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F_
 
 import flatshard
 from flatshard.planner import Links, PlanError, PlanInputs, notes, plan, plan_strategy
 from flatshard.planner.cli import main as plan_main
 from tests.dist import run_distributed
 from tests.models import Block, TinyGPT
+from tests.test_planner_engine import third_step
 
 T = 999  # elements of each unit: pieces of ceil(999 / 4) = 250 at W = 4, the last owner's holding 249
 B = 4  # fp32
@@ -250,16 +250,8 @@ def pieces_worker(rank: int, world: int) -> list:
             ranks_per_node=per_node,
             backward_prefetch=None,
         )
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(3):  # the third step: its forward gathers the pieces the second step's optimizer wrote
-            x, y = torch.randint(0, 61, (2, 8), generator=g), torch.randint(0, 61, (2, 8), generator=g)
-            opt.zero_grad(set_to_none=False)
-            with model.record_memory(opt) as mem, model.record_comms() as rec:
-                mem.reset_peak()
-                F_.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-                opt.step()
-                now = mem.sample()
+        # the third step: its forward gathers the pieces the second step's optimizer wrote
+        mem, now, rec = third_step(model, rank)
         inputs = PlanInputs.from_module(
             _gpt(), [Block], world, gpus_per_node=per_node, headroom=0.0, optimizer_across_replicas=True
         )
