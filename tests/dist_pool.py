@@ -4,8 +4,7 @@ Starting a rank costs about two CPU-seconds (importing torch, joining the gloo g
 runs some forty multi-process tests: so each world size gets one pool of W spawned processes, joined
 in one gloo group, that runs one test function after another. Between tasks every rank restores what
 a test may change in its process: the RNG states, the default dtype, grad mode, the environment and
-the ``flatshard`` logger's handlers and level; it destroys the process groups the test made, and it
-collects garbage.
+the ``flatshard`` logger's handlers and level; and it collects garbage.
 
 A pool that fails is never reused: on any rank's error, on a timeout, or when a rank dies, every process
 of the pool is killed and the next test of that world size starts a fresh pool. So a test that breaks a
@@ -37,7 +36,6 @@ def _serve(rank: int, world_size: int, store_path: str, tasks, results) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
@@ -54,12 +52,8 @@ def _serve(rank: int, world_size: int, store_path: str, tasks, results) -> None:
         np.random.set_state(np_state)
         torch.set_default_dtype(torch.float32)
         torch.set_grad_enabled(True)
-        groups_before = set(c10d._world.pg_map)
         try:
             out = fn(rank, world_size, *args)
-            # before the result: a rank whose task failed never reaches the barrier in it, and its error
-            # (which breaks the pool) is what the test reports
-            _destroy_groups_made_since(groups_before)
             # plain pickle (bytes), so tensors are copied rather than shared through file descriptors
             results.put((task_id, rank, "ok", pickle.dumps(out)))
         except BaseException:  # report everything, including assertion failures, to the parent
@@ -72,19 +66,6 @@ def _serve(rank: int, world_size: int, store_path: str, tasks, results) -> None:
             gc.collect()
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _destroy_groups_made_since(before: set) -> None:
-    """Destroy the process groups a task made (hybrid shard and replicate groups, a checkpoint's commit
-    group, the tests' own), once every rank has finished it. A gloo group keeps threads and sockets
-    alive in the process (at W = 4 on 2 cores, 120 of them made two small training cases 1.36x slower).
-    torch has no public list of groups, so this reads c10d's registry (the harness only)."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    dist.barrier()  # every rank, made groups or not: a non-member holds none, and none may leave early
-    for group in [g for g in c10d._world.pg_map if g not in before and g is not dist.group.WORLD]:
-        dist.destroy_process_group(group)
 
 
 class Pool:
