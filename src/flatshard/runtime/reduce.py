@@ -61,8 +61,10 @@ Record = Callable[[collectives.CollectiveResult, str], None]
 
 
 def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: bool, tag: int = 0) -> PendingReduction:
+    """Issue the reduction of ``grad``, already in ``spec.reduce_dtype``: the unit makes it so (a cast, or the
+    rank-major copy) and releases its own gradient before the collective starts (Unit._take_gradient)."""
     groups, inter = spec.groups, spec.inter_node
-    full = grad if grad.dtype == spec.reduce_dtype else grad.to(spec.reduce_dtype)
+    full = grad
     if groups.shard_size > 1:
         out = torch.empty(spec.shard_sizes[groups.shard_rank], dtype=spec.reduce_dtype, device=grad.device)
         with torch.profiler.record_function(f"flatshard::reduce_scatter ({spec.label})"):

@@ -185,13 +185,13 @@ class Unit:
             return
         self.wait_for_unshard()
         rank_major = self.layout.rank_major and self.groups.shard_size > 1
-        if not rank_major:  # a rank-major gather lands in a buffer of its own first (_copy_out)
-            self._allocate()
         partial, self._partial = self._partial, None
         if partial is not None and partial[1] == self.flat_shard._version:  # the smaller group's gather
             self._allocate()
             self._unshard_from(partial[0], wait)
             return
+        if not rank_major:  # a rank-major gather lands in a buffer of its own first (_copy_out)
+            self._allocate()
         source = self.flat_shard
         if self.offload or self.precision.mixed:  # to the compute device and dtype (pinned: asynchronous)
             source = self.flat_shard.to(self.compute_device, self.precision.compute, non_blocking=True, copy=True)
