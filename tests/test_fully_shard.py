@@ -96,7 +96,7 @@ def parity_worker(rank: int, world: int, hsdp: bool, mp: bool) -> dict:
             assert [t.shape for t in a] == [t.shape for t in b], "the same local shards (Shard(0), torch.chunk)"
             for t_a, t_b in zip(a, b):
                 torch.testing.assert_close(t_b, t_a, msg=lambda m: f"{what}: parameter {m}", **tol)
-            out["bitwise_steps"] += all(map(torch.equal, a, b)) and losses[0] == losses[1]
+            out["bitwise_steps"] += all(map(torch.equal, a, b)) and losses[0] == losses[1] and norms[0] == norms[1]
             out["steps"] += 1
     return out
 
@@ -105,7 +105,8 @@ def parity_worker(rank: int, world: int, hsdp: bool, mp: bool) -> dict:
 def test_fully_shard_matches_pytorch_fsdp2_step_by_step(world, hsdp, mp):
     for out in run_distributed(parity_worker, world, hsdp, mp, timeout=400):
         assert out["steps"] == 2 * STEPS
-        if not mp:  # the same reduction order at W = 2 and in HSDP's shard groups of 2: to the bit
+        if not mp:  # the same reduction order at W = 2 and in HSDP's shard groups of 2: losses, gradient
+            # norms (clip_grad_norm_'s) and every local shard to the bit, every step
             assert out["bitwise_steps"] == out["steps"], out
 
 
