@@ -7,13 +7,18 @@ they change when it does. Everything a user needs is public (``flatshard.units(m
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flatshard.runtime import build
 from flatshard.runtime.mesh import group_timeout
@@ -94,3 +99,82 @@ def group_timeouts(model: nn.Module) -> list:
     """The timeouts of the root unit's shard and replicate groups (those that exist), in that order."""
     groups = units_under(model)[0].groups
     return [group_timeout(g) for g in (groups.shard_group, groups.replicate_group) if g is not None]
+
+
+# torch.distributed's entry points that communicate (collectives, object collectives, point-to-point,
+# barriers), by the names the module exports; one missing from a torch release is skipped.
+DIST_ENTRY_POINTS = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
+    "all_gather_object", "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
+    "reduce", "broadcast", "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list",
+    "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "send_object_list", "recv_object_list", "barrier", "monitored_barrier",
+)  # fmt: skip
+# Namespaces of the dispatcher's communication operators: what ProcessGroup's methods and the functional
+# collectives (DTensor's redistributions) run; waiting on one already issued (or wrapping its result) is not
+# counted.
+DIST_OP_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+NOT_COMMUNICATION = ("wait_tensor", "_wrap_tensor_autograd")
+
+
+@dataclasses.dataclass
+class DistCounts:
+    """What ``count_dist_calls`` saw: ``calls`` by entry point (every thread; a call made inside another
+    counted call, e.g. ``all_gather_object``'s own ``all_gather``, is not counted again) and ``ops`` by
+    dispatcher operator (this thread). One ``dist.all_reduce`` is ``calls["all_reduce"] == 1`` and
+    ``ops["c10d.allreduce_"] == 1``."""
+
+    calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def __bool__(self) -> bool:
+        return bool(self.calls or self.ops)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, counts: DistCounts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        space, name = func.namespace, func.__name__.split(".")[0]
+        if space in DIST_OP_NAMESPACES and name not in NOT_COMMUNICATION:
+            self.counts.ops[f"{space}.{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_dist_calls() -> Iterator[DistCounts]:
+    """Count the communication that torch.distributed does while the block runs, whoever asks for it.
+
+    Two views, since one alone can miss some: torch.distributed's entry points (``DIST_ENTRY_POINTS``)
+    are replaced, for the block only and in ``torch.distributed`` and its ``distributed_c10d`` module, by
+    counting wrappers, which see calls from any thread; and a dispatch mode counts the communication
+    operators that run on this thread, which sees a ``ProcessGroup`` method called directly and the
+    functional collectives. A test-only patch: nothing in flatshard patches torch."""
+    counts, local = DistCounts(), threading.local()
+
+    def counting(name: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            depth = getattr(local, "depth", 0)
+            if depth == 0:
+                counts.calls[name] += 1
+            local.depth = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                local.depth = depth
+
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        for name in DIST_ENTRY_POINTS:
+            fn = getattr(c10d, name, None)
+            if fn is None:
+                continue
+            wrapped = counting(name, fn)
+            for module in (dist, c10d):
+                if getattr(module, name, None) is fn:
+                    stack.enter_context(mock.patch.object(module, name, wrapped))
+        stack.enter_context(_CountOps(counts))
+        yield counts
