@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from flatshard.api import MixedPrecision, ShardingStrategy
-from flatshard.runtime import collectives, compress, order, reduce
+from flatshard.runtime import collectives, compress, exposure, order, reduce
+from flatshard.runtime.exposure import local
 from flatshard.runtime.layout import FlatLayout, make_compute_views, make_shard_views, set_views_on_modules
 from flatshard.runtime.mesh import ShardGroups
 from flatshard.runtime.pieces import Pieces
@@ -359,37 +359,11 @@ class Unit:
 
     @property
     def grad_shard(self) -> Optional[torch.Tensor]:
-        """The tensor the trainable shard views' ``.grad`` slice, while they still do (else None: no
-        gradient yet, ``zero_grad(set_to_none=True)`` dropped it, or the views hold gradients of their own)."""
-        grad = self._grad_shard() if self._grad_shard is not None else None
-        if grad is None:
-            return None
-        ptr = grad.untyped_storage().data_ptr()
-        views = [v for v in self.shard_views if v.requires_grad]
-        if any(v.grad is None or local(v.grad).untyped_storage().data_ptr() != ptr for v in views):
-            return None
-        return grad
+        """The tensor the trainable shard views' ``.grad`` slice, while they still do (exposure.py)."""
+        return exposure.grad_shard(self)
 
     def _expose_grads(self, reduced: torch.Tensor) -> None:
-        """Make ``reduced`` this rank's gradient: after ``zero_grad()`` (set_to_none, PyTorch's default)
-        it becomes the grad shard, each trainable shard view's ``.grad`` a slice of it; where a view still
-        holds a gradient (``zero_grad(set_to_none=False)``, or no zero_grad at all) the new gradient is
-        added to it in place, as ``torch.autograd`` accumulates, and ``reduced`` is dropped."""
-        if self.offload:
-            reduced = reduced.to(self.flat_shard.device)
-        slices = self.owner_layout.local_slices(self.owner_rank)
-        trainable = [(i, v, lo, hi) for i, (v, (lo, hi)) in enumerate(zip(self.shard_views, slices)) if v.requires_grad]
-        wrap = self.grad_as or (lambda _i, g: g)
-        if all(v.grad is None for _, v, _, _ in trainable):
-            for i, view, lo, hi in trainable:
-                _set_grad(view, wrap(i, reduced[lo:hi].view(local(view).shape)))
-            self._grad_shard = weakref.ref(reduced)
-            return
-        for i, view, lo, hi in trainable:
-            if view.grad is None:
-                _set_grad(view, wrap(i, reduced[lo:hi].view(local(view).shape).clone()))
-            else:
-                local(view.grad).add_(reduced[lo:hi].view(local(view.grad).shape))
+        exposure.expose_grads(self, reduced)
 
     # ---- whole flats for summon and state dicts --------------------------------------------
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
@@ -472,19 +446,3 @@ class Unit:
     def __repr__(self) -> str:
         sizes = self.layout.shard_sizes
         return f"Unit({self.name}, T={self.layout.total}, S={sizes[self.groups.shard_rank]}, {self.state.name})"
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (fully_shard's parameters and gradients); any other tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _set_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
-    """``view.grad = grad``, also when ``grad`` is in another dtype (keep_low_precision_grads): autograd
-    refuses that assignment, so a same-dtype placeholder that allocates nothing (a broadcast scalar) is
-    assigned first and its ``.data`` swapped for ``grad``."""
-    if grad.dtype == view.dtype:
-        view.grad = grad
-        return
-    view.grad = torch.zeros((), dtype=view.dtype, device=view.device).expand(view.shape)
-    view.grad.data = grad
