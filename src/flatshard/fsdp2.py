@@ -132,6 +132,15 @@ class FSDPModule(UnitHost):
     def memory_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
         return recording.memory_bytes(self._unit.ctx, optimizer, [])
 
+    def reset_iter_state(self) -> None:
+        """After a forward or backward that raised, put the step's state back now: wait for collectives in
+        flight, discard the gradients not yet on ``.grad`` (with any unreduced accumulation), reshard every
+        unit. flatshard also does this by itself when the next forward begins ([Note: a step that raised],
+        runtime/schedule.py); call it to free the gathered parameters at once. On the root, as FSDP2's."""
+        if not self._unit.is_root:
+            raise RuntimeError("reset_iter_state must be called on the root module (the outermost fully_shard)")
+        self._unit.ctx.recover(force=True)
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2's scripts: flatshard finishes every backward's reductions at its end, so
         whether a backward is the last of an accumulation changes no result and no schedule."""
@@ -160,7 +169,6 @@ class FSDPModule(UnitHost):
     set_reduce_scatter_unused_params = _not_built("set_reduce_scatter_unused_params", "every rank must use every unit")
     set_separate_reduce_scatter_group = _not_built("set_separate_reduce_scatter_group", "leave the default")
     set_symm_mem_for_comm = _not_built("set_symm_mem_for_comm", "leave the default")
-    reset_iter_state = _not_built("reset_iter_state", "nothing to reset between iterations")
 
 
 def _host_unit(module: nn.Module, what: str) -> Unit:
@@ -224,7 +232,7 @@ def fully_shard(
     module.__class__ = _fsdp_class(type(module))
     module._unit = unit
     module.register_forward_pre_hook(functools.partial(hooks.forward_pre_hook, unit), prepend=True, with_kwargs=True)
-    module.register_forward_hook(functools.partial(hooks.forward_post_hook, unit, output_dtype))
+    module.register_forward_hook(functools.partial(hooks.forward_post_hook, unit, output_dtype), always_call=True)
     config = build.schedule_config(unit.compute_device)
     build.become_root(module, config, mp)
     return module

@@ -40,6 +40,7 @@ Index of every [Note: ...] in the package
   precision of a unit's tensors ... runtime/precision.py
   reductions in flight ............ runtime/schedule.py
   prefetch ........................ runtime/schedule.py
+  a step that raised .............. runtime/schedule.py
   exchange tags ................... runtime/gloo_exchange.py
   inter-node compression .......... runtime/compress.py
   optimizer state across replicas .. runtime/pieces.py

@@ -37,6 +37,7 @@ def clip_grad_norm_(
 
 
 def _clip(ctx: RunContext, unmanaged, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    ctx.recover()  # [Note: a step that raised] (schedule.py)
     sharded = [v.grad for unit in ctx.units for v in unit.shard_views if v.grad is not None]
     local = [p.grad for p in unmanaged if p.grad is not None]
     device = ctx.root.compute_device  # where collectives run (gradient shards are on CPU under CPUOffload)
@@ -88,6 +89,7 @@ def _partial_norm(grads: list[torch.Tensor], norm_type: float, device: torch.dev
 
 @contextlib.contextmanager
 def no_sync(ctx: RunContext) -> Iterator[None]:
+    ctx.recover()  # [Note: a step that raised] (schedule.py)
     if ctx.phase in (Phase.FORWARD, Phase.BACKWARD):
         raise RuntimeError("no_sync() must be entered outside forward and backward, around both")
     previous = ctx.sync_gradients

@@ -23,6 +23,7 @@ summon_full_params, state dicts, checkpoints) run under ``flatshard::<entry poin
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from typing import Any, Optional
 
@@ -83,16 +84,24 @@ def forward_pre_hook(unit: Unit, _module: torch.nn.Module, args: tuple, kwargs: 
         args, kwargs = precision.cast_floating((args, kwargs), p.compute)
     if unit.is_root:
         ctx.begin_forward()
+    unit.forward_entries.append(sys.exc_info()[1])
     pre_forward(unit)
     return args, kwargs
 
 
 def forward_post_hook(unit: Unit, output_dtype, _module: torch.nn.Module, _args: tuple, output: Any) -> Any:
     """fully_shard's forward hook: what ``forward`` does after the module returned (``output_dtype``:
-    MixedPrecisionPolicy's cast of the outputs)."""
+    MixedPrecisionPolicy's cast of the outputs). Registered with ``always_call``, so it also runs when the
+    forward raised ([Note: a step that raised], schedule.py): an exception other than the one being handled
+    when the forward began (a forward called inside an ``except`` block sees that one on both sides) is
+    propagating, and the unit reshards at once."""
+    entered = unit.forward_entries.pop() if unit.forward_entries else None
+    raised = sys.exc_info()[1] is not entered
     post_forward(unit)
     if unit.is_root:
-        unit.ctx.end_forward(True)
+        unit.ctx.end_forward(not raised)
+    if raised:
+        return None
     if output_dtype is not None:
         output = precision.cast_floating(output, output_dtype)
     if torch.is_grad_enabled():

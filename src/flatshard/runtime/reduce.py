@@ -120,6 +120,14 @@ def advance(pending: PendingReduction, spec: ReduceSpec, record: Record, *, asyn
     pending.work = result.work
 
 
+def discard(pending: PendingReduction) -> None:
+    """Wait for whatever of ``pending`` is still in flight and drop it (a step that raised: [Note: a step
+    that raised], schedule.py). Nothing new is issued: every rank drops the same reductions alike."""
+    if pending.work is not None:
+        pending.work.wait()
+    pending.work = pending.full = pending.source = None
+
+
 def finish(
     pending: PendingReduction, spec: ReduceSpec, master_dtype: torch.dtype, record: Record, tag: int = 0
 ) -> torch.Tensor:

@@ -85,6 +85,7 @@ class RunContext:
         self.forward_order: list[Unit] = []  # units in the order their forward ran in the last pass
         self.order_this_pass: list[Unit] = []
         self.end_of_backward_queued = False
+        self.raised = False  # a forward raised ([Note: a step that raised])
         self.comm_recorders: list[CommRecorder] = []
         self.memory_recorders: list[MemoryRecorder] = []
         self.pending_reductions: list[Unit] = []  # reduce-scatters in flight, finished at the next post-backward
@@ -116,6 +117,8 @@ class RunContext:
     # ---- phases -------------------------------------------------------------------------
     @contextlib.contextmanager
     def phase_scope(self, phase: Phase) -> Iterator[None]:
+        """An entry point between steps (summon, state dicts, checkpoints): ends a step that raised first."""
+        self.recover()
         previous, self.phase = self.phase, phase
         try:
             yield
@@ -123,6 +126,7 @@ class RunContext:
             self.phase = previous
 
     def begin_forward(self) -> None:
+        self.recover()
         if self.passes >= 1:  # a second forward: the first step (checked) is over, with or without a backward
             self.checker.first_step = False
         self.passes += 1
@@ -135,6 +139,8 @@ class RunContext:
         """The root's forward returned (``completed``) or raised: record the order, free unused prefetches."""
         if completed:
             self.checker.check(END_FORWARD, None, self.phase)
+        else:
+            self.raised = True
         self.phase = Phase.IDLE
         if self.order_this_pass:
             if self.order_this_pass != self.forward_order:
@@ -143,6 +149,8 @@ class RunContext:
         for unit in self.units:  # a forward prefetch the pass did not use: free it now
             if unit.reshard_after_forward and not unit.is_root and unit.gathered and unit not in self.order_this_pass:
                 unit.reshard()
+        if not completed:  # the root too, and what the step held, at once ([Note: a step that raised])
+            self.recover()
 
     def record_forward(self, unit: Unit) -> None:
         self.order_this_pass.append(unit)
@@ -172,6 +180,46 @@ class RunContext:
         finally:
             self.end_of_backward_queued = False
             self.phase = Phase.OPTIMIZER
+
+    # ---- a step that raised ------------------------------------------------------------------
+    # [Note: a step that raised]
+    # A loop may catch an exception from forward or backward and go on: an out-of-memory guard, a NaN
+    # guard, a bad sample. A forward that raises still runs every unit's post-forward (the FSDP1 wrapper's
+    # ``finally``; fully_shard's forward hook is registered with ``always_call``), so its units reshard at
+    # once. A backward that raises leaves the step as it was: autograd drops the end-of-backward callback
+    # it had queued, so units stay gathered, reductions stay in flight and, without this, the next
+    # backward would queue no callback at all (its gradients never exposed). ``recover`` ends such a step:
+    # when the root's next forward begins, before clip_grad_norm_, summon_full_params, state dicts and
+    # checkpoints, and at once on fully_shard's ``reset_iter_state()``. It waits for every collective in
+    # flight, each rank in the same order (the order issued, then unit order), and discards the gradients
+    # the step had not yet put on ``.grad``: reductions in flight, and what accumulated unreduced under
+    # no_sync / set_requires_gradient_sync(False) -- the accumulation window is lost, after a forward that
+    # raised as after a backward, as PyTorch FSDP2's reset_iter_state discards it. Gradients already on
+    # ``.grad`` stay, as on an unwrapped model; the loop's ``optimizer.zero_grad()`` drops them, and the
+    # next steps then equal a run that skipped the batch (tests/test_loops.py). Every rank must raise at
+    # the same point, as an error in the data or the model does on every rank; an exception on one rank
+    # alone leaves its peers in a collective until the group's timeout, whose error names the unit.
+    @property
+    def interrupted(self) -> bool:
+        """Whether the last forward or backward raised and its state is not yet put back."""
+        return self.raised or self.end_of_backward_queued
+
+    def recover(self, force: bool = False) -> bool:
+        """End a step that raised ([Note: a step that raised]); True if there was one (or ``force``)."""
+        if not (force or self.interrupted) or torch._C._current_graph_task_id() != -1:
+            return False  # nothing raised, or a backward is running now (a recomputation's forward)
+        in_flight, self.pending_reductions = self.pending_reductions, []
+        in_flight += self.cross_node_reductions
+        self.cross_node_reductions = []
+        for unit in in_flight:
+            unit.abandon_step()
+        for unit in self.units:
+            unit.abandon_step()
+        self.raised = self.end_of_backward_queued = False
+        self.phase = Phase.IDLE
+        self.order_this_pass = []
+        self.sample_memory()
+        return True
 
     # ---- prefetch: the schedule that spans units ------------------------------------------
     # [Note: prefetch]

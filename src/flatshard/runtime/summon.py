@@ -52,6 +52,7 @@ def summon(
         )
     for unit in units:
         unit.ctx.start()
+        unit.ctx.recover()  # [Note: a step that raised] (schedule.py)
         if unit.ctx.phase in (Phase.FORWARD, Phase.BACKWARD):
             raise RuntimeError("summon_full_params cannot be used during forward or backward; call it between steps")
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0

@@ -131,6 +131,7 @@ class Unit:
         self.gradient_divide_factor: Optional[float] = None  # None: divide by the data-parallel size
         self.forward_prefetch: list[Unit] = []  # explicit prefetch targets (else the run context's schedule)
         self.backward_prefetch: list[Unit] = []
+        self.forward_entries: list = []  # fully_shard: the exception being handled as each forward began (hooks.py)
         self.summoned = False  # inside summon_full_params, its modules hold the full parameters (summon.py)
         self.grad_as: Optional[Any] = None  # fully_shard: (index, local gradient) -> its DTensor gradient
         self.post_forward: Optional[PostForwardGroup] = None  # fully_shard's reshard_after_forward=int
@@ -344,6 +345,24 @@ class Unit:
             reduced = reduce.finish(pending, spec, self.precision.grad, self.record, tag=self.ctx.next_tag(self))
         self._expose_grads(reduced)
         self.ctx.sample_memory()
+
+    def abandon_step(self) -> None:
+        """A step that raised ([Note: a step that raised], schedule.py): wait for this unit's collectives in
+        flight, drop the gradients it had not exposed (a reduction in flight, an unreduced accumulation),
+        put the shard views back and reshard."""
+        self.wait_for_unshard()
+        if self.pieces is not None:
+            self.pieces.finish_sync(self._errors)
+        if self.reduction is not None:
+            pending, self.reduction = self.reduction, None
+            with self._errors(self._reduction_kind()):
+                reduce.discard(pending)
+        self._partial = None
+        self.open_splits = 0
+        self.view_grad_bytes = 0
+        self.unsharded.grad = None
+        self.use_shard_views()
+        self.reshard()
 
     @property
     def sync(self) -> bool:

@@ -1,0 +1,246 @@
+"""The loops people really write: a step that raises and is skipped, fused and foreach optimizers, edits of
+the parameters between steps, long gradient accumulation in low precision, clipping beside ignored
+parameters, fp16 reductions over many ranks.
+
+Each case trains beside a single-process reference that does what the loop does (skips the same batch,
+makes the same edit) and compares every step: losses, gradients and parameters at PyTorch's default fp32
+tolerances; after every step no unit is left gathered."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.dist import run_distributed
+from tests.models import Block, TinyGPT
+
+PER_RANK = 2
+STEPS = 4
+
+
+class Boom(Exception):
+    """What the injected fault raises; the loop catches it and skips the batch."""
+
+
+class Fault:
+    """Raises once, in the forward or the backward of one module, when armed."""
+
+    def __init__(self, module: nn.Module, phase: str):
+        self.armed = False
+        self.phase = phase
+        module.register_forward_hook(self._forward)
+
+    def _forward(self, _module, _args, output):
+        if self.phase == "forward" and self.armed:
+            self.armed = False
+            raise Boom("forward")
+        if self.phase == "backward" and torch.is_grad_enabled():
+            output.register_hook(self._backward)
+        return output
+
+    def _backward(self, grad):
+        if self.armed:
+            self.armed = False
+            raise Boom("backward")
+        return grad
+
+
+def _gpt(layers: int = 3) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(layers=layers)
+
+
+def _wrap(model: nn.Module, front: str, strategy: str, prefetch: bool, ranks_per_node):
+    """The model under one front end. ``ranks_per_node=1`` puts every rank on a node of its own, so the
+    reductions that cross nodes are left in flight ([Note: reductions in flight])."""
+    from flatshard import BackwardPrefetch, ShardingStrategy, fully_shard
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard.wrap import ModuleWrapPolicy
+
+    if front == "fsdp1":
+        return FSDP(
+            model,
+            sharding_strategy=ShardingStrategy[strategy],
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE if prefetch else None,
+            forward_prefetch=prefetch,
+            ranks_per_node=ranks_per_node,
+        )
+    if ranks_per_node is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)  # the pool restores the environment after the task
+    reshard = strategy != "SHARD_GRAD_OP"
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    if prefetch:
+        blocks = list(model.blocks)
+        for a, b in zip(blocks, blocks[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _compare(model: nn.Module, ref: nn.Module, what: str, grads: bool) -> None:
+    """Every parameter (and gradient) this rank holds against its slice of the reference's."""
+    from flatshard.testing import shard_ranges
+
+    ranges = shard_ranges(model)
+    refp = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        full = refp[name]
+        a, b = ranges[id(p)]
+        mine = _local(p.grad if grads else p.detach()) if (p.grad is not None or not grads) else None
+        theirs = full.grad if grads else full.detach()
+        if grads and (theirs is None or mine is None):
+            assert (theirs is None) == (mine is None), f"{what}: {name}: gradient {mine} vs reference {theirs}"
+            continue
+        expect = theirs.reshape(-1)[a:b].view(mine.shape)
+        torch.testing.assert_close(
+            mine, expect, msg=lambda m, n=name: f"{what}: {'grad' if grads else 'param'} {n}: {m}"
+        )
+
+
+def _batch(step: int, world: int):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, 37, (world * PER_RANK, 8), generator=g)
+    return x, torch.randint(0, 37, (world * PER_RANK, 8), generator=g)
+
+
+def _loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _assert_nothing_gathered(model: nn.Module, what: str) -> None:
+    held = model.memory_bytes()["gathered"]  # unsharded flats, gradients and buffers in flight, kept pieces
+    assert held == 0, f"{what}: {held} bytes left gathered or in flight after the step"
+
+
+def _optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+# ---- 1. a step that raises, caught by the loop, the batch skipped --------------------------------------
+WHERE = ("blocks.0", "blocks.1", "blocks.2", "ln_f")  # the first, a middle and the last block; the root's own
+
+
+def run_fault_case(rank, world, front, strategy, prefetch, ranks_per_node, phase, where, bad_step, opt_kind):
+    ref, model = _gpt(), _gpt()
+    fault = Fault(model.get_submodule(where), phase)
+    model = _wrap(model, front, strategy, prefetch, ranks_per_node)
+    ref_opt, opt = _optimizer(opt_kind, ref.parameters()), _optimizer(opt_kind, model.parameters())
+    local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    what = (
+        f"{front} {strategy} prefetch={prefetch} ranks_per_node={ranks_per_node} {phase} in {where} at step {bad_step}"
+    )
+    for step in range(STEPS):
+        x, y = _batch(step, world)
+        if step == bad_step:  # the loop's guard: catch, drop the batch's gradients, go on
+            fault.armed = True
+            with pytest.raises(Boom):
+                _loss(model(x[local]), y[local]).backward()
+            assert not fault.armed, f"{what}: the fault did not fire"
+            if phase == "forward":  # every unit resharded as the exception left the forward
+                _assert_nothing_gathered(model, f"{what}, right after the forward raised")
+            elif front == "fully_shard" and bad_step == 0:  # FSDP2's explicit reset frees at once too
+                model.reset_iter_state()
+                _assert_nothing_gathered(model, f"{what}, after reset_iter_state()")
+            opt.zero_grad()
+            continue
+        ref_loss = _loss(ref(x), y)
+        ref_loss.backward()
+        loss = _loss(model(x[local]), y[local])
+        loss.backward()
+        _compare(model, ref, f"{what}, step {step}", grads=True)
+        ref_opt.step()
+        opt.step()
+        _compare(model, ref, f"{what}, step {step}", grads=False)
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        _assert_nothing_gathered(model, f"{what}, step {step}")
+    return 1
+
+
+SETTINGS = [  # (strategy, prefetch, ranks_per_node): prefetch on and off, reductions left in flight or not
+    ("FULL_SHARD", True, None),
+    ("FULL_SHARD", False, 1),
+    ("SHARD_GRAD_OP", True, None),
+    ("NO_SHARD", False, 1),
+]
+
+
+def fault_worker(rank: int, world: int, front: str) -> int:
+    done = 0
+    cases = itertools.product(SETTINGS, ("forward", "backward"), WHERE)
+    for i, ((strategy, prefetch, per_node), phase, where) in enumerate(cases):
+        if front == "fully_shard" and strategy == "NO_SHARD":
+            continue  # fully_shard shards over its mesh; NO_SHARD is the FSDP1 wrapper's
+        bad_step = i % 2  # the first step (order checks on) and a later one
+        opt_kind = ("sgd", "adamw")[i % 2]
+        done += run_fault_case(rank, world, front, strategy, prefetch, per_node, phase, where, bad_step, opt_kind)
+    return done
+
+
+@pytest.mark.parametrize("front", ["fsdp1", "fully_shard"])
+def test_a_step_that_raises_is_skipped_and_training_goes_on(front):
+    """A forward or backward that raises at the first, a middle or the last unit, caught by the loop: the
+    next steps equal the reference that skipped the same batch, every rank, and no unit stays gathered."""
+    counts = run_distributed(fault_worker, 2, front, timeout=400)
+    assert counts[0] == counts[1] > 0
+
+
+def accumulation_fault_worker(rank: int, world: int, front: str, phase: str) -> int:
+    """Two micro-batches accumulate unreduced, the third raises: the window is lost (the loop zero_grads,
+    as the reference does), and the next window's step equals the reference's."""
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    ref, model = _gpt(2), _gpt(2)
+    fault = Fault(model.get_submodule("blocks.0"), phase)
+    model = _wrap(model, front, "SHARD_GRAD_OP", True, None)
+    ref_opt, opt = _optimizer("adamw", ref.parameters()), _optimizer("adamw", model.parameters())
+    local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+
+    def micro(k: int, sync: bool, model_only: bool = False):
+        x, y = _batch(k, world)
+        if not model_only:
+            (_loss(ref(x), y) / 3).backward()
+        if isinstance(model, FSDP) and not sync:
+            with model.no_sync():
+                (_loss(model(x[local]), y[local]) / 3).backward()
+            return
+        if not isinstance(model, FSDP):
+            model.set_requires_gradient_sync(sync)
+        (_loss(model(x[local]), y[local]) / 3).backward()
+
+    micro(0, False, model_only=True)  # the lost window: the reference never sees it
+    micro(1, False, model_only=True)
+    fault.armed = True
+    with pytest.raises(Boom):
+        micro(2, True, model_only=True)
+    opt.zero_grad()
+    for k in (3, 4, 5):
+        micro(k, k == 5)
+    what = f"{front}: {phase} raised at the end of an accumulation window"
+    _compare(model, ref, what, grads=True)
+    ref_opt.step()
+    opt.step()
+    _compare(model, ref, what, grads=False)
+    return 1
+
+
+@pytest.mark.parametrize("front", ["fsdp1", "fully_shard"])
+def test_an_accumulation_window_that_raised_is_dropped_whole(front):
+    for phase in ("forward", "backward"):
+        assert run_distributed(accumulation_fault_worker, 2, front, phase, timeout=200) == [1, 1]
