@@ -15,38 +15,60 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import cluster_predict  # noqa: E402
 
-# The predictions that are not within 25%, and why (docs/multi_node.md, "What the planner still misses"):
-# at 1 Gbit/s, what crosses nodes in flight while backward computes is predicted to hide more than it does
-# (0.73-0.75 of the measured step): on 2 shared cores the background exchange's threads and the kernel's
-# TCP work take CPU time from compute, which the planner's compute figure (measured without communication)
-# leaves out. At 200 Mbit/s, where the link and not the cores is what the step waits for, every prediction
-# is within 25%.
+RUNS = [(k, r) for k in ("cluster", "slow_link") for r in ("1gbit", "200mbit")]
+
+# The predictions that are not within 25%, named, and why (docs/multi_node.md, "Verdicts"): at 1 Gbit/s the
+# all-reduce across nodes of a system with a replicate group spanning the nodes (hybrid, NO_SHARD) is left
+# in flight while backward computes, and the planner counts that time as hidden; on 2 shared cores gloo's
+# threads and the kernel's TCP take CPU time from compute, which the planner's compute figure (measured
+# without communication) leaves out. So each is predicted too fast.
+# [Note: what a known miss asserts] No band is drawn around a committed ratio: every prediction not named
+# here must be within 25%; every one named must be a miss, in the documented direction (predicted below
+# measured), of the documented kind (1 Gbit/s, in flight on, its all-reduce crossing nodes). A rerun that
+# turns a miss into a hit, or a new miss, fails.
 KNOWN_MISSES = {
-    ("cluster", "1gbit", "flatshard HYBRID_SHARD F=2"): (0.70, 0.75),
-    ("slow_link", "1gbit", "flatshard HYBRID_SHARD F=2"): (0.70, 0.75),
-    ("slow_link", "1gbit", "flatshard HYBRID_SHARD F=2, optimizer across replicas"): (0.70, 0.75),
-    ("slow_link", "1gbit", "flatshard _HYBRID_SHARD_ZERO2 F=2"): (0.70, 0.75),
-    ("slow_link", "1gbit", "flatshard NO_SHARD"): (0.70, 0.75),
+    ("cluster", "1gbit", "flatshard HYBRID_SHARD F=2"),
+    ("slow_link", "1gbit", "flatshard HYBRID_SHARD F=2"),
+    ("slow_link", "1gbit", "flatshard HYBRID_SHARD F=2, optimizer across replicas"),
+    ("slow_link", "1gbit", "flatshard _HYBRID_SHARD_ZERO2 F=2"),
+    ("slow_link", "1gbit", "flatshard NO_SHARD"),
 }
-# The same effect on the in-flight saving: NO_SHARD at 1 Gbit/s measured 0.82 of its step with it off,
-# predicted 0.72.
-KNOWN_IN_FLIGHT = {("1gbit", "flatshard NO_SHARD"): 0.11}
+# The same effect on the in-flight saving (step in flight over step with it off): predicted within 0.1 of
+# the measured ratio but for these, where the planner predicts more saving than measured, as above.
+KNOWN_IN_FLIGHT_MISSES = {("1gbit", "flatshard NO_SHARD")}
+IN_FLIGHT_BOUND = 0.1
+CROSSING_ALL_REDUCE = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD")  # F < W: replicas on both nodes
 
 
-@pytest.fixture(scope="module", params=[(k, r) for k in ("cluster", "slow_link") for r in ("1gbit", "200mbit")])
+def _ratio(row: dict) -> float:
+    return row["predicted_s"] / row["measured_s"]
+
+
+def _within(row: dict) -> bool:
+    return abs(_ratio(row) - 1) <= cluster_predict.TOLERANCE
+
+
+def _in_flight_across_nodes(rate: str, name: str) -> bool:
+    planned = cluster_predict.planned_as(name, 4, 2)  # W = 4, 2 ranks per node: every committed run
+    return rate == "1gbit" and "in flight off" not in name and planned is not None and planned[0] in CROSSING_ALL_REDUCE
+
+
+@pytest.fixture(scope="module", params=RUNS)
 def run(request):
     kind, rate = request.param
     return kind, rate, cluster_predict.committed(rate, kind)
 
 
-def test_every_prediction_within_25_percent(run):
+def test_every_prediction_within_25_percent_but_the_known_misses(run):
     kind, rate, prediction = run
     judged = {n: r for n, r in prediction["rows"].items() if r["modelled"]}
     assert len(judged) >= 5
     for name, row in judged.items():
-        ratio = row["predicted_s"] / row["measured_s"]
-        low, high = KNOWN_MISSES.get((kind, rate, name), (1 - cluster_predict.TOLERANCE, 1 + cluster_predict.TOLERANCE))
-        assert low <= ratio <= high, (kind, rate, name, ratio)
+        if (kind, rate, name) in KNOWN_MISSES:  # [Note: what a known miss asserts]
+            assert _ratio(row) < 1 - cluster_predict.TOLERANCE, ("no longer a miss", kind, rate, name, _ratio(row))
+            assert _in_flight_across_nodes(rate, name), ("a miss of another kind", kind, rate, name)
+        else:
+            assert _within(row), (kind, rate, name, _ratio(row))
 
 
 def test_the_planner_ranks_flatshards_systems_in_the_measured_order(run):
@@ -58,13 +80,17 @@ def test_the_planner_ranks_flatshards_systems_in_the_measured_order(run):
 @pytest.mark.parametrize("rate", ["1gbit", "200mbit"])
 def test_in_flight_is_predicted_as_much_faster_as_measured(rate):
     """The step with inter_node_in_flight over the step without, where the all-reduce across replicas
-    crosses (hybrid, NO_SHARD): predicted within 0.1 of the measured ratio (0.82-0.94 measured)."""
+    crosses (hybrid, NO_SHARD): predicted below 1 and within 0.1 of the measured ratio, but for the known
+    misses, each predicted to save more than measured ([Note: what a known miss asserts])."""
     rows = cluster_predict.committed(rate, "slow_link")["rows"]
     for name in ("flatshard HYBRID_SHARD F=2", "flatshard NO_SHARD"):
         on, off = rows[name], rows[f"{name}, in flight off"]
         measured, predicted = on["measured_s"] / off["measured_s"], on["predicted_s"] / off["predicted_s"]
-        bound = KNOWN_IN_FLIGHT.get((rate, name), 0.1)
-        assert predicted < 1 and abs(predicted - measured) <= bound, (rate, name, measured, predicted)
+        assert predicted < 1, (rate, name, predicted)
+        if (rate, name) in KNOWN_IN_FLIGHT_MISSES:
+            assert predicted < measured - IN_FLIGHT_BOUND, ("no longer a miss", rate, name, measured, predicted)
+        else:
+            assert abs(predicted - measured) <= IN_FLIGHT_BOUND, (rate, name, measured, predicted)
 
 
 def test_the_table_and_summary_print(capsys):
