@@ -7,6 +7,7 @@ figures."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import cluster_predict  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 RUNS = [(k, r) for k in ("cluster", "slow_link") for r in ("1gbit", "200mbit")]
 
 # The predictions that are not within 25%, named, and why (docs/multi_node.md, "Verdicts"): at 1 Gbit/s the
@@ -25,7 +27,7 @@ RUNS = [(k, r) for k in ("cluster", "slow_link") for r in ("1gbit", "200mbit")]
 # [Note: what a known miss asserts] No band is drawn around a committed ratio: every prediction not named
 # here must be within 25%; every one named must be a miss, in the documented direction (predicted below
 # measured), of the documented kind (1 Gbit/s, in flight on, its all-reduce crossing nodes). A rerun that
-# turns a miss into a hit, or a new miss, fails.
+# turns a miss into a hit, or a new miss, fails, and with it the count the documents state (test below).
 KNOWN_MISSES = {
     ("cluster", "1gbit", "flatshard HYBRID_SHARD F=2"),
     ("slow_link", "1gbit", "flatshard HYBRID_SHARD F=2"),
@@ -69,6 +71,54 @@ def test_every_prediction_within_25_percent_but_the_known_misses(run):
             assert _in_flight_across_nodes(rate, name), ("a miss of another kind", kind, rate, name)
         else:
             assert _within(row), (kind, rate, name, _ratio(row))
+
+
+def _counts() -> tuple[int, int]:
+    """(within 25%, judged) over every committed run: what bench/cluster_predict.py's verdicts add up to."""
+    within = judged = 0
+    for kind, rate in RUNS:
+        verdict = cluster_predict.committed(rate, kind)["verdicts"]["within_25_percent"]
+        within, judged = within + sum(verdict.values()), judged + len(verdict)
+    return within, judged
+
+
+def test_the_documents_state_the_count_the_committed_runs_give():
+    """README.md, docs/planner.md and docs/multi_node.md say "N of M step predictions" for the committed
+    runs; N and M are recomputed here, so the sentence cannot drift from the data."""
+    within, judged = _counts()
+    assert judged - within == len(KNOWN_MISSES)
+    for doc in ("README.md", "docs/planner.md", "docs/multi_node.md"):
+        stated = re.findall(r"\b(\d+)\s+of\s+(\d+)\s+step\s+predictions\b", (ROOT / doc).read_text())
+        assert stated, f"{doc} no longer states the count"
+        assert all((int(a), int(b)) == (within, judged) for a, b in stated), (doc, stated, (within, judged))
+
+
+def _cell(rows: dict, name: str) -> str:
+    if name not in rows:
+        return "–"
+    return f"{_ratio(rows[name]):.2f}" if _within(rows[name]) else f"**{_ratio(rows[name]):.2f}**"
+
+
+def test_the_planner_docs_table_is_what_the_committed_runs_give():
+    """docs/planner.md's table of predicted / measured, row by row, from the committed runs."""
+    runs = {(k, r): cluster_predict.committed(r, k)["rows"] for k, r in RUNS}
+    text = (ROOT / "docs/planner.md").read_text()
+    for label, name in (
+        ("FULL_SHARD (4)", "flatshard FULL_SHARD"),
+        ("HYBRID_SHARD (2)", "flatshard HYBRID_SHARD F=2"),
+        ("HYBRID_SHARD+OptR (2)", f"flatshard HYBRID_SHARD F=2, {cluster_predict.PIECES}"),
+        ("_HYBRID_SHARD_ZERO2 (2)", "flatshard _HYBRID_SHARD_ZERO2 F=2"),
+        ("SHARD_GRAD_OP (4)", "flatshard SHARD_GRAD_OP"),
+        ("NO_SHARD (1)", "flatshard NO_SHARD"),
+        ("no communication", "no communication"),
+    ):
+        cells = [_cell(runs["cluster", r], name) for r in cluster_predict.RATES]
+        for r in cluster_predict.RATES:
+            rows, off = runs["slow_link", r], f"{name}, in flight off"
+            both = name != "no communication" and (off in rows or name in rows)  # off, on
+            cells.append(f"{_cell(rows, off)}, {_cell(rows, name)}" if both else _cell(rows, name))
+        line = f"| {label} | {' | '.join(cells)} |"
+        assert line in text, f"docs/planner.md lacks: {line}"
 
 
 def test_the_planner_ranks_flatshards_systems_in_the_measured_order(run):
