@@ -2,8 +2,11 @@
 
 Steady bytes (rank 0, the fullest shard) and collective bytes per kind must equal the planner's
 prediction exactly, and under shard_boundaries "params" and "rows" every rank's steady bytes the
-planner's for that rank; the measured peak of what flatshard manages must be within 5% of the planner's
-peak (activations are not part of either). The planner counts gradient shards as resident through
+planner's for that rank; the measured peak of what flatshard manages must be at most the planner's peak
+and at least 95% of it (activations are not part of either): the planner's peak is what a rank must have
+free, so a measured peak above it would be a plan that does not fit, while the recorder, sampling at unit
+transitions, may see less. Not asserted equal: in the sharded configurations the measured peak is a few
+bytes under the planner's. The planner counts gradient shards as resident through
 the step (the documents' convention), so the run zeroes gradients with ``set_to_none=False``; with
 PyTorch's default ``set_to_none=True`` the measured peak is lower by the shards not yet reduced."""
 
@@ -95,9 +98,7 @@ def test_measured_bytes_match_the_planner():
             )
             assert row["steady"][0] == row["steady"][1], f"{what}: steady {row['steady']}"
             measured, predicted = row["peak"]
-            assert abs(measured - predicted) <= 0.05 * predicted, (
-                f"{what}: peak measured {measured} predicted {predicted}"
-            )
+            assert 0.95 * predicted <= measured <= predicted, f"{what}: peak measured {measured} predicted {predicted}"
             for kind in ("all_gather", "reduce_scatter", "all_reduce"):
                 m, p = row[kind]
                 assert abs(m - p) <= 1e-6 * max(p, 1), f"{what}: {kind} measured {m} predicted {p}"
@@ -151,7 +152,8 @@ def boundaries_worker(rank: int, world: int) -> list:
 
 def test_planned_bytes_follow_shard_boundaries():
     """Under "params" (and "rows") every rank's steady bytes are the planner's for that rank, the largest
-    is the planner's steady, the largest peak is within 5% of the planner's (the largest rank's), and
+    is the planner's steady, the largest peak is at most the planner's (the largest rank's) and at least 95%
+    of it, and
     the collectives follow each unit's largest shard: summed over units, the most any rank sends of a
     unit's all-gathers and all-reduces is the planner's figure exactly, of its reduce-scatters at most."""
     for world in (2, 4):
@@ -163,7 +165,8 @@ def test_planned_bytes_follow_shard_boundaries():
             assert [m["steady"] for m in mine] == [m["planned_steady"] for m in mine], what
             assert max(m["steady"] for m in mine) == mine[0]["largest_steady"], what
             peak, predicted = max(m["peak"][0] for m in mine), mine[0]["peak"][1]
-            assert abs(peak - predicted) <= 0.05 * predicted, f"{what}: peak measured {peak} predicted {predicted}"
+            print(f"{what}: peak measured {peak} predicted {predicted}")
+            assert 0.95 * predicted <= peak <= predicted, f"{what}: peak measured {peak} predicted {predicted}"
             for kind in KINDS:
                 units = {u for m in mine for u in m["sent"][kind]}
                 largest = sum(max(m["sent"][kind].get(u, 0.0) for m in mine) for u in units)

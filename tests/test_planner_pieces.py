@@ -4,7 +4,8 @@ communication model], [Note: planner step schedule]); which plans have it, the t
 recommendation; and against the engine's shard_optimizer_across_replicas=True at W = 4, F = 2, one spawn:
 every rank's steady bytes equal the planner's for its owner rank (rank 0's the planner's ``steady``), the
 bytes and calls of every collective by phase and group equal the planner's (``CommEstimate.by_collective``),
-and the measured peak is within 5% of the planner's, on one node and as two nodes of two ranks, where the
+and the measured peak is at most the planner's and at least 95% of it (the planner's peak is what a rank
+must have free; the recorder samples at unit transitions), on one node and as two nodes of two ranks, where the
 reduce-scatters across replicas stay in flight to the end of backward (and the planner counts what they
 hold). In the style of tests/test_planner_engine.py: AdamW, zero_grad(set_to_none=False), the third step
 measured."""
@@ -295,4 +296,4 @@ def test_planned_bytes_equal_the_engines():
         assert (mine[0]["held"] > 0) == (config[1] == 2), (what, mine[0]["held"])
         peak, predicted = max(m["peak"][0] for m in mine), mine[0]["peak"][1]
         print(f"{what}: peak measured {peak} predicted {predicted} ({peak / predicted:.3f})")
-        assert abs(peak - predicted) <= 0.05 * predicted, f"{what}: peak measured {peak} predicted {predicted}"
+        assert 0.95 * predicted <= peak <= predicted, f"{what}: peak measured {peak} predicted {predicted}"
