@@ -4,8 +4,10 @@ The package asks for ``torch>=2.13`` only (pyproject.toml); the exact CPU build 
 comes from the Makefile's constraints file, not from the metadata. A fresh virtualenv sees this test
 environment's packages through a .pth file (a folder of links to them, flatshard left out), so torch is
 there without a 700 MB install, and pip installs offline (``--no-index``, the build backend from this
-environment). Two cases: the real torch of this environment, and a user's other release (a torch
-2.99.0 distribution, as a newer release or a nightly would be), which an exact pin would have replaced.
+environment). Two cases: the real torch of this environment, and a stand-in for a user's other release:
+the same torch files under a distribution record (dist-info) that says 2.99.0, as a newer release or a
+nightly would, which an exact pin would have replaced. pip reads only the record, so this tests what pip
+decides; no other build of torch is installed or imported.
 """
 
 from __future__ import annotations
