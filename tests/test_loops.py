@@ -8,6 +8,7 @@ tolerances; after every step no unit is left gathered."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -244,3 +245,78 @@ def accumulation_fault_worker(rank: int, world: int, front: str, phase: str) -> 
 def test_an_accumulation_window_that_raised_is_dropped_whole(front):
     for phase in ("forward", "backward"):
         assert run_distributed(accumulation_fault_worker, 2, front, phase, timeout=200) == [1, 1]
+
+
+# ---- 2. fused, foreach and for-loop optimizers; the user's own edits between steps ----------------------
+OPTIMIZERS = [
+    (cls, flags) for cls in ("SGD", "AdamW") for flags in ({"foreach": False}, {"foreach": True}, {"fused": True})
+]
+STRATEGIES_KEEPING_STATE = [  # (strategy, extra keywords): F < W keeps replicas; pieces keep other replicas' parts
+    ("FULL_SHARD", {}),
+    ("SHARD_GRAD_OP", {}),
+    ("NO_SHARD", {}),
+    ("HYBRID_SHARD", {"sharding_factor": 2}),
+    ("_HYBRID_SHARD_ZERO2", {"sharding_factor": 2}),
+    ("HYBRID_SHARD", {"sharding_factor": 2, "shard_optimizer_across_replicas": True}),
+    ("_HYBRID_SHARD_ZERO2", {"sharding_factor": 2, "shard_optimizer_across_replicas": True}),
+]
+
+
+def _edit(model: nn.Module, ref: nn.Module, step: int) -> None:
+    """The user's own in-place edits between steps, the same element-wise map on both models: through
+    ``torch.no_grad()`` (which bumps the version counter) and through ``p.data`` (which does not)."""
+    refp = dict(ref.named_parameters())
+    for i, (name, p) in enumerate(model.named_parameters()):
+        full = refp[name]
+        if (i + step) % 2:
+            with torch.no_grad():
+                p.mul_(0.5).add_(0.01)
+                full.mul_(0.5).add_(0.01)
+        else:
+            p.data.copy_(p.detach() * 0.75 - 0.02)
+            full.data.copy_(full.detach() * 0.75 - 0.02)
+
+
+def optimizer_worker(rank: int, world: int) -> int:
+    from tests.test_parity import build
+    from tests.util import assert_grads_match, assert_params_match
+
+    done = 0
+    for (strategy, kwargs), (cls, flags) in itertools.product(STRATEGIES_KEEPING_STATE, OPTIMIZERS):
+        ref, model, batch, loss_fn = build("gpt_tie_in_root", strategy, **kwargs)
+        make = functools.partial(getattr(torch.optim, cls), lr=0.02, **flags)
+        ref_opt = make(ref.parameters(), **({"momentum": 0.9} if cls == "SGD" else {}))
+        opt = make(model.parameters(), **({"momentum": 0.9} if cls == "SGD" else {}))
+        local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        for step in range(3):
+            what = f"{strategy} {kwargs} {cls} {flags} step {step}"
+            x, y = batch(step, world * PER_RANK)
+            loss_fn(ref(x), y).backward()
+            loss_fn(model(x[local]), y[local]).backward()
+            assert_grads_match(model, ref, what)
+            ref_opt.step()
+            opt.step()
+            assert_params_match(model, ref, what)
+            ref_opt.zero_grad()
+            opt.zero_grad()
+            if step == 1:
+                _edit(model, ref, step)
+                assert_params_match(model, ref, what + ", edited")
+        # evaluation forwards, each after an edit with no backward in between (the second long after the
+        # last optimizer step): what each computes with is the edited model
+        for k in (3, 4):
+            _edit(model, ref, k)
+            x, _y = batch(9 + k, world * PER_RANK)
+            with torch.no_grad():
+                out, expect = model(x[local]), ref(x)[local]
+            torch.testing.assert_close(out, expect, msg=lambda m, w=what, k=k: f"{w}, eval after edit {k}: {m}")
+        done += 1
+    return done
+
+
+def test_fused_and_foreach_optimizers_and_edits_between_steps():
+    """Every strategy that keeps parameters outside the shard views the optimizer steps (replicas, the
+    optimizer across replicas' pieces), with SGD and AdamW for-loop, foreach and fused, and the user's own
+    in-place edits: every step equals the reference's."""
+    counts = run_distributed(optimizer_worker, 4, timeout=400)
+    assert counts == [len(STRATEGIES_KEEPING_STATE) * len(OPTIMIZERS)] * 4

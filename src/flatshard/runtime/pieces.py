@@ -21,13 +21,16 @@ against HYBRID_SHARD's 16·T/F and FULL_SHARD's 16·T/W).
   all-reduces: (R-1)·S_w elements sent per rank, half the all-reduce's, left in flight as the
   all-reduce would be ([Note: reductions in flight], schedule.py). The R contributions are summed by
   the same exchange as any reduce-scatter; the piece is divided by W.
-* After the optimizer writes the pieces, the rest of each flat shard is out of date. The flat shard's
-  version counter says so (the optimizer's in-place updates of the shard views bump it, as do
-  ``load_state_dict`` and ``summon_full_params(writeback=True)``), the same signal ``Unit.unshard``
-  already uses to gather again: when the root's forward begins, every such unit issues an all-gather
-  of the pieces across the replicas into its flat shard (the other (R-1)·S_w elements), and a unit's
-  gather inside the shard group waits for its own first. With the version unchanged (evaluation,
-  ``generate``) nothing crosses. Every rank must change the same units, as for any gather.
+* After the optimizer writes the pieces, the rest of each flat shard is out of date: when the root's
+  forward begins, every unit whose pieces may have changed issues an all-gather of the pieces across
+  the replicas into its flat shard (the other (R-1)·S_w elements), and a unit's gather inside the shard
+  group waits for its own first. Which units: every unit after a backward that synchronised its
+  gradients (``dirty``: the optimizer steps next), and otherwise every unit whose owned piece differs on
+  any rank from what it was at the last sync, by a fingerprint of its bits (two 64-bit sums, plain and
+  position-weighted) and one small all-reduce of a flag per unit over the model's ranks, so every rank
+  decides alike. That catches what no version counter sees: fused optimizers (``AdamW(fused=True)``)
+  and writes through ``p.data`` leave the flat shard's version unchanged, and a version-based check
+  silently trained on stale pieces. With nothing changed (evaluation, ``generate``) only the flags cross.
 * Bytes across the replicas per step: the same as HYBRID_SHARD's all-reduce, half of them moved into
   the next forward, where they overlap the first units' compute.
 Not built with it: ``"rows"``/``"params"`` boundaries, CPU offload, ``compress_inter_node`` and the
@@ -56,7 +59,8 @@ class Pieces:
     replicate_size: int  # R
     group: Any  # the replicate group: the ranks owning the pieces of this flat shard
     global_ranks: list[int]  # the global rank of every owner rank, in owner order
-    synced_version: int = -1  # the flat shard's version when its pieces last agreed across replicas
+    dirty: bool = False  # gradients were exposed: the optimizer may have stepped the piece since the last sync
+    synced: Optional[tuple[int, int]] = None  # the owned piece's fingerprint at the last sync
     pending: Optional[tuple[Any, torch.Tensor]] = field(default=None, repr=False)  # (work, source) in flight
 
     @property
@@ -67,15 +71,13 @@ class Pieces:
     def piece(self, flat_shard: torch.Tensor) -> torch.Tensor:
         return flat_shard[self.replicate_rank * self.numel : (self.replicate_rank + 1) * self.numel]
 
-    def stale(self, flat_shard: torch.Tensor) -> bool:
-        return self.pending is None and self.synced_version != flat_shard._version
+    def changed(self, flat_shard: torch.Tensor) -> bool:
+        """Whether this rank's piece differs from what it was at the last sync (by its fingerprint)."""
+        return self.synced != fingerprint(self.piece(flat_shard))
 
     def start_sync(self, flat_shard: torch.Tensor, tag: int, record: Callable, errors) -> None:
-        """Issue the all-gather of the pieces into ``flat_shard`` if its pieces may differ across replicas.
-        Written through ``.data`` (a version counter of its own): the flat shard's version stays as the
-        optimizer left it, so the unit still knows its unsharded flat is out of date."""
-        if not self.stale(flat_shard):
-            return
+        """Issue the all-gather of the pieces into ``flat_shard``. Written through ``.data``, so no autograd
+        view of the flat shard is disturbed; the piece's fingerprint is taken while the pieces travel."""
         target = flat_shard.data
         source = self.piece(target)
         sizes = [self.numel] * self.replicate_size
@@ -83,7 +85,8 @@ class Pieces:
             result = collectives.all_gather(target, source, self.group, async_op=True, tag=tag, sizes=sizes)
         record(result, "replicate")
         self.pending = (result.work, source) if result.work is not None else None
-        self.synced_version = flat_shard._version
+        self.dirty = False
+        self.synced = fingerprint(source)
 
     def finish_sync(self, errors) -> None:
         if self.pending is not None:
@@ -101,3 +104,21 @@ class Pieces:
             result = collectives.all_gather(out, owned.contiguous(), self.group, tag=tag, sizes=sizes)
         record(result, "replicate")
         return out
+
+
+_CHUNK = 1 << 20  # elements fingerprinted at a time (bounds the int64 copies to 8 MiB each)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(piece: torch.Tensor) -> tuple[int, int]:
+    """Two 64-bit sums of ``piece``'s bits: plain, and weighted by position. A changed value, or a value
+    moved, changes them (barring a collision of both sums, mod 2^64); the same bits give the same pair on
+    every device. Exact integers, so the order of summation does not matter."""
+    bits = piece.detach().reshape(-1).view(_BITS[piece.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=piece.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=piece.device)
+    for lo in range(0, bits.numel(), _CHUNK):
+        chunk = bits[lo : lo + _CHUNK].to(torch.int64)
+        total += chunk.sum()
+        weighted += (chunk * torch.arange(lo + 1, lo + 1 + chunk.numel(), device=piece.device)).sum()
+    return int(total), int(weighted)

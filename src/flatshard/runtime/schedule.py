@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 
 from flatshard.api import BackwardPrefetch
-from flatshard.runtime import precision
+from flatshard.runtime import agree, collectives, precision
 from flatshard.runtime.collectives import CollectiveResult
 from flatshard.runtime.instrument import CommEvent, CommRecorder, MemoryRecorder
 from flatshard.runtime.order import END_BACKWARD, END_FORWARD, Checker, exchange_tag
@@ -132,8 +133,23 @@ class RunContext:
         self.passes += 1
         self.phase = Phase.FORWARD
         self.order_this_pass = []
-        for unit in self.units:  # pieces the optimizer changed travel while the first units compute (pieces.py)
-            unit.start_piece_sync()
+        self.sync_pieces()
+
+    def sync_pieces(self) -> None:
+        """Pieces that changed travel while the first units compute ([Note: optimizer state across
+        replicas], pieces.py): every unit after a synchronised backward; otherwise those whose piece
+        changed on any rank, agreed by one all-reduce of a flag per unit."""
+        units = [u for u in self.units if u.pieces is not None and u.pieces.pending is None]
+        unsure = [u for u in units if not u.pieces.dirty]
+        changed = set()
+        if unsure:
+            group = self.root.groups.process_group
+            flags = [u.pieces.changed(u.flat_shard) for u in unsure]
+            agreed = torch.tensor(flags, dtype=torch.int32, device=agree.collective_device(group))
+            self.record(collectives.all_reduce(agreed, group, op=ReduceOp.MAX), "world", "<pieces changed>")
+            changed = {id(u) for u, flag in zip(unsure, agreed.tolist()) if flag}
+        for unit in units:
+            unit.start_piece_sync(changed=id(unit) in changed)
 
     def end_forward(self, completed: bool = True) -> None:
         """The root's forward returned (``completed``) or raised: record the order, free unused prefetches."""

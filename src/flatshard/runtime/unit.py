@@ -30,7 +30,7 @@ from flatshard.runtime import collectives, compress, exposure, order, reduce
 from flatshard.runtime.exposure import local
 from flatshard.runtime.layout import FlatLayout, make_compute_views, make_shard_views, set_views_on_modules
 from flatshard.runtime.mesh import ShardGroups
-from flatshard.runtime.pieces import Pieces
+from flatshard.runtime.pieces import Pieces, fingerprint
 from flatshard.runtime.post_forward import PostForwardGroup
 from flatshard.runtime.precision import UnitPrecision
 from flatshard.runtime.schedule import RunContext, ScheduleConfig
@@ -108,8 +108,8 @@ class Unit:
         self.unsharded.requires_grad_(self.requires_grad)
         self._gather_target = self.unsharded.data  # what collectives write into (own version counter)
         self.pieces = pieces
-        if pieces is not None:
-            pieces.synced_version = self.flat_shard._version
+        if pieces is not None:  # every replica built the same flat shard: the pieces agree
+            pieces.synced = fingerprint(pieces.piece(self.flat_shard))
         self.owner_layout = layout if pieces is None else pieces.layout  # how the shard views cut the flat
         self.owner_rank = groups.shard_rank if pieces is None else pieces.rank
         self.shard_views = make_shard_views(self.owner_layout, self.owned, self.owner_rank)
@@ -161,10 +161,14 @@ class Unit:
         """Whether other replicas own the same elements as this rank (hybrid strategies without pieces)."""
         return self.groups.replicate_size > 1 and self.pieces is None
 
-    def start_piece_sync(self) -> None:
-        """Issue the all-gather of the replicas' pieces if the optimizer (or a load) changed them."""
-        if self.pieces is not None and self.pieces.stale(self.flat_shard):
-            self.pieces.start_sync(self.flat_shard, self.ctx.next_tag(self), self.record, self._errors)
+    def start_piece_sync(self, changed: bool = False) -> None:
+        """Issue the all-gather of the replicas' pieces if they may have changed: after a synchronised
+        backward (``Pieces.dirty``), or ``changed`` as the ranks agreed (RunContext.sync_pieces)."""
+        pieces = self.pieces
+        if pieces is None or pieces.pending is not None or not (pieces.dirty or changed):
+            return
+        pieces.start_sync(self.flat_shard, self.ctx.next_tag(self), self.record, self._errors)
+        self._gathered_version = -1  # the flat shard changed under a kept unsharded flat: gather again
 
     @property
     def is_root(self) -> bool:
@@ -344,6 +348,8 @@ class Unit:
         with self._errors(self._reduction_kind()):
             reduced = reduce.finish(pending, spec, self.precision.grad, self.record, tag=self.ctx.next_tag(self))
         self._expose_grads(reduced)
+        if self.pieces is not None:  # the optimizer may step the piece next: sync before the next forward
+            self.pieces.dirty = True
         self.ctx.sample_memory()
 
     def abandon_step(self) -> None:
