@@ -1,0 +1,129 @@
+"""Every NotBuiltError flatshard can raise is in README.md's "Status: what is built" table, in its not-built
+column, and the ones that table once left out raise it.
+
+Each place in src/flatshard that builds a NotBuiltError is found from the source (ast: the function
+around the call), and NOT_BUILT names, per function and in source order, the words of the README's
+not-built column that cover each one. A new place, one removed or one moved to another function fails
+here until this map, and with it the README, says so."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tests.dist import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "flatshard"
+
+# (file under src/flatshard, function) -> what the README's not-built column says of each NotBuiltError
+# built there, in source order
+NOT_BUILT = {
+    ("fsdp.py", "FullyShardedDataParallel._fqn_modifiers"): [
+        "`torch.distributed.checkpoint.state_dict`'s functions on `FullyShardedDataParallel`"
+    ],
+    ("fsdp.py", "FullyShardedDataParallel.optim_state_dict_to_load"): [
+        "`optim_state_dict_to_load(is_named_optimizer=True)`"
+    ],
+    ("fsdp.py", "FullyShardedDataParallel._deprecated_optim.method"): ["the deprecated `full_optim_state_dict`"],
+    ("fsdp.py", "FullyShardedDataParallel.register_comm_hook"): ["`register_comm_hook`"],
+    ("fsdp2.py", "_not_built.method"): ["FSDP2's `set_post_optim_event`, `set_custom_all_gather` and kin"],
+    ("fsdp2.py", "FSDPModule.set_reshard_after_forward"): ["`set_reshard_after_forward` with an int"],
+    ("fsdp2.py", "fully_shard"): ["`fully_shard` of a list of modules", "`shard_placement_fn`, `dp_mesh_dims`"],
+    ("interop.py", "_mixed_precision"): ["`MixedPrecision(_module_classes_to_ignore=...)`"],
+    ("runtime/build.py", "become_root"): ["units under one root with different process groups"],
+    ("runtime/build.py", "owner_ranks"): [
+        'with `shard_boundaries` other than `"flat"`, `cpu_offload`, `compress_inter_node`'
+    ],
+    ("runtime/chunked.py", "ChunkedLayout.__init__"): ["0-D parameters"],
+    ("runtime/compress.py", "check"): ['`compress_inter_node="int8"` off gloo\'s CPU exchanges', "8 or more replicas"],
+    ("runtime/optim_check.py", "_before_step"): ["optimizers that read whole tensors"],
+    ("state/model_view.py", "model_view"): ["flatshard's state dicts and `flatshard.checkpoint` on `fully_shard`"],
+    ("wrap.py", "CustomPolicy.__call__"): ["`CustomPolicy` returning per-module keyword overrides"],
+}
+
+
+def _not_built_sites() -> dict[tuple[str, str], int]:
+    """(file, function) -> how many calls build a NotBuiltError there."""
+    sites: dict[tuple[str, str], int] = {}
+
+    def visit(node: ast.AST, path: str, scope: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, path, [*scope, child.name])
+                continue
+            if isinstance(child, ast.Call):
+                f = child.func
+                if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) == "NotBuiltError":
+                    key = (path, ".".join(scope))
+                    sites[key] = sites.get(key, 0) + 1
+            visit(child, path, scope)
+
+    for file in sorted(SRC.rglob("*.py")):
+        visit(ast.parse(file.read_text()), file.relative_to(SRC).as_posix(), [])
+    return sites
+
+
+def _readme_not_built_column() -> str:
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("### Status: what is built") :]
+    table = table[: table.index("\n## ")]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| built |")]
+    return "\n".join(row.strip().strip("|").split(" | ")[-1] for row in rows)
+
+
+def test_every_not_built_error_is_in_the_readme_status_table():
+    sites = _not_built_sites()
+    assert sites, "no NotBuiltError found in src/flatshard: the search is broken"
+    assert set(sites) == set(NOT_BUILT), (
+        f"NotBuiltError sites not in NOT_BUILT: {sorted(set(sites) - set(NOT_BUILT))}; "
+        f"in NOT_BUILT but gone: {sorted(set(NOT_BUILT) - set(sites))}"
+    )
+    column = _readme_not_built_column()
+    for key, count in sites.items():
+        assert len(NOT_BUILT[key]) == count, f"{key} builds {count} NotBuiltError(s), NOT_BUILT names {NOT_BUILT[key]}"
+        for words in NOT_BUILT[key]:
+            assert words in column, f"README's not-built column does not say {words!r} ({key})"
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the class is the answer
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+class _Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))  # 0-D
+        self.lin = nn.Linear(3, 3)
+
+
+def unlisted_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    import flatshard
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard.wrap import CustomPolicy
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    overrides = CustomPolicy(
+        lambda m: {"sharding_strategy": flatshard.ShardingStrategy.NO_SHARD} if m is model[0] else False
+    )
+    wrapped = FSDP(nn.Sequential(nn.Linear(3, 3)))
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    return {
+        "custom policy": _raises(lambda: FSDP(model, auto_wrap_policy=overrides)),
+        "named optimizer": _raises(lambda: FSDP.optim_state_dict_to_load(wrapped, opt, {}, is_named_optimizer=True)),
+        "0-D": _raises(lambda: flatshard.fully_shard(_Scalar())),
+    }
+
+
+def test_the_not_built_features_the_table_left_out_raise_not_built_error():
+    for out in run_distributed(unlisted_worker, 2):
+        assert out["custom policy"].startswith("NotBuiltError: CustomPolicy returning per-module keyword"), out
+        assert out["named optimizer"].startswith("NotBuiltError: optim_state_dict_to_load(is_named_optimizer"), out
+        assert out["0-D"].startswith("NotBuiltError: fully_shard shards parameters along dim 0; ['scale']"), out
