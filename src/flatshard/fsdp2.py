@@ -226,6 +226,7 @@ def fully_shard(
     )
     built = build.build_units(module, options, _no_nested)
     unit = built.root
+    unit.unsynced_in_reduce_dtype = True  # FSDP2 accumulates unsynced gradients in the reduce dtype
     if post_forward_size:
         unit.post_forward = _post_forward_group(mesh, post_forward_size, unit.layout.padded)
     _as_dtensors(unit, mesh, placements)

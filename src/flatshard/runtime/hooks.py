@@ -229,7 +229,7 @@ def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:
         ctx.sample_memory()
         unit.use_shard_views()
         if not unit.sync:
-            # no_sync: the full-size gradient stays on the unsharded flat and accumulates there.
+            unit.keep_unsynced_gradient(unsharded)  # no_sync: accumulates unreduced until a synchronised backward
             if unit.reshard_after_forward and unit.reshard_after_backward:
                 unit.reshard()
             return

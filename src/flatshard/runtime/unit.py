@@ -127,6 +127,8 @@ class Unit:
         self.originals: dict[int, weakref.ref] = {}  # id -> the parameters flattened here (placement.py)
         # per-unit settings of the fully_shard front end (FSDP2's set_* methods); FSDP1 leaves the defaults
         self.requires_gradient_sync = True  # False: this unit's gradients accumulate unreduced (no_sync)
+        self.unsynced_in_reduce_dtype = False  # fully_shard: accumulate unreduced in the reduce dtype, as FSDP2
+        self.unsynced: Optional[torch.Tensor] = None  # that accumulation (keep_unsynced_gradient)
         self.reshard_after_backward = True
         self.gradient_divide_factor: Optional[float] = None  # None: divide by the data-parallel size
         self.forward_prefetch: list[Unit] = []  # explicit prefetch targets (else the run context's schedule)
@@ -324,8 +326,27 @@ class Unit:
         with self._errors(self._reduction_kind()):
             self.reduction = reduce.start(grad, spec, self.record, async_op=async_op, tag=self.ctx.next_tag(self))
 
+    def keep_unsynced_gradient(self, unsharded: torch.Tensor) -> None:
+        """A backward that does not synchronise (no_sync, set_requires_gradient_sync(False)): the full-size
+        gradient stays unreduced. The FSDP1 wrapper leaves it on the unsharded flat, where autograd adds
+        the next micro-batch's in the compute dtype (PyTorch FSDP1's flat parameter accumulates its .grad
+        so); fully_shard (``unsynced_in_reduce_dtype``) keeps it in the reduce dtype and adds each next
+        micro-batch's there, as FSDP2 does, so a long accumulation in bf16 parameters loses no more than
+        its reduce dtype does."""
+        if not self.unsynced_in_reduce_dtype or unsharded.grad is None:
+            return
+        grad, unsharded.grad = unsharded.grad, None
+        if grad.dtype == self.precision.reduce and self.unsynced is None:
+            unsharded.grad = grad  # nothing to cast: autograd accumulates it in place
+        elif self.unsynced is None:
+            self.unsynced = grad.to(self.precision.reduce)
+        else:
+            self.unsynced.add_(grad)
+
     def _take_gradient(self, unsharded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         grad, unsharded.grad = unsharded.grad, None  # the one reference left: freed when this returns
+        if self.unsynced is not None:  # fully_shard's unreduced accumulation, in the reduce dtype
+            grad, self.unsynced = self.unsynced.add_(grad), None
         if self.layout.rank_major and self.groups.shard_size > 1:  # [Note: chunked layout]: copy in
             return self.layout.to_rank_major(grad, dtype)
         return grad if grad.dtype == dtype else grad.to(dtype)
@@ -366,7 +387,7 @@ class Unit:
         self._partial = None
         self.open_splits = 0
         self.view_grad_bytes = 0
-        self.unsharded.grad = None
+        self.unsharded.grad = self.unsynced = None
         self.use_shard_views()
         self.reshard()
 
@@ -450,8 +471,9 @@ class Unit:
                 grad_storages[storage.data_ptr()] = storage.nbytes()
         grads = sum(grad_storages.values())
         gathered = 0 if self.plan.aliased else self.unsharded.untyped_storage().nbytes()
-        if self.unsharded.grad is not None:
-            gathered += self.unsharded.grad.untyped_storage().nbytes()
+        for held in (self.unsharded.grad, self.unsynced):
+            if held is not None:
+                gathered += held.untyped_storage().nbytes()
         gathered += self.view_grad_bytes
         if self._partial is not None:
             gathered += self._partial[0].untyped_storage().nbytes()
