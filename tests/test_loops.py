@@ -414,3 +414,55 @@ def fsdp1_accumulation_worker(rank: int, world: int, n: int) -> bool:
 
 def test_the_fsdp1_wrapper_accumulates_as_pytorch_fsdp1_does():
     assert run_distributed(fsdp1_accumulation_worker, 2, 16, timeout=200) == [True, True]
+
+
+# ---- 4. clip_grad_norm_ beside ignored parameters ------------------------------------------------------------
+class WithIgnored(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(7, 6)
+        self.kept = nn.Linear(6, 6)  # ignored: left whole, its gradient not reduced
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.kept(torch.tanh(self.a(x)))))
+
+
+def clip_ignored_worker(rank: int, world: int) -> dict:
+    """Every rank's clip_grad_norm_ returns the same norm when the ignored parameters' gradients differ
+    across ranks (each rank's own, unreduced): the managed shards' sum over every rank, plus the ignored
+    ones' mean over the ranks; and a NaN in one rank's ignored gradient raises on every rank."""
+    import torch.distributed as dist
+
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard.wrap import ModuleWrapPolicy
+
+    out = {}
+    for nan in (False, True):
+        torch.manual_seed(0)
+        plain = WithIgnored()
+        model = FSDP(plain, ignored_modules=[plain.kept], auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        x = torch.randn(3, 7, generator=torch.Generator().manual_seed(rank))
+        model(x).square().sum().backward()
+        if nan and rank == world - 1:
+            plain.kept.weight.grad[0, 0] = float("nan")
+        ignored = sum(float(p.grad.pow(2).sum()) for p in plain.kept.parameters())
+        every = [None] * world
+        dist.all_gather_object(every, ignored)
+        with FSDP.summon_full_params(model, with_grads=True):
+            managed = sum(float(p.grad.pow(2).sum()) for n, p in model.named_parameters() if "kept" not in n)
+        expect = (managed + sum(every) / world) ** 0.5
+        try:
+            norm = float(model.clip_grad_norm_(1e9, error_if_nonfinite=nan))
+        except RuntimeError as e:
+            out[nan] = f"raised: {str(e)[:40]}"
+            continue
+        out[nan] = norm
+        torch.testing.assert_close(norm, expect, msg=lambda m: f"rank {rank}: clip_grad_norm_ {m}")
+    return out
+
+
+def test_clip_grad_norm_beside_ignored_parameters_agrees_on_every_rank():
+    results = run_distributed(clip_ignored_worker, 2, timeout=120)
+    assert results[0][False] == results[1][False], results  # the same norm, to the bit
+    assert all(r[True].startswith("raised: The total norm") for r in results), results

@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from flatshard.runtime import collectives
@@ -25,7 +26,8 @@ def clip_grad_norm_(
     shard group (replicas hold identical shards, so each element is counted once; when the optimizer state
     is split over the replicas, pieces.py, a second over the replicate group), then every gradient
     scaled by ``min(1, max_norm / (norm + 1e-6))``. Parameters flatshard does not manage (ignored
-    modules) are replicated: their share is added after the reduction, once.
+    modules) are left whole with gradients it does not reduce: their share is its mean over the ranks,
+    added once (one more all-reduce, only when there are such parameters).
 
     A NaN or inf in any rank's gradients makes the norm non-finite on every rank, for every norm type
     (for the inf-norm the all-reduce carries a NaN flag beside the maximum: a MAX reduction may drop a
@@ -47,17 +49,19 @@ def _clip(ctx: RunContext, unmanaged, max_norm: float, norm_type: float, error_i
     if ctx.root.pieces is not None:
         across.append((groups.replicate_group, "replicate"))
     for group, name in across:
-        if group is None:
-            continue
-        if math.isinf(norm_type):  # [max, NaN seen]: MAX of both; a NaN never rides the maximum itself
-            pair = torch.stack([torch.nan_to_num(total, nan=0.0), torch.isnan(total).float()])
-            result = collectives.all_reduce(pair, group, op=ReduceOp.MAX)
-            total = torch.where(pair[1] > 0, torch.full_like(pair[0], float("nan")), pair[0])
-        else:  # a sum carries a NaN or an inf by itself
-            result = collectives.all_reduce(total, group, op=ReduceOp.SUM)
-        ctx.record(result, name, "clip_grad_norm_", phase=Phase.OPTIMIZER)
-    rest = _partial_norm(local, norm_type, device)
-    total = torch.maximum(total, rest) if math.isinf(norm_type) else total + rest
+        if group is not None:
+            total = _reduce(ctx, total, group, name, norm_type)
+    if unmanaged:
+        # Ignored parameters are left whole and their gradients are not reduced, so each rank's may differ:
+        # their share is their mean over the ranks (each rank's own when they agree, as after a DDP
+        # all-reduce), one more all-reduce, so every rank gets the same norm and raises alike on a NaN.
+        rest = _partial_norm(local, norm_type, device)
+        world = groups.process_group
+        if world is not None and dist.get_world_size(world) > 1:
+            rest = _reduce(
+                ctx, rest if math.isinf(norm_type) else rest / dist.get_world_size(world), world, "world", norm_type
+            )
+        total = torch.maximum(total, rest) if math.isinf(norm_type) else total + rest
     if not math.isinf(norm_type):
         total = total ** (1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -71,6 +75,18 @@ def _clip(ctx: RunContext, unmanaged, max_norm: float, norm_type: float, error_i
     for g in sharded + local:
         g.mul_(coefficient.to(g.device, g.dtype))
     return total
+
+
+def _reduce(ctx: RunContext, value: torch.Tensor, group, name: str, norm_type: float) -> torch.Tensor:
+    """``value`` (max |g|, or sum |g|^p) combined over ``group``: one all-reduce."""
+    if math.isinf(norm_type):  # [max, NaN seen]: MAX of both; a NaN never rides the maximum itself
+        pair = torch.stack([torch.nan_to_num(value, nan=0.0), torch.isnan(value).float()])
+        result = collectives.all_reduce(pair, group, op=ReduceOp.MAX)
+        value = torch.where(pair[1] > 0, torch.full_like(pair[0], float("nan")), pair[0])
+    else:  # a sum carries a NaN or an inf by itself
+        result = collectives.all_reduce(value, group, op=ReduceOp.SUM)
+    ctx.record(result, name, "clip_grad_norm_", phase=Phase.OPTIMIZER)
+    return value
 
 
 def _partial_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
