@@ -466,3 +466,30 @@ def test_clip_grad_norm_beside_ignored_parameters_agrees_on_every_rank():
     results = run_distributed(clip_ignored_worker, 2, timeout=120)
     assert results[0][False] == results[1][False], results  # the same norm, to the bit
     assert all(r[True].startswith("raised: The total norm") for r in results), results
+
+
+# ---- 5. fp16 reductions over many ranks ---------------------------------------------------------------------
+def fp16_reduce_worker(rank: int, world: int, front: str) -> bool:
+    """Each rank's gradient is about 3e4 (fp16 holds up to 65504): their sum over W = 4 ranks overflows
+    fp16, their mean does not. Divided by a pre-factor before the reduction and the rest after (FSDP1's and
+    FSDP2's split for fp16), the mean arrives finite and right."""
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import MixedPrecision, MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    ref, plain = nn.Linear(4, 6), nn.Linear(4, 6)
+    plain.load_state_dict(ref.state_dict())
+    if front == "fsdp1":
+        model = FSDP(plain, mixed_precision=MixedPrecision(reduce_dtype=torch.float16))
+    else:
+        model = fully_shard(plain, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float16))
+    x = torch.full((world, 4), 1.0)
+    (ref(x).sum() * 3e4 / world).backward()  # the mean over ranks of each rank's loss below
+    (model(x[rank : rank + 1]).sum() * 3e4).backward()
+    _compare(model, ref, f"{front} fp16 reduce at W = {world}", grads=True)
+    return all(bool(torch.isfinite(_local(p.grad)).all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("front", ["fsdp1", "fully_shard"])
+def test_fp16_reductions_over_many_ranks_do_not_overflow(front):
+    assert run_distributed(fp16_reduce_worker, 4, front, timeout=120) == [True] * 4

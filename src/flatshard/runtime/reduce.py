@@ -35,6 +35,21 @@ class ReduceSpec:
     # across replicas a reduce-scatter, not an all-reduce ([Note: optimizer state across replicas], pieces.py)
     scatter_replicas: bool = False
 
+    @property
+    def divide_factors(self) -> tuple[float, float]:
+        """(before the sum, after it): together they divide the summed gradient by ``divide_factor`` (default
+        the data-parallel size). A reduce dtype of little range (fp16) is divided by a power of two near
+        the factor's square root before the sum and by the rest after, as PyTorch FSDP1 and FSDP2 split
+        it, so the sum of W gradients cannot overflow where their mean would not; fp32 and bf16 are divided
+        once, after (a power of two before would change no bit but a subnormal's)."""
+        factor = self.divide_factor if self.divide_factor is not None else float(self.groups.data_parallel_size)
+        if self.reduce_dtype in (torch.float32, torch.bfloat16):
+            return 1.0, factor
+        pre = 1
+        while factor % pre == 0 and factor / pre > pre:
+            pre *= 2
+        return float(pre), factor / pre
+
 
 @dataclass
 class PendingReduction:
@@ -65,6 +80,9 @@ def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: boo
     rank-major copy) and releases its own gradient before the collective starts (Unit._take_gradient)."""
     groups, inter = spec.groups, spec.inter_node
     full = grad
+    before, _after = spec.divide_factors
+    if before != 1 and (groups.shard_size > 1 or groups.replicate_size > 1):
+        full.div_(before)  # ``grad`` is the unit's own (taken off the unsharded flat, or its cast copy)
     if groups.shard_size > 1:
         out = torch.empty(spec.shard_sizes[groups.shard_rank], dtype=spec.reduce_dtype, device=grad.device)
         with torch.profiler.record_function(f"flatshard::reduce_scatter ({spec.label})"):
@@ -137,8 +155,9 @@ def finish(
         pending.work = None
     pending.source = None
     out = pending.out
-    groups = spec.groups
-    factor = spec.divide_factor if spec.divide_factor is not None else groups.data_parallel_size
-    if factor != 1:
-        out.div_(factor)
+    before, after = spec.divide_factors
+    if not (spec.groups.shard_size > 1 or spec.groups.replicate_size > 1):
+        after *= before  # nothing was summed, so nothing was divided before
+    if after != 1:
+        out.div_(after)
     return out if out.dtype == master_dtype else out.to(master_dtype)
