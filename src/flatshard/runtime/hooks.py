@@ -45,10 +45,29 @@ traced = label  # entry points: ``with hooks.traced("clip_grad_norm_"):``
 
 
 # ---- forward ----------------------------------------------------------------------------------
+# [Note: hooks under torch.compile]
+# A compiled module (``block.compile()``, ``torch.compile(block)``, ``torch.compile(model)``, before or
+# after wrapping) runs flatshard's forward hooks eagerly: each is ``torch.compiler.disable``d, so dynamo
+# stops at it (a graph break) and compiles the module's own code between them, as FSDP2's hooks do.
+# Traced, they would break the graph anyway (point-to-point collectives, data-dependent checks) and, worse,
+# be re-traced into many small graphs. Backward hooks (tensor hooks, post-accumulate-grad hooks, the
+# end-of-backward callback) run in the autograd engine, outside dynamo.
 def forward(unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     """Run ``module`` (the unit's module) between the unit's pre- and post-forward."""
     if unit.summoned:  # [Note: forward inside summon_full_params] (summon.py)
         return module(*args, **kwargs)
+    args, kwargs = _enter_forward(unit, args, kwargs)
+    completed = False
+    try:
+        output = module(*args, **kwargs)
+        completed = True
+    finally:
+        _leave_forward(unit, completed)
+    return _hook_outputs(unit, output)
+
+
+@torch.compiler.disable
+def _enter_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     ctx = unit.ctx
     ctx.start()
     p = unit.precision
@@ -56,23 +75,33 @@ def forward(unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict) -> A
         args, kwargs = precision.cast_floating((args, kwargs), p.compute)
     if unit.is_root:
         ctx.begin_forward()
-    completed = False
     try:
         pre_forward(unit)
-        try:
-            output = module(*args, **kwargs)
-        finally:
-            post_forward(unit)
-        completed = True
+    except BaseException:
+        if unit.is_root:
+            ctx.end_forward(False)
+        raise
+    return args, kwargs
+
+
+@torch.compiler.disable
+def _leave_forward(unit: Unit, completed: bool) -> None:
+    try:
+        post_forward(unit)
     finally:
         if unit.is_root:
-            ctx.end_forward(completed)
+            unit.ctx.end_forward(completed)
+
+
+@torch.compiler.disable
+def _hook_outputs(unit: Unit, output: Any) -> Any:
     if torch.is_grad_enabled():
         register_pre_backward(output, unit)
     return output
 
 
 # ---- the forward of fully_shard: module hooks instead of a wrapper's forward --------------------------
+@torch.compiler.disable
 def forward_pre_hook(unit: Unit, _module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     """fully_shard's forward pre-hook: what ``forward`` does before calling the module."""
     if unit.summoned:
@@ -89,6 +118,7 @@ def forward_pre_hook(unit: Unit, _module: torch.nn.Module, args: tuple, kwargs: 
     return args, kwargs
 
 
+@torch.compiler.disable
 def forward_post_hook(unit: Unit, output_dtype, _module: torch.nn.Module, _args: tuple, output: Any) -> Any:
     """fully_shard's forward hook: what ``forward`` does after the module returned (``output_dtype``:
     MixedPrecisionPolicy's cast of the outputs). Registered with ``always_call``, so it also runs when the
