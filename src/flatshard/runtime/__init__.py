@@ -48,6 +48,7 @@ Index of every [Note: ...] in the package
   recomputation in backward ....... runtime/hooks.py
   free before the flat gradient ... runtime/hooks.py
   hooks hold units weakly ......... runtime/hooks.py
+  hooks under compile ............. runtime/hooks.py
   deferred initialisation ......... runtime/deferred.py
   equal errors .................... runtime/agree.py
   model fingerprint ............... runtime/fingerprint.py

@@ -45,7 +45,7 @@ traced = label  # entry points: ``with hooks.traced("clip_grad_norm_"):``
 
 
 # ---- forward ----------------------------------------------------------------------------------
-# [Note: hooks under torch.compile]
+# [Note: hooks under compile]
 # A compiled module (``block.compile()``, ``torch.compile(block)``, ``torch.compile(model)``, before or
 # after wrapping) runs flatshard's forward hooks eagerly: each is ``torch.compiler.disable``d, so dynamo
 # stops at it (a graph break) and compiles the module's own code between them, as FSDP2's hooks do.
