@@ -13,6 +13,10 @@ batches on each rank) is built three ways:
 * **FSDP2** — PyTorch's ``fully_shard`` on each ``Block``, then on the root (the same units);
 * **DDP** — ``DistributedDataParallel`` (every rank holds everything, one all-reduce of the gradients).
 
+Then the *compiled rows* (``--no-compile`` skips them): the two flatshard front ends and FSDP2 again, each
+``Block`` compiled with inductor (``block.compile()``): before auto-wrap for the FSDP1 wrapper, after
+sharding for ``fully_shard`` and FSDP2 (torchtitan's order). The warmup steps include the compilation.
+
 bf16 means ``param_dtype=bf16, reduce_dtype=fp32`` for both FSDPs (``MixedPrecision`` /
 ``MixedPrecisionPolicy``) and ``torch.autocast("cpu", bf16)`` for DDP, which has no such policy (so DDP's
 bf16 losses agree only loosely: autocast keeps norms and softmax in fp32). All use AdamW(lr 1e-3).
@@ -269,10 +273,38 @@ def build_ddp(gpt, cfg):
     return DDP(gpt.GPT(cfg))
 
 
-def make_systems(gpt, cfg, bf16: bool, seed: int, variants: dict | None) -> list[System]:
+def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """``block.compile()`` (inductor) on every Block under ``model``, in place: the per-block pattern."""
+    for module in model.modules():
+        if type(module).__name__ == "Block" or type(getattr(module, "module", None)).__name__ == "Block":
+            module.compile()
+    return model
+
+
+def build_compiled(gpt, cfg, bf16: bool, system: str) -> torch.nn.Module:
+    """The compiled rows: each system's blocks compiled as its users do it. The FSDP1 wrapper's
+    blocks before auto-wrap (the wrap policy finds them by class); fully_shard's and FSDP2's after
+    sharding, as torchtitan does. The same inductor graphs for all three."""
+    if system == "flatshard":
+        from flatshard import FullyShardedDataParallel as FSDP
+        from flatshard import MixedPrecision
+        from flatshard.wrap import ModuleWrapPolicy
+
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        model = gpt.GPT(cfg)
+        compile_blocks(model)
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({gpt.Block}), mixed_precision=mp)
+    model = build_fully_shard(gpt, cfg, bf16) if system == "flatshard fully_shard" else build_fsdp2(gpt, cfg, bf16)
+    return compile_blocks(model)
+
+
+def make_systems(gpt, cfg, bf16: bool, seed: int, variants: dict | None, compiled: bool = False) -> list[System]:
     """The systems of one comparison, each from the same seed (the same initial weights)."""
     builders = {}
-    if variants is None:
+    if compiled:
+        for name in ("flatshard", "flatshard fully_shard", "FSDP2"):
+            builders[name] = lambda name=name: build_compiled(gpt, cfg, bf16, name)
+    elif variants is None:
         builders["flatshard"] = lambda: build_flatshard(gpt, cfg, bf16)
         builders["flatshard fully_shard"] = lambda: build_fully_shard(gpt, cfg, bf16)
         builders["FSDP2"] = lambda: build_fsdp2(gpt, cfg, bf16)
@@ -310,9 +342,9 @@ def tracked_step(system: System, x, y, world: int) -> None:
         system.recorder_by_kind = {e.kind: rec.wire_bytes(kind=e.kind) for e in rec.events}
 
 
-def compare(gpt, cfg, bf16: bool, args, data, variants=None) -> dict:
+def compare(gpt, cfg, bf16: bool, args, data, variants=None, compiled: bool = False) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    systems = make_systems(gpt, cfg, bf16, args.seed, variants)
+    systems = make_systems(gpt, cfg, bf16, args.seed, variants, compiled)
     n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
     steps = args.warmup + args.steps
     data_batches = batches(data, steps + 1, args.batch_size, cfg.block_size, rank, world, args.seed)
@@ -385,23 +417,32 @@ def worker(args) -> int:
     results = []
     for size in args.sizes:
         for dtype in args.dtypes:
-            bf16 = dtype == "bf16"
-            res = compare(gpt, table[size], bf16, args, data)
-            res.update(kind="comparison", size=size, world=world, dtype=dtype, agree=losses_agree(res, bf16))
-            for name in ("FSDP2", "DDP"):
-                res[f"flatshard/{name}"] = (
-                    res["systems"]["flatshard"]["step_s_median"] / res["systems"][name]["step_s_median"]
+            for compiled in (False, True) if args.compile else (False,):
+                bf16 = dtype == "bf16"
+                res = compare(gpt, table[size], bf16, args, data, compiled=compiled)
+                kind = "compiled" if compiled else "comparison"
+                res.update(kind=kind, size=size, world=world, dtype=dtype, agree=losses_agree(res, bf16))
+                for name in ("FSDP2", "DDP"):
+                    if name in res["systems"]:
+                        res[f"flatshard/{name}"] = (
+                            res["systems"]["flatshard"]["step_s_median"] / res["systems"][name]["step_s_median"]
+                        )
+                res["fully_shard/FSDP2"] = (
+                    res["systems"]["flatshard fully_shard"]["step_s_median"] / res["systems"]["FSDP2"]["step_s_median"]
                 )
-            res["fully_shard/FSDP2"] = (
-                res["systems"]["flatshard fully_shard"]["step_s_median"] / res["systems"]["FSDP2"]["step_s_median"]
-            )
-            results.append(res)
-            if rank == 0:
-                print(
-                    f"[W={world} {size} {dtype}] flatshard/FSDP2 {res['flatshard/FSDP2']:.3f}  "
-                    f"flatshard/DDP {res['flatshard/DDP']:.3f}  fully_shard/FSDP2 {res['fully_shard/FSDP2']:.3f}",
-                    flush=True,
-                )
+                for name in ("flatshard", "flatshard fully_shard"):  # peak over FSDP2's, max over ranks
+                    res[f"{name} peak/FSDP2"] = max(res["systems"][name]["peak_bytes_per_rank"]) / max(
+                        res["systems"]["FSDP2"]["peak_bytes_per_rank"]
+                    )
+                results.append(res)
+                if rank == 0:
+                    ddp = f"flatshard/DDP {res['flatshard/DDP']:.3f}  " if "flatshard/DDP" in res else ""
+                    print(
+                        f"[W={world} {size} {dtype}{' compiled' if compiled else ''}] "
+                        f"flatshard/FSDP2 {res['flatshard/FSDP2']:.3f}  {ddp}"
+                        f"fully_shard/FSDP2 {res['fully_shard/FSDP2']:.3f}",
+                        flush=True,
+                    )
     if args.ablation and world == args.ablation_world:
         res = compare(gpt, table[args.ablation_size], False, args, data, variants=ABLATION)
         base = next(iter(ABLATION))
@@ -444,6 +485,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step (context = block size)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--no-ablation", dest="ablation", action="store_false", help="skip flatshard's prefetch ablation")
+    p.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="skip the compiled rows (each Block compiled with inductor, beside FSDP2 compiled alike)",
+    )
     p.add_argument("--ablation-size", default="30M", choices=["tiny", "3M", "30M"])
     p.add_argument("--ablation-world", type=int, default=2)
     p.add_argument(
@@ -479,7 +526,7 @@ def worker_argv(args) -> list[str]:
         "--ablation-world",
         str(args.ablation_world),
     ]
-    return argv + ([] if args.ablation else ["--no-ablation"])
+    return argv + ([] if args.ablation else ["--no-ablation"]) + ([] if args.compile else ["--no-compile"])
 
 
 def main(argv=None) -> int:
@@ -533,7 +580,7 @@ def print_report(report: dict) -> None:
         "loss Δ (rel)",
     ):
         t.add_column(col, justify="right")
-    for r in (r for r in report["results"] if r["kind"] == "comparison"):
+    for r in (r for r in report["results"] if r["kind"] in ("comparison", "compiled")):
         flat = r["systems"]["flatshard"]["step_s_median"]
         for name, fig in r["systems"].items():
             ratio = "" if name == "flatshard" else f"{flat / fig['step_s_median']:.2f}"
@@ -543,7 +590,7 @@ def print_report(report: dict) -> None:
                 f"{r['size']} ({r['P'] / 1e6:.1f}M)",
                 str(r["world"]),
                 r["dtype"],
-                name,
+                name + (" compiled" if r["kind"] == "compiled" else ""),
                 f"{fig['step_s_median'] * 1e3:,.0f}",
                 ratio,
                 mib(max(fig["peak_bytes_per_rank"])),

@@ -1,5 +1,5 @@
 """The benchmark harness (python bench/compare.py) end to end, small: a tiny GPT at W = 2, two measured
-steps per system, fp32 and bf16, and a tiny ablation. Checks the JSON, not the speed: every figure is
+steps per system, fp32 and bf16, the compiled rows, and a tiny ablation. Checks the JSON, not the speed: every figure is
 there for every system, the peaks and bytes are positive, flatshard's collectives counted by the
 benchmark's tracker equal its own recorder's, bf16 halves the all-gather bytes, and the three systems'
 losses agree."""
@@ -15,7 +15,7 @@ import pytest
 from tests.dist import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 120  # ~20 s on two cores; a hang must fail, not wait
+TIMEOUT_S = 240  # ~50 s on two cores with a cold inductor cache; a hang must fail, not wait
 SYSTEM_FIELDS = {
     "step_s_median",
     "step_s",
@@ -51,6 +51,15 @@ def test_bench_smoke(tmp_path):
     run_launcher(cmd, ROOT, TIMEOUT_S, "the benchmark")
     report = json.loads(out.read_text())
     assert {"command", "torch", "cpus", "load_average_before", "load_average_after", "results"} <= set(report)
+
+    compiled = [r for r in report["results"] if r["kind"] == "compiled"]  # every Block compiled (inductor)
+    assert [(r["size"], r["world"], r["dtype"]) for r in compiled] == [("tiny", 2, "fp32"), ("tiny", 2, "bf16")]
+    for r in compiled:
+        assert list(r["systems"]) == ["flatshard", "flatshard fully_shard", "FSDP2"]
+        assert r["flatshard/FSDP2"] > 0 and r["fully_shard/FSDP2"] > 0 and r["flatshard peak/FSDP2"] > 0
+        assert all(a["agree"] for a in r["agree"].values()), r["agree"]
+        for name, fig in r["systems"].items():
+            assert SYSTEM_FIELDS <= set(fig) and min(fig["peak_bytes_per_rank"]) > 0, name
 
     comparisons = [r for r in report["results"] if r["kind"] == "comparison"]
     assert [(r["size"], r["world"], r["dtype"]) for r in comparisons] == [("tiny", 2, "fp32"), ("tiny", 2, "bf16")]
