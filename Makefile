@@ -35,3 +35,9 @@ clean:
 .PHONY: cluster
 cluster: install  # as root: an emulated 2-node cluster; calibration, measured and predicted steps (docs/multi_node.md)
 	$(PY) bench/cluster.py measure $(ARGS)
+
+.PHONY: conformance
+conformance: install  # PyTorch's FSDP2 tests on FSDP2 and on flatshard (tests/conformance/regenerate.py says where to get them)
+	$(PY) -m pip install -q expecttest  # torch.testing._internal's helpers import it
+	$(PY) tests/conformance/regenerate.py $(if $(SOURCE),--source $(SOURCE))
+	$(PY) tests/conformance/run.py $(ARGS)

@@ -1,0 +1,38 @@
+"""The conformance differences README.md lists: one place that run.py and tests/test_conformance.py read.
+
+In README.md's section "Differences from PyTorch FSDP", the list after the line that starts with
+``MARKER`` holds one bullet per reason: ``- <reason> Tests: `<test id>`, `<test id>` ...``; the list
+ends at the first line that is neither a bullet nor its continuation.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent.parent / "README.md"
+MARKER = "PyTorch's FSDP2 tests that flatshard fails on purpose"
+
+
+def listed_differences(readme: Path = README) -> dict[str, str]:
+    """test id -> the reason README gives."""
+    text = readme.read_text()
+    start = text.find(MARKER)
+    if start < 0:
+        return {}
+    bullets, current = [], None
+    for line in text[start:].splitlines()[1:]:
+        if line.startswith("- "):
+            current = [line[2:]]
+            bullets.append(current)
+        elif current is not None and line.startswith("  ") and line.strip():
+            current.append(line.strip())
+        elif line.strip() or current is not None:
+            break
+    listed = {}
+    for bullet in bullets:
+        text = " ".join(bullet)
+        reason, _, tests = text.partition("Tests:")
+        for test_id in re.findall(r"`([^`]+::[^`]+)`", tests):
+            listed[test_id] = reason.strip()
+    return listed
