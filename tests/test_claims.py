@@ -32,13 +32,13 @@ NOT_BUILT = {
     ("fsdp.py", "FullyShardedDataParallel.register_comm_hook"): ["`register_comm_hook`"],
     ("fsdp2.py", "_not_built.method"): ["FSDP2's `set_post_optim_event`, `set_custom_all_gather` and kin"],
     ("fsdp2.py", "FSDPModule.set_reshard_after_forward"): ["`set_reshard_after_forward` with an int"],
-    ("fsdp2.py", "fully_shard"): ["`fully_shard` of a list of modules", "`shard_placement_fn`, `dp_mesh_dims`"],
+    ("fsdp2.py", "_check_placements"): ["`shard_placement_fn` returning other than `Shard(0)` or None"],
+    ("fsdp2.py", "fully_shard"): ["`fully_shard` of a list of modules", "`dp_mesh_dims`"],
     ("interop.py", "_mixed_precision"): ["`MixedPrecision(_module_classes_to_ignore=...)`"],
     ("runtime/build.py", "become_root"): ["units under one root with different process groups"],
     ("runtime/build.py", "owner_ranks"): [
         'with `shard_boundaries` other than `"flat"`, `cpu_offload`, `compress_inter_node`'
     ],
-    ("runtime/chunked.py", "ChunkedLayout.__init__"): ["0-D parameters"],
     ("runtime/compress.py", "check"): ['`compress_inter_node="int8"` off gloo\'s CPU exchanges', "8 or more replicas"],
     ("runtime/optim_check.py", "_before_step"): ["optimizers that read whole tensors"],
     ("state/model_view.py", "model_view"): ["flatshard's state dicts and `flatshard.checkpoint` on `fully_shard`"],
@@ -126,4 +126,4 @@ def test_the_not_built_features_the_table_left_out_raise_not_built_error():
     for out in run_distributed(unlisted_worker, 2):
         assert out["custom policy"].startswith("NotBuiltError: CustomPolicy returning per-module keyword"), out
         assert out["named optimizer"].startswith("NotBuiltError: optim_state_dict_to_load(is_named_optimizer"), out
-        assert out["0-D"].startswith("NotBuiltError: fully_shard shards parameters along dim 0; ['scale']"), out
+        assert out["0-D"].startswith("ValueError: fully_shard shards parameters along dim 0, and ['scale']"), out

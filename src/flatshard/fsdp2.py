@@ -72,6 +72,11 @@ class UnshardHandle:
         self._unit.wait_for_unshard()
 
 
+class FullyShardUsageError(ValueError, AssertionError):
+    """A misuse of ``fully_shard`` that FSDP2 reports with an AssertionError: a ValueError, and an
+    AssertionError too, so code written against FSDP2 catches it as it would FSDP2's."""
+
+
 def _not_built(name: str, instead: str):
     def method(self, *args, **kwargs):  # noqa: ARG001 - any call raises
         raise NotBuiltError(f"FSDPModule.{name} is not built in flatshard's fully_shard; {instead}")
@@ -82,6 +87,21 @@ def _not_built(name: str, instead: str):
 
 class FSDPModule(UnitHost):
     """FSDP2's methods on a module ``fully_shard`` was applied to (a mixin of its new class)."""
+
+    def __new__(cls, *args, **kwargs):
+        """A sharded container indexed or sliced (``model[:2]`` builds ``type(model)(...)``) gives a
+        module of the original class, as FSDP2's does: the new module holds no unit."""
+        orig = cls._orig_cls
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def __deepcopy__(self, memo):
+        raise FullyShardUsageError(
+            f"FSDP does not support deepcopy of a module fully_shard was applied to ({type(self).__name__}): its "
+            "parameters are shards over a process group. Copy the model before calling fully_shard, or build a "
+            "second one and load the first one's state dict into it."
+        )
 
     def _units(self, recurse: bool) -> list[Unit]:
         return [h._unit for h in unit_hosts(self)] if recurse else [self._unit]
@@ -182,7 +202,8 @@ _CLASSES: dict[type, type] = {}
 
 def _fsdp_class(cls: type) -> type:
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        attrs = {"__module__": cls.__module__, "_orig_cls": cls}
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), attrs)
     return _CLASSES[cls]
 
 
@@ -207,10 +228,19 @@ def fully_shard(
     if isinstance(module, (list, tuple)):
         raise NotBuiltError("fully_shard of a list of modules (one group) is not built: call it once per module")
     if isinstance(module, UnitHost):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once")
-    for name, value in (("shard_placement_fn", shard_placement_fn), ("dp_mesh_dims", dp_mesh_dims)):
-        if value is not None:
-            raise NotBuiltError(f"fully_shard({name}=...) is not built: parameters are sharded on dim 0 (Shard(0))")
+        raise FullyShardUsageError(
+            "Each distinct composable distributed API can only be applied to a module once. fully_shard was "
+            f"already applied to this {type(module).__name__}: apply it once"
+        )
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # FSDP2's check
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: {type(module).__name__}. "
+            "Apply it to each module inside, or to the module that runs them"
+        )
+    if dp_mesh_dims is not None:
+        raise NotBuiltError("fully_shard(dp_mesh_dims=...) is not built: pass the data-parallel mesh as mesh=")
+    if shard_placement_fn is not None:
+        _check_placements(module, shard_placement_fn, ignored_params)
     mesh, placements = _mesh(mesh, module)
     shard_size = mesh.size(mesh.ndim - 1)
     reshard, post_forward_size = _reshard_after_forward(reshard_after_forward, shard_size)
@@ -239,6 +269,23 @@ def fully_shard(
     return module
 
 
+def _check_placements(module: nn.Module, shard_placement_fn, ignored_params) -> None:
+    """``shard_placement_fn`` may choose FSDP2's default for every parameter (``Shard(0)``, or None); a
+    parameter sharded along another dim needs a layout flatshard's flat shard does not have."""
+    ignored = set(ignored_params or ())
+    inner = {id(p) for h in unit_hosts(module) if h is not module for p in h.parameters()}
+    for name, param in module.named_parameters():
+        if param in ignored or id(param) in inner:
+            continue
+        placement = shard_placement_fn(param)
+        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -param.ndim)):
+            continue
+        raise NotBuiltError(
+            f"fully_shard(shard_placement_fn=...) returned {placement!r} for {name} (shape {tuple(param.shape)}): "
+            "flatshard shards every parameter along dim 0; only Shard(0) or None is built. Return Shard(0)"
+        )
+
+
 def _no_nested(module: nn.Module, unit: Unit) -> nn.Module:  # noqa: ARG001 - build's host factory
     raise AssertionError("fully_shard builds one unit per call; there is no auto-wrap policy to nest units")
 
@@ -251,7 +298,10 @@ def _mesh(mesh, module: nn.Module):
         return mesh, (Shard(0),)
     if mesh.ndim == 2:
         return mesh, (Replicate(), Shard(0))
-    raise ValueError(f"fully_shard takes a 1-D (shard) or 2-D (replicate, shard) mesh; got {mesh.ndim}-D")
+    raise ValueError(
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: pass a 1-D (shard) mesh, or a 2-D (replicate, "
+        "shard) one, e.g. a slice of a larger mesh (mesh['dp_replicate', 'dp_shard'])"
+    )
 
 
 def _reshard_after_forward(value, shard_size: int) -> tuple[bool, int]:

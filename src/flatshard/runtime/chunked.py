@@ -10,7 +10,7 @@ layout unchanged. The unsharded flat stays the parameters concatenated (param-ma
 are zero-copy splits and backward makes one flat gradient, as for ``FlatLayout``; the price is two
 copies per unit and step, as in FSDP2: after each all-gather the rank-major buffer (F·S, rank after
 rank) is copied into the unsharded flat (``from_rank_major``), and before each reduce-scatter the flat
-gradient into a rank-major buffer (``to_rank_major``). 0-D parameters have no dim 0: not built.
+gradient into a rank-major buffer (``to_rank_major``). 0-D parameters have no dim 0: refused, as FSDP2 does.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Optional
 
 import torch
 
-from flatshard.api import NotBuiltError
 from flatshard.runtime.layout import ParamInfo
 
 
@@ -32,10 +31,11 @@ class ChunkedLayout:
 
     def __init__(self, infos: list[ParamInfo], shard_size: int):
         scalars = [i.name for i in infos if len(i.shape) == 0]
-        if scalars:
-            raise NotBuiltError(
-                f"fully_shard shards parameters along dim 0; {scalars} are 0-D. Make them 1-D (shape (1,)), or "
-                "pass them in ignored_params."
+        if scalars:  # refused as FSDP2 refuses them, in FSDP2's words
+            changes = " ".join(f"Change {name} to a 1D tensor with numel equal to 1." for name in scalars)
+            raise ValueError(
+                f"fully_shard shards parameters along dim 0, and {scalars} are 0-D. {changes} Or pass them in "
+                "ignored_params."
             )
         self.infos = infos
         self.shard_size = shard_size  # F

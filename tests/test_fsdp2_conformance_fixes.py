@@ -1,0 +1,64 @@
+"""``fully_shard`` behaves as FSDP2 where PyTorch's own FSDP2 tests found it did not (tests/conformance):
+misuse raises what FSDP2 raises
+(with how to fix it), ``shard_placement_fn`` returning FSDP2's default is accepted. One spawn of two
+gloo ranks runs every case; each rank's answers are checked."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from tests.dist import run_distributed
+
+
+def _raised(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the class and message are the answer
+        return f"{'/'.join(c.__name__ for c in type(e).__mro__[:3])}: {e}"
+    return "no error"
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 5))
+
+
+def worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    import flatshard
+
+    out = {}
+    model = flatshard.fully_shard(_mlp())
+    out["deepcopy"] = _raised(lambda: copy.deepcopy(model))
+    out["twice"] = _raised(lambda: flatshard.fully_shard(model))
+    out["slice"] = type(model[:2]).__name__
+    out["module list"] = _raised(lambda: flatshard.fully_shard(nn.ModuleList([nn.Linear(2, 2)])))
+    mesh3 = init_device_mesh("cpu", (2, 1, 1))
+    out["3-D mesh"] = _raised(lambda: flatshard.fully_shard(_mlp(), mesh=mesh3))
+    zero = flatshard.fully_shard(_mlp(), shard_placement_fn=lambda p: Shard(0) if p.ndim > 1 else None)
+    out["Shard(0)"] = [tuple(p.placements) == (Shard(0),) for p in zero.parameters()]
+    out["Shard(1)"] = _raised(lambda: flatshard.fully_shard(_mlp(), shard_placement_fn=lambda p: Shard(p.ndim - 1)))
+    scalar = nn.Linear(2, 2)
+    scalar.scale = nn.Parameter(torch.tensor(1.0))
+    out["0-D"] = _raised(lambda: flatshard.fully_shard(scalar))
+    return out
+
+
+def test_fully_shard_meets_fsdp2_where_its_tests_found_differences():
+    for out in run_distributed(worker, 2):
+        assert out["deepcopy"].startswith("FullyShardUsageError/ValueError/AssertionError: FSDP does not support"), out
+        assert "Copy the model before" in out["deepcopy"], out
+        assert "Each distinct composable distributed API can only be applied to a module once" in out["twice"], out
+        assert out["slice"] == "Sequential", out
+        assert "fully_shard does not support containers that do not implement forward" in out["module list"], out
+        assert out["3-D mesh"].startswith("ValueError/"), out
+        assert "fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh" in out["3-D mesh"], out
+        assert out["Shard(0)"] == [True] * 4, out
+        assert out["Shard(1)"].startswith("NotBuiltError/"), out
+        assert "returned Shard(dim=1) for 0.weight" in out["Shard(1)"], out
+        assert out["0-D"].startswith("ValueError/"), out
+        assert "Change scale to a 1D tensor with numel equal to 1." in out["0-D"], out
