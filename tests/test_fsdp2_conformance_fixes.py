@@ -1,5 +1,5 @@
 """``fully_shard`` behaves as FSDP2 where PyTorch's own FSDP2 tests found it did not (tests/conformance):
-misuse raises what FSDP2 raises
+meta-device models stay on meta until the user materialises them, misuse raises what FSDP2 raises
 (with how to fix it), ``shard_placement_fn`` returning FSDP2's default is accepted. One spawn of two
 gloo ranks runs every case; each rank's answers are checked."""
 
@@ -25,13 +25,54 @@ def _mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 5))
 
 
+def _meta_then_materialise(rank: int) -> dict:
+    """Built on meta, sharded, materialised by to_empty and values the test writes into each local
+    chunk; then one SGD step, compared with the unsharded model holding the same values."""
+    from torch.distributed.tensor import DTensor
+
+    import flatshard
+
+    with torch.device("meta"):
+        model = nn.Sequential(_mlp(), _mlp())
+    flatshard.fully_shard(model[0])
+    flatshard.fully_shard(model)
+    on_meta = all(p.is_meta and isinstance(p, DTensor) for p in model.parameters())
+    model.to_empty(device="cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built after to_empty, as FSDP2 users do
+    torch.manual_seed(0)
+    ref = nn.Sequential(_mlp(), _mlp())
+    with torch.no_grad():
+        for p, r in zip(model.parameters(), ref.parameters()):
+            p.to_local().copy_(torch.chunk(r, 2)[rank])  # what reset_parameters() would write, known here
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    model(x[2 * rank : 2 * rank + 2]).sum().backward()
+    opt.step()
+    (ref(x).sum() / 2).backward()
+    ref_opt.step()
+    errors = [
+        (n, (p.full_tensor() - r).abs().max().item()) for (n, p), r in zip(model.named_parameters(), ref.parameters())
+    ]
+    return {"on_meta": on_meta, "max_error": max(e for _, e in errors), "after": str(next(model.parameters()).device)}
+
+
+def _forward_on_meta() -> str:
+    import flatshard
+
+    with torch.device("meta"):
+        model = nn.Sequential(_mlp(), _mlp())
+    flatshard.fully_shard(model[0])
+    flatshard.fully_shard(model)
+    return _raised(lambda: model(torch.randn(2, 5)))
+
+
 def worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
     import flatshard
 
-    out = {}
+    out = {"meta": _meta_then_materialise(rank), "meta forward": _forward_on_meta()}
     model = flatshard.fully_shard(_mlp())
     out["deepcopy"] = _raised(lambda: copy.deepcopy(model))
     out["twice"] = _raised(lambda: flatshard.fully_shard(model))
@@ -50,6 +91,12 @@ def worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signa
 
 def test_fully_shard_meets_fsdp2_where_its_tests_found_differences():
     for out in run_distributed(worker, 2):
+        assert out["meta"]["on_meta"], out  # FSDP2 keeps the sharded parameters on meta
+        assert out["meta"]["after"] == "cpu", out
+        assert out["meta"]["max_error"] < 1e-6, out
+        assert out["meta forward"].startswith("RuntimeError/"), out
+        assert "still on meta device: ['1.0.weight', '1.0.bias', '1.2.weight', '1.2.bias']" in out["meta forward"]
+        assert "to_empty" in out["meta forward"], out
         assert out["deepcopy"].startswith("FullyShardUsageError/ValueError/AssertionError: FSDP does not support"), out
         assert "Copy the model before" in out["deepcopy"], out
         assert "Each distinct composable distributed API can only be applied to a module once" in out["twice"], out

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from flatshard import interop
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.runtime import build, hooks, recording
+from flatshard.runtime import build, deferred, hooks, recording
 from flatshard.runtime.layout import set_views_on_modules
 from flatshard.runtime.mesh import group_timeout
 from flatshard.runtime.post_forward import PostForwardGroup
@@ -253,6 +253,7 @@ def fully_shard(
         mixed_precision=mp,
         offload_params=_offload(offload_policy),
         shard_boundaries="chunks",
+        keep_meta=True,  # [Note: meta parameters left to the user] (runtime/deferred.py)
     )
     built = build.build_units(module, options, _no_nested)
     unit = built.root
@@ -263,6 +264,9 @@ def fully_shard(
     module.__class__ = _fsdp_class(type(module))
     module._unit = unit
     module.register_forward_pre_hook(functools.partial(hooks.forward_pre_hook, unit), prepend=True, with_kwargs=True)
+    if unit.flat_shard.is_meta:
+        _ON_META.add(unit)
+    module.register_forward_pre_hook(_adopt_materialized, prepend=True)  # runs before the one above
     module.register_forward_hook(functools.partial(hooks.forward_post_hook, unit, output_dtype), always_call=True)
     config = build.schedule_config(unit.compute_device)
     build.become_root(module, config, mp)
@@ -284,6 +288,22 @@ def _check_placements(module: nn.Module, shard_placement_fn, ignored_params) -> 
             f"fully_shard(shard_placement_fn=...) returned {placement!r} for {name} (shape {tuple(param.shape)}): "
             "flatshard shards every parameter along dim 0; only Shard(0) or None is built. Return Shard(0)"
         )
+
+
+_ON_META: weakref.WeakSet = weakref.WeakSet()  # units built on meta, not yet given their parameters back
+
+
+def _adopt_materialized(module: nn.Module, _args) -> None:
+    """At the first forward after the user materialised a meta model ([Note: meta parameters left to
+    the user], runtime/deferred.py): every unit under ``module`` built on meta takes its parameters back."""
+    if not _ON_META:
+        return
+    pending = [h._unit for h in unit_hosts(module) if h._unit in _ON_META]
+    if pending:
+        fqns = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        for unit in pending:
+            deferred.adopt_materialized(unit, fqns)
+            _ON_META.discard(unit)
 
 
 def _no_nested(module: nn.Module, unit: Unit) -> nn.Module:  # noqa: ARG001 - build's host factory

@@ -60,6 +60,7 @@ class BuildOptions:
     compress_inter_node: Optional[str] = None  # "int8": [Note: inter-node compression] (compress.py)
     link_figures: Any = None  # sharding_factor="auto" by time: a flatshard.planner.Links (autoshard.py)
     shard_optimizer_across_replicas: bool = False  # [Note: optimizer state across replicas] (pieces.py)
+    keep_meta: bool = False  # fully_shard: [Note: meta parameters left to the user] (deferred.py)
 
 
 @dataclass
@@ -111,7 +112,7 @@ def build_units(module: nn.Module, options: BuildOptions, make_host: MakeHost) -
 def _build_each(module, chosen, by_unit, paths, skip, device_id, groups, options, make_host, owners=None) -> Unit:
     """One unit per chosen module (each replaced in its parents by its host), and the root's own."""
     parents = _parents(module)
-    if deferred.has_meta_states(module, skip):  # [Note: deferred initialisation] (deferred.py)
+    if not options.keep_meta and deferred.has_meta_states(module, skip):  # [Note: deferred initialisation]
         device = deferred.materialization_device(device_id)
         units = deferred.units_in_init_order(module, [*chosen, module], by_unit, skip, options.param_init_fn, device)
     else:  # children first (any order would do: parents are looked up before any unit is built)

@@ -200,3 +200,61 @@ def _fresh(unit: nn.Module, by_unit: dict[nn.Module, list], real: dict[int, tupl
     for info, p in by_unit.get(unit, []):
         out.append((info, real.pop(id(p), (p, p))[1]))
     return out
+
+
+# [Note: meta parameters left to the user]
+# fully_shard (FSDP2's contract) shards a model built on ``meta`` without initialising it: the unit is
+# built on meta, its DTensor parameters stay on meta, and the user materialises them, e.g.
+# ``model.to_empty(device=...)`` then each module's ``reset_parameters()``, or a state dict loaded with
+# ``assign=True``. Each of those replaces the data behind the registered parameters (``to_empty``
+# swaps the DTensor objects' contents; ``assign`` and attribute assignment register new objects), so
+# the unit's flat shard no longer holds them. At the first forward the unit takes them back
+# (``adopt_materialized``): it reads each parameter as the module now holds it, copies this rank's
+# chunk into a new flat shard on that device, and points the registered DTensor at its slice, so
+# optimizers built after ``to_empty`` step the unit's own storage.
+
+
+def adopt_materialized(unit, fqns: dict[int, str]) -> None:
+    """Rebuild ``unit``'s storage from the parameters its modules hold now ([Note: meta parameters left
+    to the user]). ``fqns``: id of a registered parameter -> its name from the root, for the error."""
+    from torch.distributed.tensor import DTensor
+
+    from flatshard.runtime import hooks
+    from flatshard.runtime.layout import set_views_on_modules
+
+    layout, rank = unit.owner_layout, unit.owner_rank
+    current = [getattr(info.uses[0][0], info.uses[0][1]) for info in layout.infos]
+    still_meta = [fqns.get(id(p), info.name) for info, p in zip(layout.infos, current) if p.is_meta]
+    if still_meta:
+        raise RuntimeError(
+            "FSDP parameters should be materialized from meta device before training, but the following were "
+            f"still on meta device: {still_meta}. Call model.to_empty(device=...) and initialise them "
+            "(reset_parameters(), or load a state dict with assign=True) before the first forward"
+        )
+    device = current[0].device if current else torch.device("cpu")
+    flat = torch.zeros(unit.flat_shard.numel(), dtype=unit.flat_shard.dtype, device=device)
+    views = []
+    for info, param, (lo, hi) in zip(layout.infos, current, layout.local_slices(rank)):
+        local = param._local_tensor if isinstance(param, DTensor) else torch.chunk(param, layout.shard_size)[rank]
+        slot = flat[lo:hi].view(layout.local_shape(info, lo, hi))
+        slot.copy_(local.detach().reshape(slot.shape))
+        if isinstance(param, DTensor) and isinstance(param, nn.Parameter):
+            param._local_tensor = slot  # the object optimizers hold keeps working
+            views.append(param)
+        else:
+            old = unit.shard_views[len(views)]
+            old._local_tensor = slot
+            views.append(old)
+    unit.flat_shard = flat
+    unit.compute_device = device
+    unit.unsharded = (
+        flat.data if unit.plan.aliased else torch.empty(layout.padded, dtype=unit.precision.compute, device=device)
+    )
+    if not unit.plan.aliased:
+        unit.unsharded.untyped_storage().resize_(0)
+    unit.unsharded.requires_grad_(unit.requires_grad)
+    unit._gather_target = unit.unsharded.data
+    unit.shard_views = views
+    set_views_on_modules(layout, views, as_params=True)
+    unit.post_backward_hook = None
+    hooks.register_post_backward(unit)
