@@ -76,6 +76,23 @@ def on_transition(model: nn.Module, fn: Callable[[], None]) -> Iterator[None]:
         ctx.memory_recorders.remove(sampler)
 
 
+@contextlib.contextmanager
+def record_streams(model: nn.Module, streams=None) -> Iterator:
+    """Run the root ``model``'s schedule against a recording stand-in for the device's streams (a
+    ``runtime.streams.RecordingStreams``, or ``streams``): every record, wait and buffer access it would
+    issue on an accelerator is logged ([Note: stream discipline]); ``runtime.streams.check_schedule``
+    checks the log."""
+    from flatshard.runtime.streams import RecordingStreams
+
+    ctx = unit_hosts(model)[0]._unit.ctx
+    recording = streams if streams is not None else RecordingStreams()
+    before, ctx.streams = ctx.streams, recording
+    try:
+        yield recording
+    finally:
+        ctx.streams = before
+
+
 def set_overlap_reductions(model: nn.Module, overlap: bool) -> None:
     """Leave each reduction in flight while the next unit computes, or not ([Note: reductions in flight])."""
     ctx = unit_hosts(model)[0]._unit.ctx

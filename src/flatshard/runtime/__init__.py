@@ -12,7 +12,8 @@ Construction (once)
 Forward
   hooks.py:forward              the front end's forward: cast inputs, RunContext.begin_forward (root)
                                 (fully_shard: the same steps as module hooks, forward_pre_hook/forward_post_hook)
-  hooks.py:pre_forward          unit.py:Unit.unshard -> collectives.py:all_gather (gloo_exchange.py on CPU);
+  hooks.py:pre_forward          unit.py:Unit.unshard -> gather.py:issue -> collectives.py:all_gather
+                                (gloo_exchange.py on CPU; on the gather stream, streams.py), gather.py:consume;
                                 Unit.use_compute_views (layout.py:make_compute_views, set_views_on_modules);
                                 RunContext.record_forward, RunContext.prefetch_forward
   hooks.py:post_forward         Unit.use_shard_views; Unit.reshard unless the root (or SHARD_GRAD_OP)
@@ -24,7 +25,7 @@ Backward
   hooks.py:post_backward        RunContext.settle_reductions; Unit.start_reduction -> reduce.py:start ->
                                 collectives.py:reduce_scatter; Unit.reshard; RunContext.settle ->
                                 Unit.finish_reduction -> reduce.py:finish (all-reduce across replicas,
-                                divide) -> Unit._expose_grads; across nodes Unit.advance_reduction ->
+                                divide) -> Unit._expose_grads (exposure.py); across nodes Unit.advance_reduction ->
                                 reduce.py:advance leaves the all-reduce in flight (compress.py: int8)
   hooks.py:end_of_backward      RunContext.end_of_backward: reductions in flight, Unit.finish_backward
 Between steps
@@ -40,6 +41,7 @@ Index of every [Note: ...] in the package
   precision of a unit's tensors ... runtime/precision.py
   reductions in flight ............ runtime/schedule.py
   prefetch ........................ runtime/schedule.py
+  stream discipline ............... runtime/streams.py
   a step that raised .............. runtime/schedule.py
   exchange tags ................... runtime/gloo_exchange.py
   inter-node compression .......... runtime/compress.py

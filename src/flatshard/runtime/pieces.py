@@ -47,6 +47,7 @@ import torch
 
 from flatshard.runtime import collectives
 from flatshard.runtime.layout import FlatLayout
+from flatshard.runtime.streams import Lane, Streams
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Pieces:
     global_ranks: list[int]  # the global rank of every owner rank, in owner order
     dirty: bool = False  # gradients were exposed: the optimizer may have stepped the piece since the last sync
     synced: Optional[tuple[int, int]] = None  # the owned piece's fingerprint at the last sync
-    pending: Optional[tuple[Any, torch.Tensor]] = field(default=None, repr=False)  # (work, source) in flight
+    pending: Optional[tuple] = field(default=None, repr=False)  # (work, source, event) in flight
 
     @property
     def numel(self) -> int:
@@ -75,24 +76,32 @@ class Pieces:
         """Whether this rank's piece differs from what it was at the last sync (by its fingerprint)."""
         return self.synced != fingerprint(self.piece(flat_shard))
 
-    def start_sync(self, flat_shard: torch.Tensor, tag: int, record: Callable, errors) -> None:
-        """Issue the all-gather of the pieces into ``flat_shard``. Written through ``.data``, so no autograd
-        view of the flat shard is disturbed; the piece's fingerprint is taken while the pieces travel."""
+    def start_sync(self, flat_shard: torch.Tensor, tag: int, record: Callable, errors, streams: Streams) -> None:
+        """Issue the all-gather of the pieces into ``flat_shard``, on the gather stream after compute's event
+        ([Note: stream discipline], streams.py). Written through ``.data``, so no autograd view of the flat
+        shard is disturbed; the piece's fingerprint is taken while the pieces travel."""
         target = flat_shard.data
         source = self.piece(target)
         sizes = [self.numel] * self.replicate_size
-        with torch.profiler.record_function("flatshard::all_gather_pieces"), errors("all_gather"):
-            result = collectives.all_gather(target, source, self.group, async_op=True, tag=tag, sizes=sizes)
+        streams.order(Lane.COMPUTE, Lane.GATHER)
+        with streams.on(Lane.GATHER), torch.profiler.record_function("flatshard::all_gather_pieces"):
+            streams.use(Lane.GATHER, flat_shard, "write", "flat shard (the replicas' pieces)")
+            with errors("all_gather"):
+                async_op = streams.host_ordered
+                result = collectives.all_gather(target, source, self.group, async_op=async_op, tag=tag, sizes=sizes)
         record(result, "replicate")
-        self.pending = (result.work, source) if result.work is not None else None
+        self.pending = (result.work, source, streams.record(Lane.GATHER))
         self.dirty = False
         self.synced = fingerprint(source)
 
-    def finish_sync(self, errors) -> None:
+    def finish_sync(self, errors, streams: Streams) -> None:
+        """Compute waits for the pieces' all-gather in flight, if one is."""
         if self.pending is not None:
-            work, _source = self.pending
-            with errors("all_gather"):
-                work.wait()
+            work, _source, event = self.pending
+            if work is not None:
+                with errors("all_gather"):
+                    work.wait()
+            streams.wait(Lane.COMPUTE, event)
             self.pending = None
 
     def gather(self, owned: torch.Tensor, tag: int, record: Callable, errors) -> torch.Tensor:

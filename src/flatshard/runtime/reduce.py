@@ -20,6 +20,10 @@ import torch
 
 from flatshard.runtime import collectives, compress
 from flatshard.runtime.mesh import ShardGroups
+from flatshard.runtime.streams import Lane, Streams
+
+COMPUTE, REDUCE = Lane.COMPUTE, Lane.REDUCE
+NO_STREAMS = Streams()
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class ReduceSpec:
     inter_node: compress.InterNode = compress.LOCAL  # which peers are on other nodes; int8 across them
     # across replicas a reduce-scatter, not an all-reduce ([Note: optimizer state across replicas], pieces.py)
     scatter_replicas: bool = False
+    streams: Streams = NO_STREAMS  # the run context's ([Note: stream discipline], streams.py)
 
     @property
     def divide_factors(self) -> tuple[float, float]:
@@ -58,6 +63,7 @@ class PendingReduction:
     out: torch.Tensor  # this rank's reduced shard (reduce dtype)
     all_reduce_after: bool  # hybrid: the shard still has to be all-reduced (or scattered) across replicas
     source: Optional[torch.Tensor] = None  # the shard a reduce-scatter across replicas sends from
+    event: Any = None  # the reduce stream's event after the collective in flight ([Note: stream discipline])
 
     def nbytes(self) -> tuple[int, int]:
         """(full-size gradient and receive buffer bytes, reduced shard bytes) held now."""
@@ -77,15 +83,20 @@ Record = Callable[[collectives.CollectiveResult, str], None]
 
 def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: bool, tag: int = 0) -> PendingReduction:
     """Issue the reduction of ``grad``, already in ``spec.reduce_dtype``: the unit makes it so (a cast, or the
-    rank-major copy) and releases its own gradient before the collective starts (Unit._take_gradient)."""
-    groups, inter = spec.groups, spec.inter_node
+    rank-major copy) and releases its own gradient before the collective starts (Unit._take_gradient).
+    On the reduce stream, after compute's event ([Note: stream discipline], streams.py)."""
+    groups, inter, streams = spec.groups, spec.inter_node, spec.streams
     full = grad
     before, _after = spec.divide_factors
     if before != 1 and (groups.shard_size > 1 or groups.replicate_size > 1):
         full.div_(before)  # ``grad`` is the unit's own (taken off the unsharded flat, or its cast copy)
+    async_op = async_op and streams.host_ordered
     if groups.shard_size > 1:
         out = torch.empty(spec.shard_sizes[groups.shard_rank], dtype=spec.reduce_dtype, device=grad.device)
-        with torch.profiler.record_function(f"flatshard::reduce_scatter ({spec.label})"):
+        streams.use(COMPUTE, out, "alloc", f"reduced gradient {spec.label}")
+        streams.order(COMPUTE, REDUCE)
+        with streams.on(REDUCE), torch.profiler.record_function(f"flatshard::reduce_scatter ({spec.label})"):
+            streams.use(REDUCE, full, "read", f"gradient {spec.label}")
             result = collectives.reduce_scatter(
                 out,
                 full,
@@ -95,15 +106,19 @@ def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: boo
                 sizes=spec.shard_sizes,
                 remote=inter.gather_remote(),
             )
+            streams.use(REDUCE, out, "write", f"reduced gradient {spec.label}")
         record(result, "shard")
-        return PendingReduction(result.work, full, out, groups.replicate_size > 1)
+        return PendingReduction(result.work, full, out, groups.replicate_size > 1, event=streams.record(REDUCE))
     if groups.replicate_size > 1:
-        with torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
+        streams.order(COMPUTE, REDUCE)
+        with streams.on(REDUCE), torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
+            streams.use(REDUCE, full, "read", f"gradient {spec.label}")
             result = collectives.all_reduce(
                 full, groups.replicate_group, async_op=async_op, compressed=inter.compress_replicate, tag=tag
             )
+            streams.use(REDUCE, full, "write", f"gradient {spec.label}")
         record(result, "replicate")
-        return PendingReduction(result.work, None, full, False)
+        return PendingReduction(result.work, None, full, False, event=streams.record(REDUCE))
     return PendingReduction(None, full, full, False)
 
 
@@ -112,52 +127,72 @@ def advance(pending: PendingReduction, spec: ReduceSpec, record: Record, *, asyn
     left in flight with ``async_op`` for ``finish`` to wait on."""
     if pending.full is None and not pending.all_reduce_after:
         return
+    streams = spec.streams
     if pending.work is not None and pending.full is not None:
         pending.work.wait()
         pending.work = None
+    if pending.full is not None and pending.full is not pending.out:  # dropped by compute, after the reduction
+        streams.wait(COMPUTE, pending.event)
+        streams.use(COMPUTE, pending.full, "free", f"gradient {spec.label}")
     pending.full = None
     if not pending.all_reduce_after:
         return
     pending.all_reduce_after = False
     groups, inter = spec.groups, spec.inter_node
+    async_op = async_op and streams.host_ordered
     if spec.scatter_replicas:  # [Note: optimizer state across replicas] (pieces.py): S elements to this piece
         shard, r = pending.out, groups.replicate_size
         pending.source, pending.out = shard, torch.empty(shard.numel() // r, dtype=shard.dtype, device=shard.device)
-        with torch.profiler.record_function(f"flatshard::reduce_scatter_pieces ({spec.label})"):
+        streams.use(COMPUTE, pending.out, "alloc", f"reduced piece {spec.label}")
+        streams.order(COMPUTE, REDUCE)
+        with streams.on(REDUCE), torch.profiler.record_function(f"flatshard::reduce_scatter_pieces ({spec.label})"):
+            streams.use(REDUCE, shard, "read", f"reduced gradient {spec.label}")
             result = collectives.reduce_scatter(
                 pending.out, shard, groups.replicate_group, async_op=async_op, tag=tag, sizes=[pending.out.numel()] * r
             )
+            streams.use(REDUCE, pending.out, "write", f"reduced piece {spec.label}")
         record(result, "replicate")
-        pending.work = result.work
+        pending.work, pending.event = result.work, streams.record(REDUCE)
         return
-    with torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
+    with streams.on(REDUCE), torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
+        streams.use(REDUCE, pending.out, "read", f"reduced gradient {spec.label}")
         result = collectives.all_reduce(
             pending.out, groups.replicate_group, async_op=async_op, compressed=inter.compress_replicate, tag=tag
         )
+        streams.use(REDUCE, pending.out, "write", f"reduced gradient {spec.label}")
     record(result, "replicate")
-    pending.work = result.work
+    pending.work, pending.event = result.work, streams.record(REDUCE)
 
 
-def discard(pending: PendingReduction) -> None:
+def discard(pending: PendingReduction, spec: ReduceSpec) -> None:
     """Wait for whatever of ``pending`` is still in flight and drop it (a step that raised: [Note: a step
     that raised], schedule.py). Nothing new is issued: every rank drops the same reductions alike."""
     if pending.work is not None:
         pending.work.wait()
+    spec.streams.wait(COMPUTE, pending.event)
+    for t in {id(t): t for t in (pending.full, pending.source, pending.out) if t is not None}.values():
+        spec.streams.use(COMPUTE, t, "free", f"reduction {spec.label}")
     pending.work = pending.full = pending.source = None
 
 
 def finish(
     pending: PendingReduction, spec: ReduceSpec, master_dtype: torch.dtype, record: Record, tag: int = 0
 ) -> torch.Tensor:
+    """Compute waits for the reduction and divides the shard; returned in the master dtype."""
     advance(pending, spec, record, async_op=False, tag=tag)
+    streams = spec.streams
     if pending.work is not None:
         pending.work.wait()
         pending.work = None
+    streams.wait(COMPUTE, pending.event)
+    if pending.source is not None:
+        streams.use(COMPUTE, pending.source, "free", f"reduced gradient {spec.label}")
     pending.source = None
     out = pending.out
     before, after = spec.divide_factors
     if not (spec.groups.shard_size > 1 or spec.groups.replicate_size > 1):
         after *= before  # nothing was summed, so nothing was divided before
+    streams.use(COMPUTE, out, "read", f"reduced gradient {spec.label}")
     if after != 1:
         out.div_(after)
     return out if out.dtype == master_dtype else out.to(master_dtype)

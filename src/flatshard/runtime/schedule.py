@@ -26,6 +26,8 @@ from flatshard.runtime import agree, collectives, precision
 from flatshard.runtime.collectives import CollectiveResult
 from flatshard.runtime.instrument import CommEvent, CommRecorder, MemoryRecorder
 from flatshard.runtime.order import END_BACKWARD, END_FORWARD, Checker, exchange_tag
+from flatshard.runtime.streams import Lane, Streams
+from flatshard.runtime.streams import for_device as streams_for
 
 if TYPE_CHECKING:
     from flatshard.runtime.unit import Unit
@@ -101,6 +103,18 @@ class RunContext:
         )
         self._order_changed_warned = False
         self._exchanges = 0  # tags for point-to-point exchanges ([Note: exchange tags], gloo_exchange.py)
+        self._streams: Optional[Streams] = None
+
+    @property
+    def streams(self) -> Streams:
+        """The device's streams ([Note: stream discipline], streams.py), made at first use."""
+        if self._streams is None:
+            self._streams = streams_for(self.root.compute_device)
+        return self._streams
+
+    @streams.setter
+    def streams(self, value: Streams) -> None:
+        self._streams = value
 
     def start(self) -> None:
         """First use (a forward, summon, clip, a recorder): cast the buffers to the root's buffer dtype."""
@@ -133,6 +147,8 @@ class RunContext:
         self.passes += 1
         self.phase = Phase.FORWARD
         self.order_this_pass = []
+        for unit in self.units:  # the optimizer (or the user) wrote the flat shards on compute since
+            self.streams.use(Lane.COMPUTE, unit.flat_shard, "write", f"{unit.name} flat shard")
         self.sync_pieces()
 
     def sync_pieces(self) -> None:

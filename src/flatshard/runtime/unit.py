@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import weakref
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
 
 from flatshard.api import MixedPrecision, ShardingStrategy
-from flatshard.runtime import collectives, compress, exposure, order, reduce
+from flatshard.runtime import collectives, compress, exposure, gather, order, reduce
 from flatshard.runtime.exposure import local
 from flatshard.runtime.layout import FlatLayout, make_compute_views, make_shard_views, set_views_on_modules
 from flatshard.runtime.mesh import ShardGroups
@@ -34,6 +32,7 @@ from flatshard.runtime.pieces import Pieces, fingerprint
 from flatshard.runtime.post_forward import PostForwardGroup
 from flatshard.runtime.precision import UnitPrecision
 from flatshard.runtime.schedule import RunContext, ScheduleConfig
+from flatshard.runtime.streams import Lane
 
 
 class UnitState(enum.Enum):
@@ -51,16 +50,6 @@ class StoragePlan(NamedTuple):
 def storage_plan(shard_size: int, mixed: bool, offload: bool) -> StoragePlan:
     aliased = shard_size == 1 and not mixed and not offload
     return StoragePlan(aliased, not aliased and (shard_size > 1 or offload) and not mixed)
-
-
-@dataclass
-class _Gather:
-    """An all-gather in flight: its handle, and the tensor it sends (kept alive until it is done)."""
-
-    work: Any
-    source: torch.Tensor
-    then: Optional[Any] = None  # run once it has arrived (a rank-major layout's copy into the unsharded flat)
-    buffer: Optional[torch.Tensor] = None  # where a rank-major gather lands first (counted as gathered)
 
 
 class Unit:
@@ -120,7 +109,7 @@ class Unit:
         self.open_splits = 0  # splits of the unsharded flat whose backward has not run (hooks.py)
         self.view_grad_bytes = 0  # per-parameter gradients autograd holds for the split's backward
         self._gathered_version = -1
-        self._gather: Optional[_Gather] = None
+        self.gather_in_flight: Optional[gather.InFlight] = None
         self._grad_shard: Optional[weakref.ref] = None
         self.trainable = tuple(i.requires_grad for i in layout.infos)  # as the shard views say, last forward
         self.post_backward_hook: Optional[Any] = None  # the unsharded flat's post-accumulate-grad hook (hooks.py)
@@ -169,7 +158,7 @@ class Unit:
         pieces = self.pieces
         if pieces is None or pieces.pending is not None or not (pieces.dirty or changed):
             return
-        pieces.start_sync(self.flat_shard, self.ctx.next_tag(self), self.record, self._errors)
+        pieces.start_sync(self.flat_shard, self.ctx.next_tag(self), self.record, self._errors, self.ctx.streams)
         self._gathered_version = -1  # the flat shard changed under a kept unsharded flat: gather again
 
     @property
@@ -185,88 +174,32 @@ class Unit:
             return
         if self.pieces is not None:
             self.start_piece_sync()
-            self.pieces.finish_sync(self._errors)
+            self.pieces.finish_sync(self._errors, self.ctx.streams)
         if self.state is UnitState.UNSHARDED and self._gathered_version == self.flat_shard._version:
             if wait:
                 self.wait_for_unshard()
             return
         self.wait_for_unshard()
-        rank_major = self.layout.rank_major and self.groups.shard_size > 1
         partial, self._partial = self._partial, None
         if partial is not None and partial[1] == self.flat_shard._version:  # the smaller group's gather
-            self._allocate()
-            self._unshard_from(partial[0], wait)
-            return
-        if not rank_major:  # a rank-major gather lands in a buffer of its own first (_copy_out)
-            self._allocate()
-        source = self.flat_shard
-        if self.offload or self.precision.mixed:  # to the compute device and dtype (pinned: asynchronous)
-            source = self.flat_shard.to(self.compute_device, self.precision.compute, non_blocking=True, copy=True)
-        if self.groups.shard_size == 1:
-            self._gather_target.copy_(source)
+            gather.issue_from(self, partial[0], wait)
         else:
-            self.ctx.checker.check(order.GATHER, self, self.ctx.phase)
-            group, tag = self.groups.shard_group, self.ctx.next_tag(self)
-            target, then = self._gather_target, None
-            if rank_major:  # [Note: chunked layout]: gather rank after rank, then copy out
-                target = torch.empty(
-                    self.groups.shard_size * self.layout.shard_numel, dtype=source.dtype, device=source.device
-                )
-                then = functools.partial(self._copy_out, target)
-            with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"), self._errors("all_gather"):
-                result = collectives.all_gather(
-                    target,
-                    source,
-                    group,
-                    async_op=not wait,
-                    tag=tag,
-                    sizes=self.layout.shard_sizes,
-                    remote=self.inter_node.gather_remote(),
-                )
-            self.record(result, "shard")
-            if result.work is not None:
-                self._gather = _Gather(result.work, source, then, target if rank_major else None)
-            elif then is not None:
-                then()
+            gather.issue(self, wait)
         self._gathered_version = self.flat_shard._version
         self.state = UnitState.UNSHARDED
         self.ctx.sample_memory()
 
-    def _allocate(self) -> None:
+    def allocate(self, prefetch: bool = False) -> None:
+        """Give the unsharded flat its memory (compute allocates it: [Note: stream discipline])."""
         storage = self.unsharded.untyped_storage()
         nbytes = self.layout.padded * self.unsharded.element_size()
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
-
-    def _copy_out(self, staging: torch.Tensor) -> None:
-        """A rank-major gather has arrived: only now does the unsharded flat take memory, so a gather in
-        flight (a prefetch) holds one copy of the unit, as FSDP2's does, not two."""
-        self._allocate()
-        self.layout.from_rank_major(staging, self._gather_target)
-
-    def _unshard_from(self, piece: torch.Tensor, wait: bool) -> None:
-        """All-gather the unsharded flat from the pieces the post-forward group kept."""
-        group = self.post_forward
-        self.ctx.checker.check(order.GATHER, self, self.ctx.phase)
-        tag = self.ctx.next_tag(self)
-        with torch.profiler.record_function(f"flatshard::all_gather ({self.name})"), self._errors("all_gather"):
-            result = collectives.all_gather(
-                self._gather_target, piece, group.group, async_op=not wait, tag=tag, sizes=group.sizes
-            )
-        self.record(result, "post_forward")
-        if result.work is not None:
-            self._gather = _Gather(result.work, piece)
-        self._gathered_version = self.flat_shard._version
-        self.state = UnitState.UNSHARDED
-        self.ctx.sample_memory()
+            self.ctx.streams.use(Lane.COMPUTE, self.unsharded, "alloc", gather.what(self, prefetch))
 
     def wait_for_unshard(self) -> None:
-        if self._gather is not None:
-            with self._errors("all_gather"):
-                self._gather.work.wait()
-            if self._gather.then is not None:
-                self._gather.then()
-            self._gather = None
+        """Compute waits for this unit's all-gather in flight, if one is (gather.py)."""
+        gather.consume(self)
 
     @property
     def gathered(self) -> bool:
@@ -280,9 +213,13 @@ class Unit:
         if self.state is UnitState.SHARDED or self.plan.aliased:
             return
         self.wait_for_unshard()  # never free memory a collective is still writing
+        streams = self.ctx.streams
         if after_forward and self.post_forward is not None:
-            piece = self.post_forward.piece(self.unsharded.data)
-            self._partial = (piece.clone(), self.flat_shard._version)
+            piece = self.post_forward.piece(self.unsharded.data).clone()
+            streams.use(Lane.COMPUTE, piece, "alloc", f"{self.name} post-forward piece")
+            streams.use(Lane.COMPUTE, piece, "write", f"{self.name} post-forward piece")
+            self._partial = (piece, self.flat_shard._version)
+        streams.use(Lane.COMPUTE, self.unsharded, "free", gather.what(self))
         self.unsharded.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
         self.ctx.sample_memory()
@@ -290,6 +227,8 @@ class Unit:
     def use_compute_views(self) -> Optional[torch.autograd.graph.Node]:
         """Set the compute views on the modules; returns the autograd node of their split (whose
         backward builds the flat gradient), or None when no gradient flows through them."""
+        if not self.plan.aliased:
+            self.ctx.streams.use(Lane.COMPUTE, self.unsharded, "read", gather.what(self))
         views = make_compute_views(self.layout, self.unsharded)
         set_views_on_modules(self.layout, views, as_params=False)
         self.compute_views_set = True
@@ -348,8 +287,13 @@ class Unit:
         if self.unsynced is not None:  # fully_shard's unreduced accumulation, in the reduce dtype
             grad, self.unsynced = self.unsynced.add_(grad), None
         if self.layout.rank_major and self.groups.shard_size > 1:  # [Note: chunked layout]: copy in
-            return self.layout.to_rank_major(grad, dtype)
-        return grad if grad.dtype == dtype else grad.to(dtype)
+            grad = self.layout.to_rank_major(grad, dtype)
+        elif grad.dtype != dtype:
+            grad = grad.to(dtype)
+        # what the reduction sends, made by compute (autograd, the cast or the copy): [Note: stream discipline]
+        self.ctx.streams.use(Lane.COMPUTE, grad, "alloc", f"gradient {self.name}")
+        self.ctx.streams.use(Lane.COMPUTE, grad, "write", f"gradient {self.name}")
+        return grad
 
     def advance_reduction(self, async_op: bool) -> None:
         """Finish the shard group's part of the reduction in flight and issue the all-reduce across
@@ -379,11 +323,11 @@ class Unit:
         put the shard views back and reshard."""
         self.wait_for_unshard()
         if self.pieces is not None:
-            self.pieces.finish_sync(self._errors)
+            self.pieces.finish_sync(self._errors, self.ctx.streams)
         if self.reduction is not None:
             pending, self.reduction = self.reduction, None
             with self._errors(self._reduction_kind()):
-                reduce.discard(pending)
+                reduce.discard(pending, self._reduce_spec())
         self._partial = None
         self.open_splits = 0
         self.view_grad_bytes = 0
@@ -454,6 +398,7 @@ class Unit:
             self.gradient_divide_factor,
             self.inter_node,
             self.pieces is not None,
+            self.ctx.streams,
         )
 
     def _reduction_kind(self) -> str:
@@ -477,8 +422,9 @@ class Unit:
         gathered += self.view_grad_bytes
         if self._partial is not None:
             gathered += self._partial[0].untyped_storage().nbytes()
-        if self._gather is not None and self._gather.buffer is not None:
-            gathered += self._gather.buffer.untyped_storage().nbytes()
+        in_flight = self.gather_in_flight
+        if in_flight is not None and in_flight.buffer is not None:
+            gathered += in_flight.buffer.untyped_storage().nbytes()
         if self.reduction is not None:  # in flight: the full-size gradient and the shard it lands in
             full, out = self.reduction.nbytes()
             gathered += full
