@@ -15,7 +15,12 @@ def build(gpt, cfg, bf16: bool) -> torch.nn.Module:
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
-    model = gpt.GPT(cfg)
+    return build_from(gpt.GPT(cfg), mp)
+
+
+def build_from(model: torch.nn.Module, mp: MixedPrecisionPolicy | None = None) -> torch.nn.Module:
+    """``fully_shard`` on each of ``model.blocks``, then on ``model``."""
+    mp = mp or MixedPrecisionPolicy()
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     return fully_shard(model, mp_policy=mp)

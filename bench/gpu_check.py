@@ -16,6 +16,9 @@ Checks, one PASS / FAIL / NOT RUN line each, with its figures:
   offload_error    (--cpu only) offload on a CPU-only run is a ValueError naming the missing accelerator
   all_gather_bw    all_gather_into_tensor of each --sizes-mib buffer: median of ITERS after WARMUP,
                    bus bandwidth as algbw * (W-1)/W; at W = 1 the figure is a local copy, not a network
+  fronts_eager, fronts_compiled, overlap   beside PyTorch's FSDP2: bench/gpu_check_fronts.py
+On a GPU every flatshard check runs with the stream discipline ([Note: stream discipline] in
+src/flatshard/runtime/streams.py): gathers and reductions on streams of their own, ordered by events.
 
 Exit status 1 if any check failed. Results as JSON: --json PATH, else $OUT/gpu_check.json when OUT is
 set, else bench/results/gpu_check.json.
@@ -49,6 +52,9 @@ from flatshard import FullyShardedDataParallel as FSDP  # noqa: E402
 from flatshard.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy  # noqa: E402
 from tests.models import Block, OddMLP, TinyGPT  # noqa: E402
 from tests.util import pairs  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_check_fronts  # noqa: E402
 
 MODELS = ("odd_mlp", "tiny_gpt")  # odd element counts everywhere (padding); tied weights, attention
 OPTIMIZERS = ("sgd_momentum", "adamw")
@@ -468,6 +474,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5, help="training steps per parity case")
     ap.add_argument("--sizes-mib", default="64,256", help="all-gather output sizes in MiB, comma-separated")
     ap.add_argument("--json", default=None, help="where to write the results")
+    ap.add_argument("--skip", default="", help="checks not to run (reported NOT RUN), comma-separated")
     args = ap.parse_args()
     cuda = not args.cpu
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -499,9 +506,18 @@ def main() -> int:
     if not cuda:
         checks.append((("offload_error",), check_offload_error))
     checks.append((("all_gather_bw",), functools.partial(check_all_gather, sizes_mib=sizes)))
+    for name, fn in (
+        ("fronts_eager", gpu_check_fronts.check_fronts_eager),
+        ("fronts_compiled", gpu_check_fronts.check_fronts_compiled),
+        ("overlap", gpu_check_fronts.check_overlap),
+    ):
+        checks.append(((name,), functools.partial(fn, timed=timed, Result=Result)))
     in_step = True
+    skip = set(filter(None, args.skip.split(",")))
     for names, fn in checks:
-        if not in_step:
+        if skip & set(names):
+            results = [Result(name, "NOT RUN", "skipped (--skip)") for name in names]
+        elif not in_step:
             results = [Result(name, "NOT RUN", "an earlier check left the ranks out of step") for name in names]
         else:
             try:

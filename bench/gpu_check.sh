@@ -5,7 +5,8 @@
 # Other arguments go to the script (--steps N, --sizes-mib 64,256, --json PATH).
 # Python: $PYTHON if set; else the first of .venv/bin/python and python3 whose torch serves the mode
 # (sees a GPU, unless --cpu); else a venv in build/gpu_check_venv with `pip install -e .` (made once).
-# The whole run is stopped after $GPU_CHECK_TIMEOUT seconds (default 270); the JSON is written
+# The whole run is stopped after $GPU_CHECK_TIMEOUT seconds (default 540, under the ten minutes of a
+# lent GPU, compiling included); the JSON is written
 # after each check, so a hang keeps the results before it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,5 +45,5 @@ echo "using $(command -v "$py") (Python $("$py" -c 'import platform; print(platf
     'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)')); $mode mode, $nproc ranks"
 
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-270}" \
+exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-540}" \
     "$py" -m torch.distributed.run --standalone --nproc-per-node="$nproc" bench/gpu_check.py "$@"
