@@ -109,3 +109,60 @@ def test_fully_shard_meets_fsdp2_where_its_tests_found_differences():
         assert "returned Shard(dim=1) for 0.weight" in out["Shard(1)"], out
         assert out["0-D"].startswith("ValueError/"), out
         assert "Change scale to a 1D tensor with numel equal to 1." in out["0-D"], out
+
+
+class _TiedHead(nn.Module):
+    """An embedding, a body and a head tied to the embedding: the head and the embedding must share one
+    group (one unit), as FSDP2 requires of tied parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.body = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(self.embed(ids))))
+
+
+def group_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """fully_shard([embed, head]) (one group) and fully_shard(body), then the root; three AdamW steps
+    against the unsharded model on the global batch; then the head run alone, chunk by chunk."""
+    import flatshard
+
+    torch.manual_seed(0)
+    ref = _TiedHead()
+    model = copy.deepcopy(ref)
+    flatshard.fully_shard([model.embed, model.head])
+    flatshard.fully_shard(model.body)
+    flatshard.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    units = len(flatshard.units(model))
+    errors = []
+    for step in range(3):
+        ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(step))
+        loss = model(ids[2 * rank : 2 * rank + 2]).sum()
+        loss.backward()
+        (ref(ids).sum() / 2).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        errors.append(
+            max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref.parameters()))
+        )
+    h = torch.randn(2, 6)
+    for chunk in h.chunk(2):  # a module of a group run alone, twice, each with its own backward
+        model.head(chunk).sum().backward()
+    grads = [p.grad is not None for p in model.head.parameters()]
+    return {"units": units, "errors": errors, "tied": model.head.weight is model.embed.weight, "head grads": grads}
+
+
+def test_several_modules_in_one_group():
+    for out in run_distributed(group_worker, 2):
+        assert out["units"] == 3, out  # [embed, head], body, the root (no parameters of its own)
+        assert out["tied"], out
+        assert max(out["errors"]) < 1e-5, out
+        assert out["head grads"] == [True], out

@@ -34,7 +34,7 @@ from flatshard.runtime import build, deferred, hooks, recording
 from flatshard.runtime.layout import set_views_on_modules
 from flatshard.runtime.mesh import group_timeout
 from flatshard.runtime.post_forward import PostForwardGroup
-from flatshard.runtime.tree import UnitHost, unit_hosts
+from flatshard.runtime.tree import UnitHost, unit_hosts, units_under
 from flatshard.runtime.unit import Unit
 
 
@@ -104,7 +104,7 @@ class FSDPModule(UnitHost):
         )
 
     def _units(self, recurse: bool) -> list[Unit]:
-        return [h._unit for h in unit_hosts(self)] if recurse else [self._unit]
+        return units_under(self) if recurse else [self._unit]
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters now (its forward then finds them gathered)."""
@@ -225,23 +225,22 @@ def fully_shard(
     default; the root is kept anyway) or not (False), or an int g dividing the shard dim's size: keep 1/g
     after forward and gather within groups of g ranks in backward (FSDP2's meaning; g = the size is True,
     1 is False). Returns ``module``, whose class now also is ``FSDPModule``."""
-    if isinstance(module, (list, tuple)):
-        raise NotBuiltError("fully_shard of a list of modules (one group) is not built: call it once per module")
-    if isinstance(module, UnitHost):
-        raise FullyShardUsageError(
-            "Each distinct composable distributed API can only be applied to a module once. fully_shard was "
-            f"already applied to this {type(module).__name__}: apply it once"
-        )
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # FSDP2's check
-        raise ValueError(
-            f"fully_shard does not support containers that do not implement forward: {type(module).__name__}. "
-            "Apply it to each module inside, or to the module that runs them"
-        )
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules: pass a module, or a list of them (one group)")
+    for m in modules:
+        _check_module(m)
     if dp_mesh_dims is not None:
         raise NotBuiltError("fully_shard(dp_mesh_dims=...) is not built: pass the data-parallel mesh as mesh=")
+    # [Note: a group of modules] fully_shard([a, b]) makes one unit of the parameters of a and b (FSDP2's
+    # group: one all-gather, one reduce-scatter). It is built over a container holding them; each module
+    # then hosts the same unit and runs its hooks, so the unit is gathered for whichever runs, and a
+    # module run alone (a loss head called chunk by chunk) works as a module run twice in one forward.
+    # Tied parameters must be in one group; the root adopts the unit once (runtime/tree.py, units_under).
+    target = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     if shard_placement_fn is not None:
-        _check_placements(module, shard_placement_fn, ignored_params)
-    mesh, placements = _mesh(mesh, module)
+        _check_placements(target, shard_placement_fn, ignored_params)
+    mesh, placements = _mesh(mesh, target)
     shard_size = mesh.size(mesh.ndim - 1)
     reshard, post_forward_size = _reshard_after_forward(reshard_after_forward, shard_size)
     mp, output_dtype = _precision(mp_policy)
@@ -255,22 +254,36 @@ def fully_shard(
         shard_boundaries="chunks",
         keep_meta=True,  # [Note: meta parameters left to the user] (runtime/deferred.py)
     )
-    built = build.build_units(module, options, _no_nested)
+    built = build.build_units(target, options, _no_nested)
     unit = built.root
     unit.unsynced_in_reduce_dtype = True  # FSDP2 accumulates unsynced gradients in the reduce dtype
     if post_forward_size:
         unit.post_forward = _post_forward_group(mesh, post_forward_size, unit.layout.padded)
     _as_dtensors(unit, mesh, placements)
-    module.__class__ = _fsdp_class(type(module))
-    module._unit = unit
-    module.register_forward_pre_hook(functools.partial(hooks.forward_pre_hook, unit), prepend=True, with_kwargs=True)
     if unit.flat_shard.is_meta:
         _ON_META.add(unit)
-    module.register_forward_pre_hook(_adopt_materialized, prepend=True)  # runs before the one above
-    module.register_forward_hook(functools.partial(hooks.forward_post_hook, unit, output_dtype), always_call=True)
+    for m in modules:
+        m.__class__ = _fsdp_class(type(m))
+        m._unit = unit
+        m.register_forward_pre_hook(functools.partial(hooks.forward_pre_hook, unit), prepend=True, with_kwargs=True)
+        m.register_forward_pre_hook(_adopt_materialized, prepend=True)  # runs before the one above
+        m.register_forward_hook(functools.partial(hooks.forward_post_hook, unit, output_dtype), always_call=True)
     config = build.schedule_config(unit.compute_device)
-    build.become_root(module, config, mp)
+    build.become_root(modules[0], config, mp)
     return module
+
+
+def _check_module(module: nn.Module) -> None:
+    if isinstance(module, UnitHost):
+        raise FullyShardUsageError(
+            "Each distinct composable distributed API can only be applied to a module once. fully_shard was "
+            f"already applied to this {type(module).__name__}: apply it once"
+        )
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # FSDP2's check
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: {type(module).__name__}. "
+            "Apply it to each module inside, or to the module that runs them"
+        )
 
 
 def _check_placements(module: nn.Module, shard_placement_fn, ignored_params) -> None:
@@ -298,7 +311,7 @@ def _adopt_materialized(module: nn.Module, _args) -> None:
     the user], runtime/deferred.py): every unit under ``module`` built on meta takes its parameters back."""
     if not _ON_META:
         return
-    pending = [h._unit for h in unit_hosts(module) if h._unit in _ON_META]
+    pending = [u for u in units_under(module) if u in _ON_META]
     if pending:
         fqns = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
         for unit in pending:

@@ -29,7 +29,7 @@ from flatshard.runtime.mesh import ShardGroups, device_of, require_initialized, 
 from flatshard.runtime.pieces import Pieces
 from flatshard.runtime.placement import Placement, check_no_tie_into_wrapped
 from flatshard.runtime.schedule import RunContext, ScheduleConfig
-from flatshard.runtime.tree import UnitHost, clean_name, unit_hosts
+from flatshard.runtime.tree import UnitHost, clean_name, unit_hosts, units_under
 from flatshard.runtime.unit import Unit
 from flatshard.wrap import select_units
 
@@ -204,7 +204,7 @@ def become_root(host: nn.Module, config: ScheduleConfig, mixed_precision: Option
             "root for now. Pass the same process_group to every FullyShardedDataParallel."
         )
     root = host._unit
-    ctx = RunContext([h._unit for h in hosts], root, config)
+    ctx = RunContext(units_under(host), root, config)
     if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
         ctx.buffer_cast = (host, mixed_precision.buffer_dtype)
     for path, m in host.named_modules():

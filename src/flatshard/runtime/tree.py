@@ -54,7 +54,8 @@ def unit_hosts(module: nn.Module, root_only: bool = False) -> list[UnitHost]:
 
 
 def units_under(module: nn.Module) -> list[Unit]:
-    return [h._unit for h in unit_hosts(module)]
+    """The units at or under ``module``, each once (the modules of a fully_shard group host one unit)."""
+    return list({id(h._unit): h._unit for h in unit_hosts(module)}.values())
 
 
 # ---- the public view ----------------------------------------------------------------------------
