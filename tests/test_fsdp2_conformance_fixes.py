@@ -166,3 +166,50 @@ def test_several_modules_in_one_group():
         assert out["tied"], out
         assert max(out["errors"]) < 1e-5, out
         assert out["head grads"] == [True], out
+
+
+class _Features(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.proj(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x).sum(-1)
+
+
+class _UsesFeatures(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.vit, self.head = _Features(), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.vit.features(x))  # a method other than forward, called from outside
+
+
+def forward_method_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    import flatshard
+
+    torch.manual_seed(0)
+    ref = _UsesFeatures()
+    model = copy.deepcopy(ref)
+    flatshard.fully_shard(model.vit)
+    flatshard.fully_shard(model)
+    flatshard.register_fsdp_forward_method(model.vit, "features")
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    model(x[2 * rank : 2 * rank + 2]).sum().backward()
+    (ref(x).sum() / 2).backward()
+    return {
+        "grad error": max(
+            (p.grad.full_tensor() - r.grad).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())
+        ),
+        "missing method": _raised(lambda: flatshard.register_fsdp_forward_method(model.vit, "nothing")),
+    }
+
+
+def test_register_fsdp_forward_method():
+    for out in run_distributed(forward_method_worker, 2):
+        assert out["grad error"] < 1e-6, out
+        assert out["missing method"].startswith("ValueError/"), out

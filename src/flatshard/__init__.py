@@ -47,6 +47,7 @@ _EXPORTS = {
     "OffloadPolicy": "flatshard.fsdp2",
     "CPUOffloadPolicy": "flatshard.fsdp2",
     "UnshardHandle": "flatshard.fsdp2",
+    "register_fsdp_forward_method": "flatshard.fsdp2",
     "CommRecorder": "flatshard.runtime.instrument",
     "MemoryRecorder": "flatshard.runtime.instrument",
     "UnitInfo": "flatshard.runtime.tree",

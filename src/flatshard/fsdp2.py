@@ -88,6 +88,8 @@ def _not_built(name: str, instead: str):
 class FSDPModule(UnitHost):
     """FSDP2's methods on a module ``fully_shard`` was applied to (a mixin of its new class)."""
 
+    fsdp_output_dtype: Optional[torch.dtype] = None  # MixedPrecisionPolicy.output_dtype
+
     def __new__(cls, *args, **kwargs):
         """A sharded container indexed or sliced (``model[:2]`` builds ``type(model)(...)``) gives a
         module of the original class, as FSDP2's does: the new module holds no unit."""
@@ -265,12 +267,38 @@ def fully_shard(
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
         m._unit = unit
+        m.fsdp_output_dtype = output_dtype
         m.register_forward_pre_hook(functools.partial(hooks.forward_pre_hook, unit), prepend=True, with_kwargs=True)
         m.register_forward_pre_hook(_adopt_materialized, prepend=True)  # runs before the one above
         m.register_forward_hook(functools.partial(hooks.forward_post_hook, unit, output_dtype), always_call=True)
     config = build.schedule_config(unit.compute_device)
     build.become_root(modules[0], config, mp)
     return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` as fully_shard runs ``forward``: parameters gathered before it,
+    resharded after, gradients reduced in backward (FSDP2's function, for a method other than forward
+    called from outside the module, such as ``vit.forward_features`` or ``generate``). A module that
+    fully_shard was not applied to is left alone, as FSDP2 does."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register")
+    orig = getattr(module, method_name)
+    unit, output_dtype = module._unit, module.fsdp_output_dtype
+
+    @functools.wraps(orig)
+    def method(*args, **kwargs):
+        args, kwargs = hooks.forward_pre_hook(unit, module, args, kwargs)
+        try:
+            out = orig(*args, **kwargs)
+        except BaseException:
+            hooks.forward_post_hook(unit, output_dtype, module, args, None)  # reshards, as after a forward that raised
+            raise
+        return hooks.forward_post_hook(unit, output_dtype, module, args, out)
+
+    setattr(module, method_name, method)
 
 
 def _check_module(module: nn.Module) -> None:

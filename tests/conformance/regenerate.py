@@ -69,7 +69,15 @@ FSDP2_MODULES = {
     "torch.distributed.fsdp._fully_shard._fully_shard",
     "torch.distributed.fsdp._fully_shard._fsdp_api",
 }
-SWAPPED = {"fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle"}
+SWAPPED = {
+    "fully_shard",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+}
 
 
 def device_only(text: str) -> str:
