@@ -7,16 +7,22 @@ verified, pickle-free, and loadable at any world size, sharding factor or strate
     handle.wait()
     step, extra = checkpoint.load(checkpoint.latest("ckpt"), model, opt)
 
+    ckpt = checkpoint.Checkpointer("ckpt", model, opt, every=100, keep_last=3)   # a loop that resumes itself
+    start = ckpt.resume()
+    for step in range(start, steps): ...; ckpt.step_done(step + 1, final=step + 1 == steps)
+
 save.py writes (its docstring has the layout), directory.py decides which directories are complete
 checkpoints ([Note: crash-safe commit], [Note: latest and rotation]), load.py reads, format.py is the
 bytes of a file ([Note: checksums]), export.py writes what a plain model or Hugging Face loads, and
-tools.py is ``flatshard consolidate`` and ``flatshard inspect``.
+tools.py is ``flatshard consolidate`` and ``flatshard inspect``; resume.py is the ``Checkpointer`` a
+loop resumes with ([Note: the loop's own state]).
 """
 
 from flatshard.api import CheckpointError
 from flatshard.checkpoint.directory import latest, read_manifest, step_path
 from flatshard.checkpoint.format import shard_file
 from flatshard.checkpoint.load import Loaded, load
+from flatshard.checkpoint.resume import Checkpointer
 from flatshard.checkpoint.save import AsyncSave, save
 
 __all__ = [
@@ -25,6 +31,7 @@ __all__ = [
     "latest",
     "step_path",
     "AsyncSave",
+    "Checkpointer",
     "Loaded",
     "CheckpointError",
     "read_manifest",

@@ -35,29 +35,40 @@ class Loaded(NamedTuple):
     extra: Any
 
 
-def load(path, model, optimizer=None, *, strict: bool = True, rng: bool = True) -> Loaded:
+def load(path, model, optimizer=None, *, strict: bool = True, rng: bool = True, state=None) -> Loaded:
     """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``), whatever world size, sharding
     factor or strategy it was saved with. Collective. Returns ``(step, extra)``. With ``rng`` and the
-    same world size, every rank's RNG states (torch, CUDA, numpy, random) are restored too."""
+    same world size, every rank's RNG states (torch, CUDA, numpy, random) are restored too. ``state``
+    (``{name: obj}``, as given to ``save``) has each ``obj.load_state_dict`` called with what this rank
+    saved under ``name``; it needs the world size saved ([Note: the loop's own state], resume.py)."""
     path = os.path.abspath(os.fspath(path))
     view = model_view(model)
     with traced("checkpoint.load"), view.phase(Phase.CHECKPOINT):
         wait_pending(view, "load")
-        return _load(path, view, optimizer, strict, rng)
+        manifest, staged = _stage(path, view, optimizer, strict, rng, state)
+        return _apply(view, manifest, staged, optimizer, state)
 
 
-def _load(path: str, view: ModelView, optimizer, strict: bool, rng: bool) -> Loaded:
+def _stage(path: str, view: ModelView, optimizer, strict: bool, rng: bool, state) -> tuple[dict, Staged]:
+    """Every check and read, agreed by every rank; nothing is copied in yet."""
     group, record = view.group, view.record
     where, manifest = run_agreed(lambda: _open(path), group, record=record)
     _same_save(path, where, manifest, group, record)
     run_agreed(lambda: _check_model(path, manifest, view, optimizer, strict), group, record=record)
+    run_agreed(lambda: _check_state(path, manifest, state, world_of(group)), group, record=record)
     with_rng = rng and manifest["world_size"] == world_of(group)
-    staged = run_agreed(lambda: _read_all(where, manifest, view, optimizer, with_rng), group, record=record)
+    staged = run_agreed(lambda: _read_all(where, manifest, view, optimizer, with_rng, state), group, record=record)
+    return manifest, staged
+
+
+def _apply(view: ModelView, manifest: dict, staged: Staged, optimizer, state) -> Loaded:
     copy_into_model(view, staged.params, staged.plain)
     if optimizer is not None:
         optimizer.load_state_dict(staged.optim)
     if staged.rng is not None:
         _restore_rng(*staged.rng)
+    for name, obj in (state or {}).items():
+        obj.load_state_dict(staged.state[name])
     return Loaded(manifest.get("step"), manifest.get("extra"))
 
 
@@ -104,6 +115,26 @@ def _check_model(path: str, manifest: dict, view, optimizer, strict: bool) -> No
         )
 
 
+def _check_state(path: str, manifest: dict, state, world: int) -> None:
+    if state is None:
+        return
+    if not isinstance(state, dict) or not all(callable(getattr(o, "load_state_dict", None)) for o in state.values()):
+        raise CheckpointError("state must be a dict of names to objects with load_state_dict(), as given to save")
+    saved = manifest.get("state") or []
+    missing = [n for n in state if n not in saved]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} holds no loop state {_listed(missing)} (it holds {_listed(saved) or 'none'}): "
+            "pass the names given to save(state=...), or leave state= out"
+        )
+    if manifest["world_size"] != world:
+        raise CheckpointError(
+            f"checkpoint {path} was saved by {manifest['world_size']} ranks and this job has {world}: each "
+            f"rank's loop state ({_listed(list(state))}) belongs to a rank of that job. Resume with "
+            f"{manifest['world_size']} ranks, or load without state= and rebuild it from the step"
+        )
+
+
 def _listed(names: list[str], most: int = 6) -> str:
     more = f" and {len(names) - most} more" if len(names) > most else ""
     return ", ".join(names[:most]) + more
@@ -142,9 +173,10 @@ class Staged(NamedTuple):
     plain: dict[str, Any]  # buffers, unmanaged parameters, extra state, by name
     optim: Optional[dict]  # what optimizer.load_state_dict takes
     rng: Optional[tuple[dict, dict]]
+    state: dict  # the loop's own state, this rank's, by name
 
 
-def _read_all(path: str, manifest: dict, view: ModelView, optimizer, with_rng: bool) -> Staged:
+def _read_all(path: str, manifest: dict, view: ModelView, optimizer, with_rng: bool, state) -> Staged:
     files = _Files(path, manifest)
     try:
         tensor_of = manifest["model"]["tensor_of"]
@@ -161,7 +193,8 @@ def _read_all(path: str, manifest: dict, view: ModelView, optimizer, with_rng: b
                 plain[name] = files.fetch(tensor_of[name], 0, obj.numel()).view(obj.shape)
         optim_sd = _read_optim(files, manifest, view, optimizer) if optimizer is not None else None
         rng_state = _read_rng(files, manifest, rank_in(view.group)) if with_rng else None
-        return Staged(params, plain, optim_sd, rng_state)
+        loop_state = _read_state(files, manifest, rank_in(view.group)) if state else {}
+        return Staged(params, plain, optim_sd, rng_state, loop_state)
     finally:
         files.close()
 
@@ -199,6 +232,14 @@ def _read_rng(files: _Files, manifest: dict, rank: int):
     meta = json.loads(reader.metadata.get("rng", "null"))
     tensors = {k: reader.read(k) for k in reader.header if k.startswith("rng/")}
     return tensors, meta
+
+
+def _read_state(files: _Files, manifest: dict, rank: int) -> dict:
+    name = shard_file(rank, manifest["world_size"])
+    text = files.reader(name).metadata.get("state")
+    if text is None:
+        raise CheckpointError(f"{os.path.join(files.path, name)} holds no loop state, while the manifest lists some")
+    return json.loads(text)
 
 
 def _restore_rng(tensors: dict, meta: dict) -> None:

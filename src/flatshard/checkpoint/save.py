@@ -78,6 +78,7 @@ class SavePlan:
     items: list = field(default_factory=list)  # (key, full shape, dtype, start, end, 1-D tensor)
     rng: list = field(default_factory=list)  # (key, tensor)
     rng_meta: dict = field(default_factory=dict)
+    state: Optional[str] = None  # this rank's loop state (``save(state=...)``) as JSON, or None
     head: dict = field(default_factory=dict)  # manifest fields known before writing (rank 0)
 
     @property
@@ -133,6 +134,7 @@ def save(
     async_save: bool = False,
     *,
     keep_last: Optional[int] = None,
+    state: Optional[dict] = None,
 ) -> Optional[AsyncSave]:
     """Save ``model`` (and ``optimizer``'s state, ``step``, JSON-serialisable ``extra``, this rank's RNG
     states) to the directory ``path``. Collective: every rank of the model's process group calls it.
@@ -143,6 +145,10 @@ def save(
     k checkpoints are kept: ``path`` and the k - 1 most recently committed others beside it whose
     names differ from its name in their last number only (``step_path`` names them so).
 
+    ``state`` is the loop's own state, this rank's: ``{name: obj}`` where each ``obj.state_dict()``
+    returns JSON (a data loader's position, an LR scheduler); it goes into this rank's file, and
+    ``load(..., state=)`` hands it back to the same rank's objects ([Note: the loop's own state]).
+
     With ``async_save=True`` the tensors are first copied to host memory and the writing and commit
     run in a background thread on a separate gloo group; the returned ``AsyncSave`` says when it is
     committed. A later ``save`` or ``load`` of the same model waits for it first."""
@@ -150,12 +156,12 @@ def save(
     view = model_view(model)
     with traced("checkpoint.save"), view.phase(Phase.CHECKPOINT):
         wait_pending(view, "save")
-        return _save(path, view, optimizer, step, extra, async_save, keep_last)
+        return _save(path, view, optimizer, step, extra, async_save, keep_last, state)
 
 
-def _save(path: str, view: ModelView, optimizer, step, extra, async_save: bool, keep_last) -> Optional[AsyncSave]:
+def _save(path: str, view: ModelView, optimizer, step, extra, async_save, keep_last, state) -> Optional[AsyncSave]:
     group, record = view.group, view.record
-    plan = run_agreed(lambda: _prepare(path, view, optimizer, step, extra, keep_last), group, record=record)
+    plan = run_agreed(lambda: _prepare(path, view, optimizer, step, extra, keep_last, state), group, record=record)
     if optimizer is not None:
         plan.head["optim"]["state"] = _manifest_optim(merged_meta(plan.head.pop("optim_meta"), view))
     _fresh_partial(plan, group, record)
@@ -219,7 +225,7 @@ def _checkpoint_group(host: Optional[UnitHost], group):
     return host.checkpoint_group
 
 
-def _prepare(path: str, view: ModelView, optimizer, step, extra, keep_last) -> SavePlan:
+def _prepare(path: str, view: ModelView, optimizer, step, extra, keep_last, state) -> SavePlan:
     group = view.group
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(
@@ -256,7 +262,25 @@ def _prepare(path: str, view: ModelView, optimizer, step, extra, keep_last) -> S
     if optimizer is not None:
         _optim_items(plan, view, optimizer, replica0)
     plan.rng, plan.rng_meta = _rng_state()
+    if state is not None:
+        plan.state = json.dumps(_loop_state(state))
+        plan.head["state"] = sorted(state)
     return plan
+
+
+def _loop_state(state) -> dict:
+    """``{name: obj.state_dict()}``, each checked to be JSON ([Note: the loop's own state])."""
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise CheckpointError(f"state must be a dict of names to objects with state_dict(), got {type(state).__name__}")
+    out = {}
+    for name, obj in state.items():
+        if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+            raise CheckpointError(
+                f"state[{name!r}] ({type(obj).__name__}) has no state_dict() and load_state_dict(): pass "
+                "objects that have both (a data loader's position, an LR scheduler)"
+            )
+        out[name] = _json_check(obj.state_dict(), f"state[{name!r}].state_dict()")
+    return out
 
 
 def _optim_items(plan: SavePlan, view: ModelView, optimizer, replica0: bool) -> None:
@@ -383,6 +407,8 @@ def _after_commit(plan: SavePlan, manifest: dict) -> None:
 def _write_file(plan: SavePlan) -> dict:
     items = plan.items + [(k, list(t.shape), t.dtype, 0, t.numel(), t) for k, t in plan.rng]
     metadata = {"format": "pt", "flatshard": f"rank {plan.rank} of {plan.world}", "rng": json.dumps(plan.rng_meta)}
+    if plan.state is not None:
+        metadata["state"] = plan.state
     writer = ShardWriter(
         os.path.join(plan.partial, plan.file), [(k, d, [b - a]) for k, _, d, a, b, _ in items], metadata
     )
