@@ -21,7 +21,7 @@ import torch
 from flatshard.api import CheckpointError, StateDictType
 from flatshard.checkpoint.directory import locate, manifest_in
 from flatshard.checkpoint.format import ShardReader, shard_file
-from flatshard.checkpoint.save import wait_pending
+from flatshard.checkpoint.save import peer_errors, wait_pending
 from flatshard.runtime.agree import gather_json, rank_in, run_agreed, world_of
 from flatshard.runtime.hooks import traced
 from flatshard.runtime.schedule import Phase
@@ -44,8 +44,9 @@ def load(path, model, optimizer=None, *, strict: bool = True, rng: bool = True, 
     path = os.path.abspath(os.fspath(path))
     view = model_view(model)
     with traced("checkpoint.load"), view.phase(Phase.CHECKPOINT):
-        wait_pending(view, "load")
-        manifest, staged = _stage(path, view, optimizer, strict, rng, state)
+        with peer_errors(f"the load of {path}"):
+            wait_pending(view, "load")
+            manifest, staged = _stage(path, view, optimizer, strict, rng, state)
         return _apply(view, manifest, staged, optimizer, state)
 
 

@@ -24,6 +24,7 @@ layout, the byte ranges that hold its elements. Collectives are recorded under t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -95,6 +97,23 @@ class SavePlan:
         self.rng = [(k, t.to("cpu", copy=True)) for k, t in self.rng]
 
 
+@contextlib.contextmanager
+def peer_errors(what: str) -> Iterator[None]:
+    """A collective of a save or load that fails (a peer died, or stalled past the group's timeout)
+    raises a ``CheckpointError`` naming this rank and the checkpoint phase, chained to the backend's."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except RuntimeError as exc:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CheckpointError(
+            f"flatshard: rank {rank}: {what} (phase checkpoint, no unit) did not complete: {exc}. A peer rank "
+            "died or stalled (its collective never came), so a save may not have committed; restart the job "
+            "and resume from the newest complete checkpoint (checkpoint.latest)"
+        ) from exc
+
+
 def _host(view: ModelView) -> Optional[UnitHost]:
     """The host that keeps the model's save state (its first unit's), if the model has units."""
     return view.hosts[0][1] if view.hosts else None
@@ -154,7 +173,7 @@ def save(
     committed. A later ``save`` or ``load`` of the same model waits for it first."""
     path = os.path.abspath(os.fspath(path))
     view = model_view(model)
-    with traced("checkpoint.save"), view.phase(Phase.CHECKPOINT):
+    with traced("checkpoint.save"), view.phase(Phase.CHECKPOINT), peer_errors(f"the save to {path}"):
         wait_pending(view, "save")
         return _save(path, view, optimizer, step, extra, async_save, keep_last, state)
 
