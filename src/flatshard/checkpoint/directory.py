@@ -292,9 +292,10 @@ def _named_like(name: str) -> re.Pattern:
     return re.compile(re.escape(name[: last.start()]) + r"\d+" + re.escape(name[last.end() :]))
 
 
-def rotate(path: str, keep_last: int) -> list[str]:
+def rotate(path: str, keep_last: int, reached: Optional[Callable[[str], None]] = None) -> list[str]:
     """Keep ``path`` and the ``keep_last - 1`` most recently committed other complete checkpoints named
-    like it beside it; remove the rest of those ([Note: latest and rotation]). Returns the paths removed."""
+    like it beside it; remove the rest of those ([Note: latest and rotation]). Returns the paths removed.
+    ``reached`` is told ``"removing"`` once a checkpoint is renamed to ``NAME.removing``."""
     parent, name = os.path.split(path)
     like = _named_like(name)
     for leftover in os.listdir(parent):  # a rotation killed while deleting
@@ -312,6 +313,8 @@ def rotate(path: str, keep_last: int) -> list[str]:
             shutil.rmtree(doomed)
         os.rename(found[p], doomed)
         fsync_dir(parent)
+        if reached is not None:
+            reached("removing")
         shutil.rmtree(doomed)
         removed.append(p)
     return removed

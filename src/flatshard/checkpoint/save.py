@@ -66,7 +66,9 @@ logger = logging.getLogger("flatshard")
 def _reached(stage: str) -> None:
     """Called as a save passes ``"writing"`` (halfway through this rank's file) and, on rank 0,
     ``"before_commit"`` (manifest written, not yet renamed), ``"between_renames"`` (an old PATH moved
-    aside, the new one not yet in place) and ``"after_commit"``; tests patch it to stop a save there."""
+    aside, the new one not yet in place), ``"after_commit"`` (before the ``latest`` pointer) and
+    ``"removing"`` (``keep_last``: an old checkpoint renamed to ``NAME.removing``, not yet deleted);
+    tests and the example's fault injection patch it to stop a save there."""
 
 
 @dataclass
@@ -413,7 +415,7 @@ def _after_commit(plan: SavePlan, manifest: dict) -> None:
         logger.warning("flatshard checkpoint: %s", problem)
     if plan.keep_last is not None:
         try:
-            rotate(plan.path, plan.keep_last)
+            rotate(plan.path, plan.keep_last, _reached)
         except OSError as exc:
             logger.warning(
                 "flatshard checkpoint: keep_last=%d: removing older checkpoints beside %s failed: %s",
