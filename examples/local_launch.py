@@ -18,7 +18,10 @@ So a local launch here is torchrun's own machinery (its argument parser and ``ru
 what ``torchrun`` gives them) with a rendezvous handler of our own, ``flatshard-loopback``, registered through
 torch's public ``rendezvous_handler_registry``: one node, no peers to wait for, and one TCPStore on a
 socket bound to 127.0.0.1, shared by the agent and the ranks (``use_agent_store``; the agent's keys
-under a prefix). The ranks' gloo and NCCL sockets are put on the loopback interface. Ranks started
+under a prefix). Each round of the rendezvous -- the first start, and each restart under ``max_restarts``
+-- gets a fresh store, as torchrun's own c10d rendezvous does: the ranks of a restart must not read
+the keys of the ranks they replace (their process group's addresses). The ranks' gloo and NCCL sockets
+are put on the loopback interface. Ranks started
 without torchrun (big_model.py) are clients of ``loopback_store()``, hosted by their launcher.
 tests/test_launch.py reads the socket table during a run and finds no listener of the job elsewhere.
 
@@ -84,7 +87,7 @@ class LoopbackRendezvous(RendezvousHandler):
         if params.max_nodes != 1:
             raise ValueError(f"the {BACKEND} rendezvous is for one node; got --nnodes up to {params.max_nodes}")
         self._run_id = params.run_id
-        self._store, self._port = loopback_store()
+        self._stores: list[dist.TCPStore] = []  # one per round; kept until the launch ends
         self._closed = False
 
     def get_backend(self) -> str:
@@ -97,8 +100,10 @@ class LoopbackRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         if self._closed:
             raise RendezvousClosedError(f"the {BACKEND} rendezvous of run {self._run_id} is closed")
-        agent = dist.PrefixStore(f"torchelastic/{self._run_id}/", self._store)
-        return RendezvousInfo(agent, 0, 1, RendezvousStoreInfo(LOOPBACK, self._port))
+        store, port = loopback_store()  # a fresh store each round: a restart reads no key of the ranks it replaces
+        self._stores.append(store)
+        agent = dist.PrefixStore(f"torchelastic/{self._run_id}/", store)
+        return RendezvousInfo(agent, 0, 1, RendezvousStoreInfo(LOOPBACK, port))
 
     def is_closed(self) -> bool:
         return self._closed
@@ -148,10 +153,13 @@ def _environ(values: dict[str, str]):
                 os.environ[k] = v
 
 
-def run_local(nproc: int, script: str, script_args: list[str]) -> None:
+def run_local(nproc: int, script: str, script_args: list[str], max_restarts: int = 0) -> None:
     """Run ``script`` on ``nproc`` local ranks through torchrun's machinery, every socket on loopback.
+    After a rank fails, every rank is stopped and all are started again, up to ``max_restarts`` times
+    (torchrun's ``--max-restarts``; the ranks see ``TORCHELASTIC_RESTART_COUNT``).
 
-    Raises torch's ChildFailedError when a rank fails (torchrun has printed which and why)."""
+    Raises torch's ChildFailedError when a rank fails with no restart left (torchrun has printed which
+    and why)."""
     from torch.distributed import run as torchrun
 
     rendezvous_handler_registry.register(BACKEND, _create_handler)  # again with the same creator: a no-op
@@ -163,6 +171,7 @@ def run_local(nproc: int, script: str, script_args: list[str]) -> None:
             f"--rdzv-endpoint={LOOPBACK}:0",
             "--nnodes=1",
             f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
             script,
             *script_args,
         ]
