@@ -213,3 +213,25 @@ def test_register_fsdp_forward_method():
     for out in run_distributed(forward_method_worker, 2):
         assert out["grad error"] < 1e-6, out
         assert out["missing method"].startswith("ValueError/"), out
+
+
+def ignored_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """One ignored set for the whole model, passed to every fully_shard call (as FSDP2 users do): the
+    inner call is given a parameter of the root's module too."""
+    import flatshard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    ignored = {model[1].weight, model[1].bias}
+    flatshard.fully_shard(model[0], ignored_params=ignored)
+    flatshard.fully_shard(model, ignored_params=ignored)
+    model(torch.randn(2, 4)).sum().backward()
+    return {
+        "whole": [tuple(p.shape) for p in (model[1].weight, model[1].bias)],
+        "plain": type(model[1].weight).__name__,
+    }
+
+
+def test_ignored_params_of_other_modules_are_no_error():
+    for out in run_distributed(ignored_worker, 2):
+        assert out == {"whole": [(4, 4), (4,)], "plain": "Parameter"}, out

@@ -250,7 +250,7 @@ def fully_shard(
         strategy=_strategy(mesh, reshard),
         process_group=mesh.get_group() if mesh.ndim == 1 else None,
         device_mesh=mesh if mesh.ndim == 2 else None,
-        ignored_states=list(ignored_params) if ignored_params else None,
+        ignored_states=_ignored_here(target, ignored_params),
         mixed_precision=mp,
         offload_params=_offload(offload_policy),
         shard_boundaries="chunks",
@@ -299,6 +299,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return hooks.forward_post_hook(unit, output_dtype, module, args, out)
 
     setattr(module, method_name, method)
+
+
+def _ignored_here(module: nn.Module, ignored_params) -> Optional[list[nn.Parameter]]:
+    """The ignored parameters that are ``module``'s: FSDP2 takes one set for a whole model (a parameter of
+    another module in it is no error), where the engine refuses a parameter it cannot find."""
+    if not ignored_params:
+        return None
+    ignored = {id(p) for p in ignored_params}
+    return [p for p in module.parameters() if id(p) in ignored] or None
 
 
 def _check_module(module: nn.Module) -> None:
