@@ -235,3 +235,20 @@ def ignored_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness
 def test_ignored_params_of_other_modules_are_no_error():
     for out in run_distributed(ignored_worker, 2):
         assert out == {"whole": [(4, 4), (4,)], "plain": "Parameter"}, out
+
+
+def tied_apart_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """A weight tied between two modules sharded by separate calls: refused at the second call (it
+    would be a second, untied copy), not trained apart in silence."""
+    import flatshard
+
+    model = _TiedHead()
+    flatshard.fully_shard(model.embed)
+    return {"apart": _raised(lambda: flatshard.fully_shard(model.head))}
+
+
+def test_a_tie_across_two_calls_is_refused():
+    for out in run_distributed(tied_apart_worker, 2):
+        assert out["apart"].startswith("ValueError/"), out
+        assert "weight is already managed by another fully_shard call" in out["apart"], out
+        assert "fully_shard([a, b])" in out["apart"], out

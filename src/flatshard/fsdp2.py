@@ -240,6 +240,7 @@ def fully_shard(
     # module run alone (a loss head called chunk by chunk) works as a module run twice in one forward.
     # Tied parameters must be in one group; the root adopts the unit once (runtime/tree.py, units_under).
     target = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+    _check_not_flattened(target)
     if shard_placement_fn is not None:
         _check_placements(target, shard_placement_fn, ignored_params)
     mesh, placements = _mesh(mesh, target)
@@ -258,6 +259,7 @@ def fully_shard(
     )
     built = build.build_units(target, options, _no_nested)
     unit = built.root
+    _FLATTENED.update(unit.originals)  # id -> weakref, as the unit keeps them
     unit.unsynced_in_reduce_dtype = True  # FSDP2 accumulates unsynced gradients in the reduce dtype
     if post_forward_size:
         unit.post_forward = _post_forward_group(mesh, post_forward_size, unit.layout.padded)
@@ -299,6 +301,24 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return hooks.forward_post_hook(unit, output_dtype, module, args, out)
 
     setattr(module, method_name, method)
+
+
+# parameters an earlier fully_shard call flattened: one still registered on a module here was shared
+# (tied) with that call's module, and would become a second, untied copy
+_FLATTENED: dict[int, weakref.ref] = {}
+
+
+def _check_not_flattened(module: nn.Module) -> None:
+    for dead in [k for k, ref in _FLATTENED.items() if ref() is None]:
+        del _FLATTENED[dead]
+    for name, param in module.named_parameters():
+        ref = _FLATTENED.get(id(param))
+        if ref is not None and ref() is param:
+            raise ValueError(
+                f"{name} is already managed by another fully_shard call: it is shared (tied) with a module sharded "
+                "before, and sharding it again would untie it. Shard the modules that share it in one group, "
+                "fully_shard([a, b]), or in a common ancestor's call"
+            )
 
 
 def _ignored_here(module: nn.Module, ignored_params) -> Optional[list[nn.Parameter]]:
