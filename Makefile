@@ -41,3 +41,9 @@ conformance: install  # PyTorch's FSDP2 tests on FSDP2 and on flatshard (tests/c
 	$(PY) -m pip install -q expecttest  # torch.testing._internal's helpers import it
 	$(PY) tests/conformance/regenerate.py $(if $(SOURCE),--source $(SOURCE))
 	$(PY) tests/conformance/run.py $(ARGS)
+
+.PHONY: fuzz
+N ?= 200
+SEED ?= 0
+fuzz: install  # differential fuzzer: N random configurations against the single-process reference and FSDP2 (a bench, not CI)
+	$(PY) bench/fuzz.py -n $(N) --seed $(SEED) $(ARGS)

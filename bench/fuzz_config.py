@@ -1,0 +1,167 @@
+"""The fuzzer's configurations (bench/fuzz.py): ``draw(seed, index)`` is configuration ``index`` of the
+master seed ``seed``, drawn from a generator of its own (so any one can be rerun alone), as a JSON-able
+dict; ``--config`` takes the same dict back. Every knob is drawn where flatshard builds it; combinations
+it refuses by design (NotBuiltError, ValueError) are not drawn, and one that is refused anyway is counted
+apart, its message checked to name what was refused.
+"""
+
+from __future__ import annotations
+
+import random
+
+from fuzz_models import module_names, trainable_names
+
+KINDS = ["mlp", "scale", "empty", "container", "buffer", "twice", "frozen"]
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+HYBRIDS = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _model(rng: random.Random, front: str) -> dict:
+    kinds = KINDS + (["shared"] if front == "fsdp1" else [])  # a tie across fully_shard units is not FSDP2's
+    spec = {"d": rng.choice([3, 5, 7]), "blocks": []}
+    for _ in range(rng.randint(1, 3)):
+        block = {"kind": rng.choice(kinds)}
+        if block["kind"] in ("mlp", "frozen", "container"):
+            block["h"] = rng.choice([5, 9, 11])
+        spec["blocks"].append(block)
+    if rng.random() < 0.5:
+        spec.update(input="tokens", vocab=rng.choice([11, 13]), seq=3, tie=rng.random() < 0.5)
+    else:
+        spec.update(input="dense", d_in=rng.choice([4, 5, 6]), d_out=rng.choice([1, 2, 3]))
+    names = trainable_names(spec)
+    spec["frozen"] = rng.sample(names, 1) if rng.random() < 0.25 and names else []
+    return spec
+
+
+def _fsdp1_groups(rng: random.Random, world: int) -> dict:
+    """strategy, F and how the groups are named, for the FSDP1 wrapper at ``world`` ranks. At W = 4 a third
+    of the draws take the one shape shard_optimizer_across_replicas=True serves here (a hybrid, F = 2)."""
+    if world == 4 and rng.random() < 0.3:
+        strategy = rng.choice(HYBRIDS)
+        groups = rng.choice(["sharding_factor", "device_mesh", "local_world_size"])
+        return {"strategy": strategy, "F": 2, "groups": groups, "opt_across": True}
+    strategy = rng.choice(STRATEGIES)
+    if strategy == "NO_SHARD":
+        return {"strategy": strategy, "F": 1, "groups": rng.choice(["default", "sharding_factor"]), "opt_across": False}
+    F = rng.choice(divisors(world))
+    if strategy in HYBRIDS:
+        groups = rng.choice(["sharding_factor", "device_mesh", "local_world_size"])
+    else:
+        groups = "sharding_factor" if F != world or rng.random() < 0.3 else "default"
+    across = strategy in HYBRIDS and 1 < F < world and rng.random() < 0.6
+    return {"strategy": strategy, "F": F, "groups": groups, "opt_across": across}
+
+
+def _fully_shard(rng: random.Random, world: int, cfg: dict) -> None:
+    cfg["mesh"] = rng.choice(["default", "1d", "2d"])
+    cfg["F"] = rng.choice(divisors(world)) if cfg["mesh"] == "2d" else world
+    F = cfg["F"]
+    choices = [True, False] + [g for g in divisors(F) if 1 < g < F]
+    cfg["reshard_after_forward"] = [rng.choice(choices) for _ in cfg["units"]]
+    cfg["act_ckpt"] = rng.choice([None, None, "apply_before", "inside"])
+    cfg["explicit_prefetch"] = rng.random() < 0.25
+    cfg["fsdp2"] = True
+
+
+def _events(rng: random.Random, cfg: dict) -> list[dict]:
+    spec, steps, events = cfg["model"], cfg["steps"], []
+    if rng.random() < 0.3:
+        events.append(
+            {
+                "kind": "raise",
+                "step": rng.randrange(steps),
+                "micro": rng.randrange(cfg["accum"]),
+                "module": rng.choice(module_names(spec)),
+                "phase": rng.choice(["forward", "backward"]),
+                # fully_shard: the loop also calls the root's reset_iter_state() (FSDP2's recovery workflow)
+                "reset": cfg["front"] == "fully_shard" and rng.random() < 0.5,
+            }
+        )
+    names = trainable_names(spec) or ["wte.weight" if spec["input"] == "tokens" else "inp.weight"]
+    if rng.random() < 0.25 and names[0] not in ("wte.weight", "inp.weight"):
+        name = rng.choice(names)
+        frozen = name in spec["frozen"] or _in_frozen_block(spec, name)
+        events.append({"kind": "flip", "step": rng.randrange(1, steps), "param": name, "value": frozen})
+    if rng.random() < (0.6 if cfg.get("opt_across") else 0.3):
+        event = {"kind": "edit", "step": rng.randrange(1, steps), "param": rng.choice(names)}
+        if rng.random() < 0.5:
+            event.update(how="mul", factor=rng.choice([0.5, -1.0, 1.25]))
+        else:
+            event.update(how="copy", seed=rng.randrange(10**6))
+        events.append(event)
+    return events
+
+
+def _in_frozen_block(spec: dict, name: str) -> bool:
+    parts = name.split(".")
+    return parts[0] == "blocks" and spec["blocks"][int(parts[1])]["kind"] == "frozen"
+
+
+def draw(seed: int, index: int) -> dict:
+    rng = random.Random(f"flatshard-fuzz/{seed}/{index}")
+    front = "fsdp1" if rng.random() < 0.55 else "fully_shard"
+    world = rng.choice([1, 2, 2, 3, 3, 4, 4])
+    cfg = {"seed": seed, "index": index, "W": world, "front": front, "init_seed": rng.randrange(10**6)}
+    cfg["model"] = spec = _model(rng, front)
+    n_blocks = len(spec["blocks"])
+    cfg["units"] = [i for i in range(n_blocks) if rng.random() < 0.7]
+    if front == "fsdp1":
+        cfg["wrap"] = rng.choice(["classes", "lambda", "manual"])
+        if cfg["wrap"] == "manual":  # a weight tied across units wrapped by hand is refused by design (ValueError)
+            cfg["units"] = [i for i in cfg["units"] if spec["blocks"][i]["kind"] != "shared"]
+        present = sorted({b["kind"] for b in spec["blocks"]})
+        cfg["wrap_classes"] = [k for k in present if rng.random() < 0.7]
+        cfg.update(_fsdp1_groups(rng, world))
+        cfg["backward_prefetch"] = rng.choice(["BACKWARD_PRE", "BACKWARD_POST", None])
+        cfg["forward_prefetch"] = rng.random() < 0.5
+        cfg["limit_all_gathers"] = rng.random() < 0.5
+        cfg["act_ckpt"] = rng.choice([None, None, None, "apply_before", "apply_after", "inside"])
+    else:
+        _fully_shard(rng, world, cfg)
+    cfg["mp"] = {"param": "bf16", "reduce": rng.choice(["fp32", "bf16"])} if rng.random() < 0.3 else None
+    cfg["accum"] = rng.choice([1, 1, 2, 3])
+    cfg["micro"] = rng.choice([2, 3])
+    cfg["steps"] = rng.choice([3, 4])
+    cfg["optim"] = {"kind": rng.choice(["sgd", "adamw", "adam"]), "impl": rng.choice(["plain", "foreach", "fused"])}
+    if cfg.get("opt_across") and rng.random() < 0.5:  # fused steps bypass what a for-loop step does
+        cfg["optim"]["impl"] = "fused"
+    if front == "fully_shard" and cfg["optim"] == {"kind": "sgd", "impl": "fused"}:
+        cfg["optim"]["impl"] = "foreach"  # DTensor has no sharding rule for aten._fused_sgd_ (torch 2.13)
+    cfg["clip"] = 0.5 if rng.random() < 0.2 else None
+    cfg["events"] = _events(rng, cfg)
+    if cfg["optim"] == {"kind": "sgd", "impl": "fused"} and any(e.get("value") is True for e in cfg["events"]):
+        # torch's fused SGD fails on a parameter whose first gradient comes after the first step (a momentum
+        # buffer list holding None: "expected Tensor as element 1 in argument 2"), wrapped or not
+        cfg["optim"]["impl"] = "foreach"
+    cfg["ckpt"] = None
+    if front == "fsdp1" and rng.random() < 0.2:
+        other = rng.choice([w for w in (1, 2, 3, 4) if w != world])
+        cfg["ckpt"] = {"after_step": rng.randrange(cfg["steps"] - 1), "W": other, **_fsdp1_groups(rng, other)}
+    return cfg
+
+
+def summary(cfg: dict) -> str:
+    """The knobs of a configuration in one short line."""
+    parts = [f"W={cfg['W']}", cfg["front"]]
+    if cfg["front"] == "fsdp1":
+        parts += [cfg["strategy"], f"F={cfg['F']}({cfg['groups']})", f"wrap={cfg['wrap']}"]
+        parts += ["opt_across"] if cfg.get("opt_across") else []
+    else:
+        parts += [f"mesh={cfg['mesh']}", f"F={cfg['F']}", f"raf={cfg['reshard_after_forward']}"]
+    units = cfg["wrap_classes"] if cfg.get("wrap") == "classes" else cfg["units"]
+    parts.append("blocks=" + ",".join(b["kind"] for b in cfg["model"]["blocks"]) + f" units={units}")
+    if cfg.get("mp"):
+        parts.append(f"bf16/reduce {cfg['mp']['reduce']}")
+    parts.append(f"{cfg['optim']['kind']}-{cfg['optim']['impl']} accum={cfg['accum']}")
+    if cfg.get("act_ckpt"):
+        parts.append(f"act={cfg['act_ckpt']}")
+    for e in cfg["events"]:
+        parts.append(f"{e['kind']}@{e['step']}" + (f":{e['module']}/{e['phase']}" if e["kind"] == "raise" else ""))
+    if cfg.get("ckpt"):
+        c = cfg["ckpt"]
+        parts.append(f"ckpt@{c['after_step']}->W={c['W']} {c['strategy']} F={c['F']}")
+    return " ".join(parts)
