@@ -1,0 +1,38 @@
+"""The differential fuzzer (bench/fuzz.py, ``make fuzz``) on a fixed handful of its configurations: each
+trains beside the single-process reference on the global batch (and PyTorch's FSDP2 for ``fully_shard``)
+and must match it every step. The configurations are pinned by (master seed, index); the first test
+checks that they still cover what they were chosen for (both front ends, W = 3, a hybrid strategy, an
+exception caught by the loop, gradient accumulation), so a change to the generator that moves them
+fails here rather than silently testing less."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tests.dist import run_launcher
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import fuzz_config  # noqa: E402
+
+SEED = 0
+INDICES = [7, 22, 29, 62, 68, 90, 170]
+TIMEOUT_S = 240  # about 40 s on two cores; a hang must fail, not wait
+
+
+def test_the_pinned_configurations_cover_what_they_were_chosen_for():
+    configs = [fuzz_config.draw(SEED, i) for i in INDICES]
+    fronts = {c["front"] for c in configs}
+    assert fronts == {"fsdp1", "fully_shard"}, fronts
+    assert any(c["W"] == 3 for c in configs)
+    assert any(c.get("strategy", "").startswith(("HYBRID", "_HYBRID")) or c.get("mesh") == "2d" for c in configs)
+    assert any(e["kind"] == "raise" for c in configs for e in c["events"])
+    assert any(c["accum"] > 1 for c in configs)
+
+
+def test_pinned_configurations_match_the_reference_every_step():
+    cmd = [sys.executable, str(ROOT / "bench" / "fuzz.py"), "--seed", str(SEED), "--index", *map(str, INDICES)]
+    log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/fuzz.py")
+    assert f"{'configurations':34s} {len(INDICES):6d}" in log, log[-3000:]
+    assert f"{'pass':34s} {len(INDICES):6d}" in log, log[-3000:]
