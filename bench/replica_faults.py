@@ -1,0 +1,349 @@
+"""Replica groups that drop out and rejoin, measured: G replica groups of P ranks (flatshard FULL_SHARD
+inside each, the replica dimension on torchft through ``flatshard.ft``), one rank of a group killed
+every ``--kill-every`` steps, the killed group restarted by its torchrun and healed from a live peer.
+
+    python bench/replica_faults.py                 # as root: the emulated cluster (one namespace per group)
+    python bench/replica_faults.py --local         # the same on this machine's loopback, no root
+    python bench/replica_faults.py --local --seeds 0 --steps 40 --kill-every 15      # a quick look
+
+Prints, and writes to ``--out`` (default bench/results/replica_faults.json):
+* every kill: the step and group, how many steps later and how many seconds later the group was back
+  (its first committed step in the quorum), and the steps per minute of the groups that stayed up
+  while it was away against their steady rate (the median rate over windows of 10 steps with every group
+  in the quorum, 5 steps clear of any failure);
+* the loss curve (each step's loss averaged over the ranks that committed it, smoothed over 10 steps)
+  against the band the no-failure runs of ``--seeds`` draw (their smoothed minimum and maximum);
+* after the last rejoin, whether rank k of every group holds bitwise the same parameters and optimizer
+  state (SHA-256 of each, written by every rank when it finishes).
+
+Runs are bounded (``--timeout`` each) and tear themselves down (every process by id; the namespaces by
+bench/cluster_net.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cluster_net import Cluster, Topology, parse_rate, unavailable  # noqa: E402
+
+WORKER = ROOT / "bench" / "replica_faults_worker.py"
+SMOOTH = 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Node:
+    """Where one replica group runs: this machine (``prefix`` empty) or a namespace of the cluster."""
+
+    address: str
+    prefix: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Job:
+    nodes: list[Node]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def start(self, node: Node, argv: list[str], log: Path) -> subprocess.Popen:
+        env = dict(os.environ, OMP_NUM_THREADS="1", **node.env)
+        with open(log, "w") as out:  # a session of its own: torchrun and its ranks are one process group
+            proc = subprocess.Popen(
+                [*node.prefix, *argv], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+                if proc.poll() is not None:
+                    break
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=wait)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+
+
+def read_log(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            break
+    return out
+
+
+def run_once(nodes: list[Node], args, seed: int, kills: int, log_dir: Path) -> dict:
+    """One job: a Lighthouse on node 0, one torchrun per group, and at most ``kills`` kills; returns the
+    ranks' logs and the kills."""
+    groups, nproc = len(nodes), args.nproc
+    log_dir.mkdir(parents=True, exist_ok=True)
+    job = Job(nodes)
+    lh_port = args.port
+    lighthouse = (
+        "import time; from flatshard import ft\n"
+        f"lh = ft.Lighthouse(bind='[::]:{lh_port}', min_replicas=1)\n"
+        "print(lh.address(), flush=True)\n"
+        "time.sleep(1e6)\n"
+    )
+    events: list[dict] = []
+    try:
+        job.start(nodes[0], [sys.executable, "-c", lighthouse], log_dir / "lighthouse.log")
+        for g, node in enumerate(nodes):
+            rdzv = f"{node.address}:{args.port + 1 + g}"
+            argv = [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+                f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={rdzv}", "--rdzv-conf=is_host=1", f"--local-addr={node.address}",
+                str(WORKER), "--steps", str(args.steps), "--seed", str(seed), "--preset", args.preset,
+                "--batch", str(args.batch), "--lighthouse", f"http://{nodes[0].address}:{lh_port}",
+                "--replica-id", f"g{g}", "--hostname", node.address, "--log-dir", str(log_dir),
+                "--step-sleep", str(args.step_sleep), "--timeout", str(args.collective_timeout),
+                "--groups", str(groups),
+            ]  # fmt: skip
+            job.start(node, argv, log_dir / f"torchrun-g{g}.log")
+        started, next_kill, victim = time.monotonic(), args.kill_every, 0
+        logs = {}
+        while time.monotonic() - started < args.timeout:
+            logs = {(g, r): read_log(log_dir / f"g{g}-r{r}.jsonl") for g in range(groups) for r in range(nproc)}
+            if all(any(rec["kind"] == "final" for rec in recs) for recs in logs.values()):
+                break
+            if any(p.poll() is not None for p in job.procs[1:]):  # a torchrun gave up (out of restarts)
+                break
+            steps = [rec for recs in logs.values() for rec in recs if rec["kind"] == "step"]
+            top = max((rec["step"] for rec in steps), default=-1)
+            if len(events) < kills and top >= next_kill and top <= args.steps - args.last_kill_margin:
+                everyone = all(recs and recs[-1].get("participants") == groups for recs in logs.values())
+                if everyone:  # kill only when every group is back in the quorum
+                    g, r = victim % groups, (victim // groups) % nproc
+                    pid = [rec["pid"] for rec in logs[(g, r)] if rec["kind"] == "start"][-1]
+                    os.kill(pid, signal.SIGKILL)
+                    events.append({"group": g, "rank": r, "pid": pid, "step": top, "t": time.time()})
+                    print(f"  killed group {g} rank {r} (pid {pid}) at step {top}", flush=True)
+                    victim += 1
+                    next_kill = top + args.kill_every
+            time.sleep(0.05)
+        finished = all(any(rec["kind"] == "final" for rec in recs) for recs in logs.values())
+    finally:
+        job.stop()
+    return {"logs": {f"g{g}-r{r}": recs for (g, r), recs in logs.items()}, "kills": events, "finished": finished}
+
+
+# ---- figures ---------------------------------------------------------------------------------------------
+def loss_curve(run: dict, steps: int) -> list[float | None]:
+    """Each step's loss averaged over the ranks that committed it while participating."""
+    per_step: dict[int, list[float]] = {}
+    for recs in run["logs"].values():
+        for rec in recs:
+            if rec["kind"] == "step" and rec["committed"] and rec["participating"]:
+                per_step.setdefault(rec["step"], []).append(rec["loss"])
+    return [statistics.fmean(per_step[s]) if s in per_step else None for s in range(steps)]
+
+
+def smooth(curve: list[float | None]) -> list[float | None]:
+    out = []
+    for i in range(len(curve)):
+        window = [v for v in curve[max(0, i - SMOOTH + 1) : i + 1] if v is not None]
+        out.append(statistics.fmean(window) if window else None)
+    return out
+
+
+def commits(run: dict, group: int) -> list[tuple[int, float, int]]:
+    """(step, time, participants) of group ``group``'s rank 0's committed steps while participating."""
+    return [
+        (rec["step"], rec["t"], rec["participants"])
+        for rec in run["logs"][f"g{group}-r0"]
+        if rec["kind"] == "step" and rec["committed"] and rec["participating"]
+    ]
+
+
+def rate(points: list[tuple[int, float, int]]) -> float | None:
+    if len(points) < 2 or points[-1][1] <= points[0][1]:
+        return None
+    return 60.0 * (points[-1][0] - points[0][0]) / (points[-1][1] - points[0][1])
+
+
+def failures(run: dict, groups: int) -> list[dict]:
+    out = []
+    for kill in run["kills"]:
+        back = [c for c in commits(run, kill["group"]) if c[1] > kill["t"]]
+        others = [g for g in range(groups) if g != kill["group"]]
+        end_t = back[0][1] if back else float("inf")
+        during = {g: [c for c in commits(run, g) if kill["t"] <= c[1] <= end_t] for g in others}
+        top_at_back = max((c[0] for g in others for c in commits(run, g) if c[1] <= end_t), default=kill["step"])
+        out.append(
+            {
+                **{k: kill[k] for k in ("group", "rank", "step")},
+                "back_at_step": back[0][0] if back else None,
+                "steps_away": (back[0][0] - kill["step"]) if back else None,
+                "seconds_away": round(back[0][1] - kill["t"], 2) if back else None,
+                "others_top_step_when_back": top_at_back,
+                "others_steps_per_min_during": {f"g{g}": rate(during[g]) for g in others},
+            }
+        )
+    return out
+
+
+def steady_rate(run: dict, group: int, groups: int, fails: list[dict]) -> float | None:
+    """Median steps per minute of ``group`` over windows of 10 committed steps with every group in the
+    quorum and no failure within 5 steps."""
+    away = [(f["step"] - 5, (f["back_at_step"] or 10**9) + 5) for f in fails]
+    points = [c for c in commits(run, group) if c[2] == groups and not any(a <= c[0] <= b for a, b in away)]
+    rates = []
+    for i in range(0, len(points) - 10, 10):
+        window = points[i : i + 11]
+        if window[-1][0] - window[0][0] == 10:
+            rates.append(rate(window))
+    return statistics.median(rates) if rates else None
+
+
+def final_equal(run: dict, groups: int, nproc: int) -> dict:
+    out = {}
+    for r in range(nproc):
+        finals = [
+            next((rec for rec in run["logs"][f"g{g}-r{r}"] if rec["kind"] == "final"), None) for g in range(groups)
+        ]
+        if any(f is None for f in finals):
+            out[f"rank{r}"] = "missing"
+            continue
+        out[f"rank{r}"] = {
+            "steps": [f["step"] for f in finals],
+            "parameters_equal": len({f["parameters"] for f in finals}) == 1,
+            "optimizer_equal": len({f["optimizer"] for f in finals}) == 1,
+        }
+    return out
+
+
+def summarize(faulty: dict, clean: dict[int, dict], args) -> dict:
+    groups = args.groups
+    fails = failures(faulty, groups)
+    steady = {f"g{g}": steady_rate(faulty, g, groups, fails) for g in range(groups)}
+    for f in fails:
+        ratios = {}
+        for g, during in f["others_steps_per_min_during"].items():
+            ratios[g] = round(during / steady[g], 3) if during and steady.get(g) else None
+        f["others_rate_ratio"] = ratios
+    curve = smooth(loss_curve(faulty, args.steps))
+    band = None
+    if clean:
+        curves = [smooth(loss_curve(run, args.steps)) for run in clean.values()]
+        lo = [min((c[s] for c in curves if c[s] is not None), default=None) for s in range(args.steps)]
+        hi = [max((c[s] for c in curves if c[s] is not None), default=None) for s in range(args.steps)]
+        checked = [s for s in range(SMOOTH, args.steps) if None not in (curve[s], lo[s], hi[s])]
+        inside = [s for s in checked if lo[s] <= curve[s] <= hi[s]]
+        excess = max((max(lo[s] - curve[s], curve[s] - hi[s], 0.0) for s in checked), default=0.0)
+        band = {
+            "seeds": sorted(clean),
+            "steps_checked": len(checked),
+            "steps_inside": len(inside),
+            "largest_excursion": round(excess, 4),
+            "band_width_median": round(statistics.median(hi[s] - lo[s] for s in checked), 4) if checked else None,
+            "final_loss_faulty": round(curve[-1], 4) if curve[-1] is not None else None,
+            "final_loss_band": [round(lo[-1], 4), round(hi[-1], 4)] if lo[-1] is not None else None,
+        }
+    ratios = [v for f in fails for v in f["others_rate_ratio"].values() if v is not None]
+    away = [f["steps_away"] for f in fails if f["steps_away"] is not None]
+    return {
+        "finished": faulty["finished"],
+        "kills": len(fails),
+        "failures": fails,
+        "steady_steps_per_min": steady,
+        "worst_rate_ratio_during_failure": min(ratios) if ratios else None,
+        "most_steps_away": max(away) if away else None,
+        "rejoined": sum(f["back_at_step"] is not None for f in fails),
+        "loss_band": band,
+        "final_state": final_equal(faulty, groups, args.nproc),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--local", action="store_true", help="run on this machine's loopback (no namespaces, no root)")
+    p.add_argument("--rate", default="1gbit", help="the link between the groups (cluster only)")
+    p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="ranks per group")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--kill-every", type=int, default=20)
+    p.add_argument("--last-kill-margin", type=int, default=40, help="no kill in the last N steps (time to rejoin)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="no-failure runs for the loss band")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--max-restarts", type=int, default=30)
+    p.add_argument("--collective-timeout", type=float, default=20.0)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--port", type=int, default=0, help="first of G + 1 ports (0: free ones)")
+    p.add_argument("--log-dir", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "replica_faults.json")
+    args = p.parse_args(argv)
+    log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="replica_faults_"))
+    print(f"logs under {log_root}", flush=True)
+
+    def runs(nodes: list[Node]) -> tuple[dict, dict[int, dict]]:
+        clean = {}
+        for seed in args.seeds:
+            print(f"no-failure run, seed {seed}", flush=True)
+            clean[seed] = run_once(nodes, args, seed, kills=0, log_dir=log_root / f"clean{seed}")
+        print(f"faulty run, seed {args.seeds[0]}: a rank killed every {args.kill_every} steps", flush=True)
+        faulty = run_once(nodes, args, args.seeds[0], kills=args.steps, log_dir=log_root / "faulty")
+        return faulty, clean
+
+    if args.local:
+        if args.port == 0:
+            args.port = free_port()  # the next G are tried too; a clash shows in the torchrun logs
+        faulty, clean = runs([Node("127.0.0.1") for _ in range(args.groups)])
+        where = "localhost"
+    else:
+        why = unavailable()
+        if why:
+            print(f"the emulated cluster cannot run here: {why} (use --local)", file=sys.stderr)
+            return 2
+        args.port = args.port or 29510
+        with Cluster(Topology(nodes=args.groups, nproc=args.nproc, rate_bits=parse_rate(args.rate))) as cluster:
+            nodes = [
+                Node(cluster.address(i), ["ip", "netns", "exec", ns], {"GLOO_SOCKET_IFNAME": "fs0"})
+                for i, ns in enumerate(cluster.nodes)
+            ]
+            faulty, clean = runs(nodes)
+        where = f"emulated cluster, {args.rate} between groups"
+    result = {
+        "where": where,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "load_average": os.getloadavg(),
+        **summarize(faulty, clean, args),
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
