@@ -7,6 +7,9 @@
     python examples/train_gpt.py --nproc 4 --strategy HYBRID_SHARD --sharding-factor 2
     python examples/train_gpt.py --device cuda --nproc 8 --precision bf16 --model large   # GPUs (NCCL)
     python examples/train_gpt.py --save-every 50 --ckpt-dir runs/ckpt --resume            # resumable
+    python examples/train_gpt.py --save-every 50 --ckpt-dir runs/ckpt --resume --max-restarts 3   # restarts
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=3 \\
+        examples/train_gpt.py --save-every 50 --ckpt-dir runs/ckpt --resume --collective-timeout 60   # by torchrun
 
 Two machines (or two "nodes" on one machine), HYBRID_SHARD's shard groups being the nodes; run once per
 node, with the same endpoint (host:port of the first node):
@@ -24,23 +27,32 @@ Reads top to bottom: config → dist init → data → model → optimizer → r
 summary. Rank 0 reports every ``--log-interval`` steps (a bar on a terminal, a plain line otherwise,
 JSON lines with ``--metrics``; train_report.py) and prints a table of figures at the end (``--json``
 writes them). With ``--save-every N`` it saves a checkpoint every N steps into ``--ckpt-dir``
-(``flatshard.checkpoint``, the last ``--keep-last`` kept); ``--resume`` continues from the newest one.
+(``flatshard.checkpoint.Checkpointer``, the last ``--keep-last`` kept); ``--resume`` continues from the
+newest one, so under torchrun's ``--max-restarts`` (or this script's) a restarted job goes on by itself
+from the newest complete checkpoint, bitwise as the run without a failure goes (README, "When machines
+fail"). ``--inject-fault`` is test-only machinery (fault_injection.py) for tests/test_restart.py and
+bench/soak.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import importlib.util
 import json
 import math
 import os
+import random
 import sys
 import sysconfig
 import time
+from datetime import timedelta
 from pathlib import Path
 
+import fault_injection
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -123,6 +135,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="continue from the newest checkpoint in --ckpt-dir (none there: start at step 0), or from PATH",
         metavar="PATH",
     )
+    fail = p.add_argument_group("failures")
+    fail.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="when the script starts its ranks itself: restart them all up to K times after any rank fails "
+        "(torchrun's --max-restarts); needs --save-every, --ckpt-dir and --resume",
+        metavar="K",
+    )
+    fail.add_argument(
+        "--collective-timeout",
+        type=float,
+        help="seconds a collective of training waits for a peer before every rank waiting fails (a process "
+        "group's timeout; torch's default, 30 minutes, when not given): how long a hung rank stalls the job",
+        metavar="S",
+    )
+    fail.add_argument(
+        "--inject-fault",
+        action="append",
+        default=[],
+        type=_fault,
+        help="TEST-ONLY: kill or stop a rank at a point of a step, ACTION:PHASE:step=N[:rank=R][:attempt=A], "
+        "e.g. kill:backward:step=7:rank=1 (examples/fault_injection.py lists the phases); repeatable",
+        metavar="SPEC",
+    )
     args = p.parse_args(argv)
     problem = invalid(args)
     if problem:
@@ -130,13 +167,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _fault(spec: str) -> fault_injection.Fault:
+    try:
+        return fault_injection.parse(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def invalid(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments and how to fix it, or None."""
     for name in ("nproc", "steps", "batch_size", "log_interval", "keep_last"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
-    if args.save_every < 0 or args.eval_batches < 0 or args.sample_tokens < 0:
-        return "--save-every, --eval-batches and --sample-tokens must be 0 or more"
+    if args.save_every < 0 or args.eval_batches < 0 or args.sample_tokens < 0 or args.max_restarts < 0:
+        return "--save-every, --eval-batches, --sample-tokens and --max-restarts must be 0 or more"
+    if args.max_restarts and under_torchrun():
+        return (
+            "--max-restarts is for this script starting its ranks itself; under torchrun pass torchrun's --max-restarts"
+        )
+    if args.max_restarts and not (args.save_every and args.ckpt_dir and args.resume == "latest"):
+        return (
+            "--max-restarts needs --save-every N --ckpt-dir DIR --resume, so that a restarted job goes on from "
+            "the newest checkpoint instead of starting over"
+        )
+    if args.collective_timeout is not None and not args.collective_timeout > 0:
+        return f"--collective-timeout must be positive (seconds), got {args.collective_timeout}"
+    fault = fault_injection.problem(args.inject_fault, world_size(args), args.steps, args.save_every)
+    if fault:
+        return fault
     cfg = model_config(args)
     if cfg.dim % cfg.heads:
         return f"the width ({cfg.dim}) must be a multiple of the number of heads ({cfg.heads}); change --dim or --heads"
@@ -180,7 +238,7 @@ def world_size(args) -> int:
     return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else args.nproc
 
 
-def relaunch_with_torchrun(nproc: int) -> int:
+def relaunch_with_torchrun(nproc: int, max_restarts: int) -> int:
     """Start ``nproc`` copies of this script through torchrun's own machinery and wait for them. Every
     socket of the job listens on 127.0.0.1 only ([Note: loopback-only local launch], local_launch.py)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -188,26 +246,33 @@ def relaunch_with_torchrun(nproc: int) -> int:
     # Split the cores between the ranks (torchrun would otherwise set 1 and warn about it).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     try:
-        run_local(nproc, os.path.abspath(__file__), sys.argv[1:])
+        run_local(nproc, os.path.abspath(__file__), sys.argv[1:], max_restarts=max_restarts)
     except ChildFailedError:
         return 1  # torchrun has already printed which rank failed and why
     return 0
 
 
-def init_distributed(args) -> torch.device:
+def init_distributed(args) -> tuple[torch.device, dist.ProcessGroup | None]:
     """env:// under torchrun; a private 1-rank group otherwise (flatshard needs a group). Returns this
-    rank's device: cuda:LOCAL_RANK with NCCL, or the CPU with gloo."""
+    rank's device (cuda:LOCAL_RANK with NCCL, or the CPU with gloo) and the group that trains: with
+    --collective-timeout a group of every rank whose collectives wait that long (the world's keeps torch's
+    default, so that ranks that start slowly on a loaded machine still meet), else None (the world)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    group = None
     if under_torchrun():
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        if args.collective_timeout is not None:
+            # every collective of training (flatshard's groups are made from this one and inherit its timeout)
+            # waits this long for a peer that died or hangs, then fails on every rank that waits
+            group = dist.new_group(timeout=timedelta(seconds=args.collective_timeout))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return device
+    return device, group
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -253,34 +318,49 @@ def estimate_val_loss(model, data, args, cfg, rank, world, device) -> float:
     return total.item() / (world * args.eval_batches)
 
 
-def resume(args, model, opt, cfg) -> int:
-    """Load the checkpoint --resume names (the newest in --ckpt-dir by default) and return its step;
-    0 when there is none to resume from."""
-    path = checkpoint.latest(args.ckpt_dir) if args.resume == "latest" else args.resume
-    if path is None:
-        if dist.get_rank() == 0:
-            print(f"no checkpoint in {args.ckpt_dir} yet: starting at step 0", flush=True)
-        return 0
+def resume(args, ckpt: checkpoint.Checkpointer, cfg) -> int:
+    """Load the checkpoint --resume names (the newest in --ckpt-dir by default: model, optimizer, every
+    rank's RNG states) and return its step; 0 when there is none to resume from."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    again = f" (restart {attempt})" if attempt else ""
     try:
-        step, extra = checkpoint.load(path, model, opt)
+        step = ckpt.resume(None if args.resume == "latest" else args.resume)
     except checkpoint.CheckpointError as exc:  # raised alike on every rank
-        raise SystemExit(f"--resume {path}: {exc} (was it saved with another --optimizer?)") from exc
+        raise SystemExit(f"--resume {args.resume}: {exc} (was it saved with another --optimizer?)") from exc
+    if ckpt.resumed_from is None:
+        if dist.get_rank() == 0:
+            print(f"no checkpoint in {args.ckpt_dir} yet: starting at step 0{again}", flush=True)
+        return 0
+    extra = ckpt.extra or {}
     if extra.get("model") != dataclasses.asdict(cfg) or extra.get("steps") != args.steps:
         raise SystemExit(  # every rank read the same manifest, so every rank stops here with this message
-            f"{path} was saved by a run of another model or length ({extra}); pass the same --model, "
-            "--layers/--dim/--heads/--block-size and --steps, or another --ckpt-dir"
+            f"{ckpt.resumed_from} was saved by a run of another model or length ({extra}); pass the same "
+            "--model, --layers/--dim/--heads/--block-size and --steps, or another --ckpt-dir"
         )
     if dist.get_rank() == 0:
-        print(f"resuming from {path} at step {step}", flush=True)
-    return int(step)
+        print(f"resuming from {ckpt.resumed_from} at step {step}{again}", flush=True)
+    return step
+
+
+@contextlib.contextmanager
+def report_collectives(step: int):
+    """The report's own collectives (the loss all-reduce, the memory gather): one that fails (a peer died
+    or hangs past --collective-timeout) names this rank, the phase and the step."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"train_gpt.py: rank {dist.get_rank()}: the report after step {step} (phase report, no unit) did "
+            f"not complete: {exc}. A peer rank died or stalled"
+        ) from exc
 
 
 # ---- the run --------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not under_torchrun() and args.nproc > 1:
-        return relaunch_with_torchrun(args.nproc)
-    device = init_distributed(args)
+    if not under_torchrun() and (args.nproc > 1 or args.max_restarts):
+        return relaunch_with_torchrun(args.nproc, args.max_restarts)
+    device, train_group = init_distributed(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     master = rank == 0
     if master and world != args.nproc and any(a.startswith("--nproc") for a in sys.argv[1:]):
@@ -292,8 +372,13 @@ def main(argv=None) -> int:
     train_data, val_data = corpus[:n_train], corpus[n_train:]
     cfg = model_config(args)
 
-    # model: the same seed on every rank gives identical initial weights before sharding
+    # model: the same seed on every rank gives identical initial weights before sharding. numpy's and
+    # Python's generators are seeded too (nothing here draws from them): a checkpoint holds every rank's
+    # state of all three, and a resumed run then writes checkpoints equal to the uninterrupted run's, byte
+    # for byte
     torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    random.seed(args.seed)
     bf16 = torch.bfloat16
     model = FSDP(
         GPT(cfg),
@@ -301,6 +386,7 @@ def main(argv=None) -> int:
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         sharding_factor=args.sharding_factor,
         device_id=device if device.type == "cuda" else None,
+        process_group=train_group,
         mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16) if args.precision == "bf16" else None,
         shard_boundaries="params" if args.optimizer == "muon" else "flat",  # Muon needs whole matrices
     )
@@ -314,7 +400,15 @@ def main(argv=None) -> int:
     else:
         opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     n_state = sum(len(g["params"]) for g in opt.param_groups)
-    start = resume(args, model, opt, cfg) if args.resume else 0
+    # checkpoints: every --save-every steps and at the end; each step's batch is a function of (seed, step),
+    # so the step is all the data loader needs to go on where it was ([Note: the loop's own state])
+    ckpt = None
+    if args.ckpt_dir or args.resume:
+        directory = args.ckpt_dir or Path(args.resume).parent
+        ckpt = checkpoint.Checkpointer(directory, model, opt, every=max(1, args.save_every), keep_last=args.keep_last)
+    start = resume(args, ckpt, cfg) if args.resume else 0
+    faults = fault_injection.Injector(args.inject_fault, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    faults.install(next(m for m in model.modules() if isinstance(m, Block)), opt)
 
     # loop
     tokens_per_step = world * args.batch_size * cfg.block_size
@@ -335,6 +429,7 @@ def main(argv=None) -> int:
     with log, model.record_comms() as rec, model.record_memory(opt) as mem:
         t0 = t_log = time.perf_counter()
         for step in range(start, args.steps):
+            faults.step = step
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, args.steps, args.lr)
             x, y = get_batch(train_data, args.seed + step, args.batch_size, cfg.block_size, rank, world)
@@ -342,6 +437,7 @@ def main(argv=None) -> int:
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
             loss.backward()
             model.clip_grad_norm_(1.0)
+            faults.before_optimizer_step()
             opt.step()
             loss_sum += loss.detach()
             since_log += 1
@@ -350,7 +446,9 @@ def main(argv=None) -> int:
                 steady = model.memory_bytes(opt)  # after the step, before zero_grad: params + grads + state
                 # The global mean loss over the steps since the last report. all_reduce is a sync point
                 # (every rank waits for the slowest), so it runs once per log interval, not every step.
-                dist.all_reduce(loss_sum)
+                with report_collectives(step + 1):
+                    dist.all_reduce(loss_sum, group=train_group)
+                    memory = gather_memory(mem, device)
                 losses.append((step, loss_sum.item() / (world * since_log)))
                 now = time.perf_counter()
                 tps = tokens_per_step * since_log / (now - t_log)
@@ -362,7 +460,7 @@ def main(argv=None) -> int:
                         "lr": opt.param_groups[0]["lr"],
                         "step_ms": 1e3 * (now - t_log) / since_log,
                         "tokens_per_s": tps,
-                        "memory": gather_memory(mem, device),
+                        "memory": memory,
                         "mfu": None if peak[0] is None else flops * tps / (world * peak[0]),
                         "comm_bytes_per_step": sum(rec.wire_bytes(phase=ph) for ph in STEP_PHASES) / (step + 1 - start),
                     }
@@ -371,15 +469,13 @@ def main(argv=None) -> int:
                 since_log, t_log = 0, time.perf_counter()
             opt.zero_grad(set_to_none=True)
             log.advance()
-            if args.save_every and ((step + 1) % args.save_every == 0 or last):
-                checkpoint.save(
-                    checkpoint.step_path(args.ckpt_dir, step + 1),
-                    model,
-                    opt,
-                    step=step + 1,
-                    extra={"model": dataclasses.asdict(cfg), "steps": args.steps, "optimizer": args.optimizer},
-                    keep_last=args.keep_last,
-                )
+            if args.save_every:
+                extra = {"model": dataclasses.asdict(cfg), "steps": args.steps, "optimizer": args.optimizer}
+                saved = ckpt.step_done(step + 1, extra, final=last)
+                if saved is not None and mode == "lines":
+                    print(f"checkpoint {saved} committed", flush=True)
+            faults.point("between")
+        faults.step = None
         elapsed = time.perf_counter() - t0
 
     # evaluation and a sample (every rank runs these forwards: each one all-gathers every unit)
