@@ -2,8 +2,12 @@
 trains beside the single-process reference on the global batch (and PyTorch's FSDP2 for ``fully_shard``)
 and must match it every step. The configurations are pinned by (master seed, index); the first test
 checks that they still cover what they were chosen for (both front ends, W = 3, a hybrid strategy, an
-exception caught by the loop, gradient accumulation), so a change to the generator that moves them
-fails here rather than silently testing less."""
+exception caught by the loop in forward and in backward, gradient accumulation, and
+shard_optimizer_across_replicas with a fused optimizer and an edit of the parameters), so a change to
+the generator that moves them fails here rather than silently testing less.
+
+Before the fixes of cb6a166 (a step that raised) and 6f3a1d0 (the optimizer across replicas with fused
+steps or edits), configurations 29, 62 and 170 failed here (e24f428)."""
 
 from __future__ import annotations
 
@@ -27,8 +31,11 @@ def test_the_pinned_configurations_cover_what_they_were_chosen_for():
     assert fronts == {"fsdp1", "fully_shard"}, fronts
     assert any(c["W"] == 3 for c in configs)
     assert any(c.get("strategy", "").startswith(("HYBRID", "_HYBRID")) or c.get("mesh") == "2d" for c in configs)
-    assert any(e["kind"] == "raise" for c in configs for e in c["events"])
+    raised = [(c["front"], e["phase"]) for c in configs for e in c["events"] if e["kind"] == "raise"]
+    assert {("fsdp1", "backward"), ("fsdp1", "forward"), ("fully_shard", "backward")} <= set(raised), raised
     assert any(c["accum"] > 1 for c in configs)
+    edited = [c for c in configs if any(e["kind"] == "edit" for e in c["events"])]
+    assert any(c.get("opt_across") and c["optim"]["impl"] == "fused" for c in edited)
 
 
 def test_pinned_configurations_match_the_reference_every_step():
