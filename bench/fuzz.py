@@ -158,6 +158,7 @@ def main(argv=None) -> int:
         configs = [fuzz_config.draw(args.seed, i) for i in indices]
     pools = fuzz_pool.Pools()
     tally, kinds, bitwise = collections.Counter(), collections.Counter(), collections.Counter()
+    failures: list[str] = []
     margins: dict = collections.defaultdict(lambda: (0.0, -1))  # tolerance -> (largest diff / bound, index)
     start = time.perf_counter()
     try:
@@ -183,6 +184,7 @@ def main(argv=None) -> int:
                 print(f"    refused: {verdict['detail']}")
             elif verdict["status"] == "fail":
                 kinds[verdict["kind"]] += 1
+                failures.append(f"{repro(cfg)}   # {verdict['kind']}")
                 print(f"    FAIL {repro(cfg)}")
                 print(f"    first mismatch: {verdict['detail']}", flush=True)
                 if args.trace and "trace" in verdict:
@@ -205,6 +207,9 @@ def main(argv=None) -> int:
     for key, (value, index) in sorted(margins.items()):
         print(f"  closest to the {key} tolerance: {value:.2f} of it (index {index})")
     print(f"{'wall time':34s} {wall:6.0f} s")
+    if failures:
+        print("\nfailing configurations, one line each to rerun:")
+        print("\n".join(failures))
     return 1 if tally["fail"] else 0
 
 

@@ -23,6 +23,7 @@ from datetime import timedelta
 
 _SHUTDOWN = None
 MAX_GROUPS = 48  # retire a pool whose ranks hold more process groups than this
+STARTUP_S = 300.0  # how long W ranks may take to start and join their group
 
 
 def _serve(rank: int, world: int, store: str, tasks, results) -> None:
@@ -35,6 +36,7 @@ def _serve(rank: int, world: int, store: str, tasks, results) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
     )
+    results.put((0, rank, "ready", None))
     while True:
         task = tasks.get()
         if task is _SHUTDOWN:
@@ -73,10 +75,28 @@ class Pool:
         for p in self._procs:
             p.start()
         self._next = 0
+        self._ready: set[int] = set()
         self.broken = False
+
+    def _wait_ready(self) -> bool:
+        """Starting ranks (importing torch, joining the group) is not timed as the configuration's run: on
+        a loaded machine it can take longer than a small configuration does."""
+        waiting = set(range(self.world)) - self._ready
+        while waiting:
+            try:
+                task_id, rank, status, _ = self._results.get(timeout=STARTUP_S)
+            except queue.Empty:
+                return False
+            if task_id == 0 and status == "ready":
+                self._ready.add(rank)
+                waiting.discard(rank)
+        return True
 
     def run(self, fn: Callable, args: tuple, timeout: float) -> dict:
         """{rank: (status, payload)}; a rank missing from it gave nothing within ``timeout`` seconds."""
+        if not self._wait_ready():
+            self.kill()
+            return {}
         self._next += 1
         for q in self._tasks:
             q.put((self._next, fn, args))
