@@ -141,7 +141,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=0,
         help="when the script starts its ranks itself: restart them all up to K times after any rank fails "
-        "(torchrun's --max-restarts); needs --save-every, --ckpt-dir and --resume",
+        "(torchrun's --max-restarts; under torchrun, pass torchrun's own); needs --save-every, --ckpt-dir and --resume",
         metavar="K",
     )
     fail.add_argument(
@@ -181,10 +181,6 @@ def invalid(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
     if args.save_every < 0 or args.eval_batches < 0 or args.sample_tokens < 0 or args.max_restarts < 0:
         return "--save-every, --eval-batches, --sample-tokens and --max-restarts must be 0 or more"
-    if args.max_restarts and under_torchrun():
-        return (
-            "--max-restarts is for this script starting its ranks itself; under torchrun pass torchrun's --max-restarts"
-        )
     if args.max_restarts and not (args.save_every and args.ckpt_dir and args.resume == "latest"):
         return (
             "--max-restarts needs --save-every N --ckpt-dir DIR --resume, so that a restarted job goes on from "
