@@ -130,10 +130,14 @@ def plan_faults(
     rng: random.Random, steps: int, n: int, stops: int, save_every: int, keep_last: int, world: int
 ) -> list[fault_injection.Fault]:
     """``n`` faults at increasing steps, one per attempt (0, 1, ...), each in its own slice of the run;
-    ``stops`` of them SIGSTOP. A checkpoint phase is at a step a checkpoint follows, ``rotate`` at one
-    whose checkpoint removes an older one (keep_last are there already)."""
+    ``stops`` of them SIGSTOP. The phases are drawn from shuffled rounds of all of them, so every phase
+    comes once before any comes twice (when its slice allows it: a checkpoint phase is at a step a
+    checkpoint follows, ``rotate`` at one whose checkpoint removes an older one)."""
     faults, span = [], (steps - 1) / n  # the last step is left alone: its checkpoint ends the run
     stopped = set(rng.sample(range(n), stops))
+    rounds: list[str] = []
+    while len(rounds) < n:
+        rounds += rng.sample(fault_injection.PHASES, len(fault_injection.PHASES))
     for i in range(n):
         lo, hi = int(i * span), max(int(i * span), int((i + 1) * span) - 1)
         saves = [s for s in range(lo, hi + 1) if (s + 1) % save_every == 0]
@@ -143,7 +147,7 @@ def plan_faults(
         rotating = [s for s in saves if (s + 1) // save_every >= keep_last + 1]
         if not rotating:
             phases = [p for p in phases if p != "rotate"]
-        phase = rng.choice(phases)
+        phase = rounds[i] if rounds[i] in phases else rng.choice(phases)
         if phase == "rotate":
             step = rng.choice(rotating)
         elif phase in fault_injection.CHECKPOINT_STAGES.values():
