@@ -123,11 +123,12 @@ def _run_step(side: Side, cfg: dict, step: int, world: int, rank: int) -> list |
                     losses.append(loss.detach())
                 loss.backward()
     except Injected as exc:
-        side.opt.zero_grad()
-        # PyTorch's FSDP2 recovers only through reset_iter_state() (its documented workflow); flatshard
-        # puts its units back by itself ([Note: a step that raised]), and fully_shard takes the call too
+        # PyTorch's FSDP2 recovers only through reset_iter_state() (its documented workflow: catch, reset,
+        # next iteration), which may still finish reductions in flight: the gradients are zeroed after it.
+        # flatshard puts its units back by itself ([Note: a step that raised]); fully_shard takes the call too
         if side.role == "theirs" or (side.role == "ours" and exc.reset):
             side.model.reset_iter_state()
+        side.opt.zero_grad()
         return None
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0]
