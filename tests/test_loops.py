@@ -99,7 +99,7 @@ def _compare(model: nn.Module, ref: nn.Module, what: str, grads: bool) -> None:
     ranges = shard_ranges(model)
     refp = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        full = refp[name]
+        full = refp[name.replace("_checkpoint_wrapped_module.", "")]  # fully_shard keeps the wrapper's name
         a, b = ranges[id(p)]
         mine = _local(p.grad if grads else p.detach()) if (p.grad is not None or not grads) else None
         theirs = full.grad if grads else full.detach()
@@ -493,3 +493,83 @@ def fp16_reduce_worker(rank: int, world: int, front: str) -> bool:
 @pytest.mark.parametrize("front", ["fsdp1", "fully_shard"])
 def test_fp16_reductions_over_many_ranks_do_not_overflow(front):
     assert run_distributed(fp16_reduce_worker, 4, front, timeout=120) == [True] * 4
+
+
+# ---- found by the fuzzer (bench/fuzz.py) ----------------------------------------------------------------------
+class Scale(nn.Module):
+    """A gain and a bias read by element-wise products: autograd saves the operands by whether they need a
+    gradient, so a recomputation must see the parameters as the forward did."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, n))
+        self.bias = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return torch.tanh(x * self.gain + self.bias)
+
+
+def recomputed_scale_worker(rank: int, world: int, front: str) -> int:
+    """Activation checkpointing of a module inside a unit (applied after wrapping), whose forward multiplies
+    by a parameter: backward recomputes it, with the unit's parameters as the forward saw them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import fully_shard
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 7), Scale(7), nn.Linear(7, 3))
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(5, 7), Scale(7), nn.Linear(7, 3))
+    model = FSDP(plain) if front == "fsdp1" else fully_shard(plain)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Scale))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(world * 2, 5, generator=g), torch.randn(world * 2, 3, generator=g)
+        F.mse_loss(ref(x), y).backward()
+        F.mse_loss(model(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]).backward()
+        _compare(model, ref, f"{front} step {step}", grads=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        _compare(model, ref, f"{front} step {step}", grads=False)
+    return 1
+
+
+@pytest.mark.parametrize("front", ["fsdp1", "fully_shard"])
+def test_a_recomputed_module_inside_a_unit_sees_the_parameters_as_forward_did(front):
+    assert run_distributed(recomputed_scale_worker, 2, front, timeout=120) == [1, 1]
+
+
+def after_raise_worker(rank: int, world: int, front: str, path: str) -> dict:
+    """Right after a caught backward exception (before any forward): the model's parameters are its shard
+    views, torch's clip_grad_norm_ over them sees every one, and a checkpoint saves."""
+    import flatshard
+
+    ref, model = _gpt(2), _gpt(2)
+    fault = Fault(model.get_submodule("blocks.0"), "backward")
+    model = _wrap(model, front, "FULL_SHARD", False, None)
+    opt = _optimizer("adamw", model.parameters())
+    x, y = _batch(0, world)
+    fault.armed = True
+    with pytest.raises(Boom):
+        _loss(model(x[rank::world]), y[rank::world]).backward()
+    opt.zero_grad()
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [n for n, _ in ref.named_parameters()], names
+    out = {"params": len(list(model.parameters()))}
+    if front == "fsdp1":
+        flatshard.checkpoint.save(path, model, opt)
+        out["saved"] = True
+    else:  # torch's utility over the DTensor parameters: one norm for all, every rank alike
+        out["norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    return out
+
+
+@pytest.mark.parametrize("front", ["fsdp1", "fully_shard"])
+def test_right_after_a_backward_raised_the_model_is_whole(front, tmp_path):
+    results = run_distributed(after_raise_worker, 2, front, str(tmp_path / "ckpt"), timeout=120)
+    n = len(list(_gpt(2).parameters()))
+    assert all(r["params"] == n for r in results), results
+    assert all(r.get("saved") for r in results) if front == "fsdp1" else results[0]["norm"] == results[1]["norm"]

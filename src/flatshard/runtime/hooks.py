@@ -218,7 +218,11 @@ def pre_backward(unit: Unit) -> None:
         begin_backward(unit.ctx)
         unit.unshard()
         if not unit.compute_views_set:
-            _use_compute_views(unit)
+            # the autograd engine runs hooks with grad off; a recomputation (activation checkpointing inside
+            # the unit) must read views that need a gradient, made by a split, as forward's did, or autograd
+            # saves other tensors than forward did ([Note: recomputation in backward])
+            with torch.enable_grad():
+                _use_compute_views(unit)
         if unit.backward_prefetch:  # explicit targets (fully_shard's set_modules_to_backward_prefetch)
             for target in unit.backward_prefetch:
                 target.unshard(wait=False)
