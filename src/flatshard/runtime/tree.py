@@ -43,6 +43,15 @@ class UnitHost:
     loaded_by_outer: bool = False
     applying: bool = False
 
+    def named_parameters(self, *args, **kwargs):
+        """The shard views, also right after a forward or backward that raised: a step left interrupted is
+        put back first ([Note: a step that raised], schedule.py), so ``model.parameters()`` (torch's
+        clip_grad_norm_, ``model.zero_grad()``) never sees a module still holding its compute views."""
+        unit = self.__dict__.get("_unit")
+        if unit is not None:
+            unit.ctx.recover()
+        return super().named_parameters(*args, **kwargs)
+
 
 def unit_hosts(module: nn.Module, root_only: bool = False) -> list[UnitHost]:
     """The hosts at or under ``module``, in ``modules()`` order; with ``root_only``, the outermost ones."""

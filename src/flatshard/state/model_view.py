@@ -103,6 +103,8 @@ def model_view(module: nn.Module, prefix: str = "") -> ModelView:
             "are DTensors: save and load them with torch.distributed.checkpoint (get_model_state_dict / "
             "get_optimizer_state_dict, dcp.save, dcp.load, set_model_state_dict / set_optimizer_state_dict)."
         )
+    if hosts:  # a step that raised is put back before the model is read ([Note: a step that raised])
+        hosts[0]._unit.ctx.recover()
     owners = {}
     for h in hosts:
         unit = h._unit
