@@ -252,3 +252,26 @@ def test_a_tie_across_two_calls_is_refused():
         assert out["apart"].startswith("ValueError/"), out
         assert "weight is already managed by another fully_shard call" in out["apart"], out
         assert "fully_shard([a, b])" in out["apart"], out
+
+
+def offload_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """CPUOffloadPolicy on a CPU-only run is accepted, as FSDP2 accepts it: nothing to move."""
+    import flatshard
+
+    torch.manual_seed(0)
+    ref = _mlp()
+    model = copy.deepcopy(ref)
+    flatshard.fully_shard(model, offload_policy=flatshard.CPUOffloadPolicy(pin_memory=False))
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    model(x[2 * rank : 2 * rank + 2]).sum().backward()
+    (ref(x).sum() / 2).backward()
+    return {
+        "grad error": max(
+            (p.grad.full_tensor() - r.grad).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())
+        )
+    }
+
+
+def test_cpu_offload_policy_on_a_cpu_run():
+    for out in run_distributed(offload_worker, 2):
+        assert out["grad error"] < 1e-6, out

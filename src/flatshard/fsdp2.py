@@ -253,7 +253,8 @@ def fully_shard(
         device_mesh=mesh if mesh.ndim == 2 else None,
         ignored_states=_ignored_here(target, ignored_params),
         mixed_precision=mp,
-        offload_params=_offload(offload_policy),
+        # CPUOffloadPolicy on a CPU mesh: the parameters already live in CPU memory, as FSDP2 leaves them
+        offload_params=_offload(offload_policy) and mesh.device_type != "cpu",
         shard_boundaries="chunks",
         keep_meta=True,  # [Note: meta parameters left to the user] (runtime/deferred.py)
     )
