@@ -65,7 +65,8 @@ class Job:
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def start(self, node: Node, argv: list[str], log: Path) -> subprocess.Popen:
-        env = dict(os.environ, OMP_NUM_THREADS="1", **node.env)
+        # a fresh store for each restart of a group (flatshard.ft.Manager explains why it insists)
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **node.env)
         with open(log, "w") as out:  # a session of its own: torchrun and its ranks are one process group
             proc = subprocess.Popen(
                 [*node.prefix, *argv], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -122,24 +123,30 @@ def run_once(nodes: list[Node], args, seed: int, kills: int, log_dir: Path) -> d
                 f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={rdzv}", "--rdzv-conf=is_host=1", f"--local-addr={node.address}",
                 str(WORKER), "--steps", str(args.steps), "--seed", str(seed), "--preset", args.preset,
-                "--batch", str(args.batch), "--lighthouse", f"http://{nodes[0].address}:{lh_port}",
+                "--batch", str(args.batch), "--lr", str(args.lr), "--lighthouse", f"http://{nodes[0].address}:{lh_port}",
                 "--replica-id", f"g{g}", "--hostname", node.address, "--log-dir", str(log_dir),
                 "--step-sleep", str(args.step_sleep), "--timeout", str(args.collective_timeout),
-                "--groups", str(groups),
+                "--groups", str(groups), "--start-file", str(log_dir / "start"),
+                "--front", getattr(args, "front", "fsdp"),
             ]  # fmt: skip
             job.start(node, argv, log_dir / f"torchrun-g{g}.log")
-        started, next_kill, victim = time.monotonic(), args.kill_every, 0
+        started, next_kill, victim, was_everyone = time.monotonic(), args.kill_every, 0, False
         logs = {}
         while time.monotonic() - started < args.timeout:
             logs = {(g, r): read_log(log_dir / f"g{g}-r{r}.jsonl") for g in range(groups) for r in range(nproc)}
             if all(any(rec["kind"] == "final" for rec in recs) for recs in logs.values()):
                 break
+            if all(any(rec["kind"] == "ready" for rec in recs) for recs in logs.values()):
+                (log_dir / "start").touch()  # every rank built its model and manager: go
             if any(p.poll() is not None for p in job.procs[1:]):  # a torchrun gave up (out of restarts)
                 break
             steps = [rec for recs in logs.values() for rec in recs if rec["kind"] == "step"]
             top = max((rec["step"] for rec in steps), default=-1)
+            everyone = all(recs and recs[-1].get("participants") == groups for recs in logs.values())
+            if everyone and not was_everyone and events:  # the last one killed is back: let it settle
+                next_kill = max(next_kill, top + args.settle)
+            was_everyone = everyone
             if len(events) < kills and top >= next_kill and top <= args.steps - args.last_kill_margin:
-                everyone = all(recs and recs[-1].get("participants") == groups for recs in logs.values())
                 if everyone:  # kill only when every group is back in the quorum
                     g, r = victim % groups, (victim // groups) % nproc
                     pid = [rec["pid"] for rec in logs[(g, r)] if rec["kind"] == "start"][-1]
@@ -147,7 +154,7 @@ def run_once(nodes: list[Node], args, seed: int, kills: int, log_dir: Path) -> d
                     events.append({"group": g, "rank": r, "pid": pid, "step": top, "t": time.time()})
                     print(f"  killed group {g} rank {r} (pid {pid}) at step {top}", flush=True)
                     victim += 1
-                    next_kill = top + args.kill_every
+                    next_kill, was_everyone = top + args.kill_every, False
             time.sleep(0.05)
         finished = all(any(rec["kind"] == "final" for rec in recs) for recs in logs.values())
     finally:
@@ -267,6 +274,7 @@ def summarize(faulty: dict, clean: dict[int, dict], args) -> dict:
             "final_loss_faulty": round(curve[-1], 4) if curve[-1] is not None else None,
             "final_loss_band": [round(lo[-1], 4), round(hi[-1], 4)] if lo[-1] is not None else None,
         }
+    clean_rate = {f"seed{seed}": rate(commits(run, 0)) for seed, run in clean.items()}
     ratios = [v for f in fails for v in f["others_rate_ratio"].values() if v is not None]
     away = [f["steps_away"] for f in fails if f["steps_away"] is not None]
     return {
@@ -274,6 +282,7 @@ def summarize(faulty: dict, clean: dict[int, dict], args) -> dict:
         "kills": len(fails),
         "failures": fails,
         "steady_steps_per_min": steady,
+        "no_failure_runs_steps_per_min": clean_rate,
         "worst_rate_ratio_during_failure": min(ratios) if ratios else None,
         "most_steps_away": max(away) if away else None,
         "rejoined": sum(f["back_at_step"] is not None for f in fails),
@@ -290,11 +299,23 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=2, help="ranks per group")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--kill-every", type=int, default=20)
+    p.add_argument("--settle", type=int, default=5, help="no kill sooner than N steps after every group is back")
     p.add_argument("--last-kill-margin", type=int, default=40, help="no kill in the last N steps (time to rejoin)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="no-failure runs for the loss band")
     p.add_argument("--preset", default="small")
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=1e-2,
+        help="AdamW's (at 3e-3 the loss sits on a plateau for a number "
+        "of steps that varies from seed to seed, which the band would measure instead of training)",
+    )
+    p.add_argument("--front", default="fsdp", choices=["fsdp", "fully_shard"], help="flatshard's front end in a group")
+    p.add_argument(
+        "--step-sleep", type=float, default=0.5,
+        help="idle seconds per step: stands in for compute, without the groups competing for this machine's cores",
+    )  # fmt: skip
     p.add_argument("--max-restarts", type=int, default=30)
     p.add_argument("--collective-timeout", type=float, default=20.0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")

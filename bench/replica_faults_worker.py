@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, PRESETS, Block  # noqa: E402
 
 from flatshard import FullyShardedDataParallel as FSDP  # noqa: E402
-from flatshard import ShardingStrategy, ft  # noqa: E402
+from flatshard import ShardingStrategy, ft, fully_shard  # noqa: E402
 from flatshard.wrap import ModuleWrapPolicy  # noqa: E402
 
 
@@ -41,12 +41,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--front", default="fsdp", choices=["fsdp", "fully_shard"], help="flatshard's front end in a group")
     p.add_argument("--lighthouse", required=True, help="the Lighthouse's address (http://host:port)")
     p.add_argument("--replica-id", required=True, help="this group's name, the same across its restarts")
     p.add_argument("--hostname", default=None, help="the address peers reach this node at")
     p.add_argument("--log-dir", type=Path, required=True)
     p.add_argument("--timeout", type=float, default=20.0, help="seconds before a collective is given up")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of idle per step (paces the run)")
+    p.add_argument(
+        "--start-file",
+        type=Path,
+        default=None,
+        help="wait for this file before the first step (the launcher writes it once every rank is ready, so no "
+        "group starts far ahead of another)",
+    )
     p.add_argument(
         "--groups",
         type=int,
@@ -100,8 +108,14 @@ def main(argv=None) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     torch.manual_seed(args.seed)
     cfg = PRESETS[args.preset]
-    strategy = ShardingStrategy.FULL_SHARD if world > 1 else ShardingStrategy.NO_SHARD
-    model = FSDP(GPT(cfg), sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    if args.front == "fsdp":
+        strategy = ShardingStrategy.FULL_SHARD if world > 1 else ShardingStrategy.NO_SHARD
+        model = FSDP(GPT(cfg), sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    else:
+        model = GPT(cfg)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
     # across groups: the quorum of the groups alive at each step
@@ -119,6 +133,9 @@ def main(argv=None) -> None:
     )
     optimizer = ft.Optimizer(manager, optim)
     data = corpus()
+    log.write(json.dumps({"kind": "ready", "t": time.time()}) + "\n")
+    while args.start_file is not None and not args.start_file.exists():
+        time.sleep(0.05)
 
     participants = 0
     while manager.current_step() < args.steps or participants < args.groups:

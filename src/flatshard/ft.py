@@ -27,6 +27,7 @@ between its death and s, and its batches of those steps are not trained on by an
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -206,6 +207,17 @@ def allreduce_gradients(
                 g.copy_(piece.view_as(g))
 
 
+def _check_torchrun_store() -> None:
+    """A group restarted by torchrun must not share the store of its previous attempt."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        raise RuntimeError(
+            "flatshard.ft.Manager under torchrun --max-restarts needs a fresh store for every restart: with "
+            "torchrun's shared store (TORCHELASTIC_USE_AGENT_STORE=True) the restarted ranks read the keys the "
+            "killed attempt left there (torchft's manager address, gloo's peer addresses) and fail to connect "
+            "or hang. Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment."
+        )
+
+
 class Manager(_TorchftManager):
     """torchft's Manager for a flatshard model: one per rank, in every replica group.
 
@@ -236,6 +248,7 @@ class Manager(_TorchftManager):
                 "flatshard.ft.Manager registers the model's and optimizer's state itself; pass more state "
                 "with manager.register_state_dict_fn(key, load_fn, state_fn) after construction"
             )
+        _check_torchrun_store()
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size must be at least 1; got {min_replica_size}")
         hostname = hostname or socket.gethostname()
