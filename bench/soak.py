@@ -31,6 +31,7 @@ checks on a short W = 2 run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -130,11 +131,11 @@ def plan_faults(
     rng: random.Random, steps: int, n: int, stops: int, save_every: int, keep_last: int, world: int
 ) -> list[fault_injection.Fault]:
     """``n`` faults at increasing steps, one per attempt (0, 1, ...), each in its own slice of the run;
-    ``stops`` of them SIGSTOP. The phases are drawn from shuffled rounds of all of them, so every phase
-    comes once before any comes twice (when its slice allows it: a checkpoint phase is at a step a
-    checkpoint follows, ``rotate`` at one whose checkpoint removes an older one)."""
+    ``stops`` of them SIGSTOP, half of those (rounded up) in forward, backward or between steps. The
+    phases are drawn from shuffled rounds of all of them, so every phase comes once before any comes
+    twice (when its slice allows it: a checkpoint phase is at a step a checkpoint follows, ``rotate`` at
+    one whose checkpoint removes an older one)."""
     faults, span = [], (steps - 1) / n  # the last step is left alone: its checkpoint ends the run
-    stopped = set(rng.sample(range(n), stops))
     rounds: list[str] = []
     while len(rounds) < n:
         rounds += rng.sample(fault_injection.PHASES, len(fault_injection.PHASES))
@@ -155,8 +156,12 @@ def plan_faults(
         else:
             step = rng.randint(lo, hi)
         rank = 0 if phase in fault_injection.RANK0_ONLY else rng.randrange(world)
-        faults.append(fault_injection.Fault("stop" if i in stopped else "kill", phase, step, rank, attempt=i))
-    return faults
+        faults.append(fault_injection.Fault("kill", phase, step, rank, attempt=i))
+    # half the stops (rounded up) where the others then wait in a unit's collective, whose error names it
+    in_units = [i for i, f in enumerate(faults) if f.phase in ("forward", "backward", "between")]
+    stopped = rng.sample(in_units, min(len(in_units), (stops + 1) // 2))
+    stopped += rng.sample([i for i in range(n) if i not in stopped], stops - len(stopped))
+    return [dataclasses.replace(f, action="stop") if i in stopped else f for i, f in enumerate(faults)]
 
 
 # ---- reading a run -----------------------------------------------------------------------------------
