@@ -275,3 +275,20 @@ def offload_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness
 def test_cpu_offload_policy_on_a_cpu_run():
     for out in run_distributed(offload_worker, 2):
         assert out["grad error"] < 1e-6, out
+
+
+def cast_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """MixedPrecisionPolicy(param_dtype=torch.float32) on fp32 parameters still casts a bf16 input, as
+    FSDP2 does; output_dtype casts the output."""
+    import flatshard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    flatshard.fully_shard(model[1], mp_policy=flatshard.MixedPrecisionPolicy(param_dtype=torch.float32))
+    flatshard.fully_shard(model, mp_policy=flatshard.MixedPrecisionPolicy(output_dtype=torch.bfloat16))
+    inner = _raised(lambda: model[1](torch.randn(2, 4, dtype=torch.bfloat16)))
+    return {"inner": inner, "out": str(model(torch.randn(2, 4)).dtype)}
+
+
+def test_param_dtype_equal_to_the_parameters_still_casts_inputs():
+    for out in run_distributed(cast_worker, 2):
+        assert out == {"inner": "no error", "out": "torch.bfloat16"}, out

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from flatshard import interop
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.runtime import build, deferred, hooks, recording
+from flatshard.runtime import build, deferred, hooks, precision, recording
 from flatshard.runtime.layout import set_views_on_modules
 from flatshard.runtime.mesh import group_timeout
 from flatshard.runtime.post_forward import PostForwardGroup
@@ -273,10 +273,18 @@ def fully_shard(
         m.fsdp_output_dtype = output_dtype
         m.register_forward_pre_hook(functools.partial(hooks.forward_pre_hook, unit), prepend=True, with_kwargs=True)
         m.register_forward_pre_hook(_adopt_materialized, prepend=True)  # runs before the one above
+        if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs and not unit.precision.mixed:
+            m.register_forward_pre_hook(functools.partial(_cast_inputs, mp.param_dtype), with_kwargs=True)
         m.register_forward_hook(functools.partial(hooks.forward_post_hook, unit, output_dtype), always_call=True)
     config = build.schedule_config(unit.compute_device)
     build.become_root(modules[0], config, mp)
     return module
+
+
+def _cast_inputs(dtype: torch.dtype, _module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """FSDP2 casts floating inputs to ``param_dtype`` even when it is the parameters' own dtype (the engine
+    casts only when it computes in another dtype): a bf16 activation reaching an fp32 module is cast."""
+    return precision.cast_floating((args, kwargs), dtype)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
