@@ -292,3 +292,28 @@ def cast_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's 
 def test_param_dtype_equal_to_the_parameters_still_casts_inputs():
     for out in run_distributed(cast_worker, 2):
         assert out == {"inner": "no error", "out": "torch.bfloat16"}, out
+
+
+def unshard_in_backward_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    import flatshard
+
+    torch.manual_seed(0)
+    ref = _TiedHead()
+    ref.head.weight = nn.Parameter(ref.head.weight.detach().clone())  # untied: the embedding alone in its group
+    model = copy.deepcopy(ref)
+    flatshard.fully_shard(model.embed)
+    flatshard.fully_shard(model)
+    model.embed.set_unshard_in_backward(False)
+    ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    model(ids[2 * rank : 2 * rank + 2]).sum().backward()
+    (ref(ids).sum() / 2).backward()
+    return {
+        "grad error": max(
+            (p.grad.full_tensor() - r.grad).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())
+        )
+    }
+
+
+def test_set_unshard_in_backward_is_accepted():
+    for out in run_distributed(unshard_in_backward_worker, 2):
+        assert out["grad error"] < 1e-5, out  # fp32 sums of 55 logits in another order

@@ -85,8 +85,9 @@ def _not_built(name: str, instead: str):
     return method
 
 
-class FSDPModule(UnitHost):
-    """FSDP2's methods on a module ``fully_shard`` was applied to (a mixin of its new class)."""
+class FSDPModule(UnitHost, interop.TorchFSDPModule):
+    """FSDP2's methods on a module ``fully_shard`` was applied to (a mixin of its new class); also a
+    ``torch.distributed.fsdp.FSDPModule`` ([Note: isinstance of PyTorch's FSDPModule], interop.py)."""
 
     fsdp_output_dtype: Optional[torch.dtype] = None  # MixedPrecisionPolicy.output_dtype
 
@@ -168,6 +169,10 @@ class FSDPModule(UnitHost):
         whether a backward is the last of an accumulation changes no result and no schedule."""
         self._unit.ctx.is_last_backward = bool(is_last_backward)
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:  # noqa: ARG002 - accepted, unused
+        """Accepted for FSDP2's scripts: flatshard gathers every unit in backward, so False (an embedding,
+        whose backward needs no weights) saves that all-gather in FSDP2 but changes no result here."""
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel size."""
         for unit in self._units(True):
@@ -176,7 +181,6 @@ class FSDPModule(UnitHost):
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
     set_post_optim_event = _not_built("set_post_optim_event", "it has no streams to synchronise on CPU or here")
-    set_unshard_in_backward = _not_built("set_unshard_in_backward", "use set_reshard_after_forward(False)")
     set_custom_all_gather = _not_built("set_custom_all_gather", "flatshard's collectives are runtime/collectives.py")
     set_custom_reduce_scatter = _not_built("set_custom_reduce_scatter", "see runtime/collectives.py")
     set_all_reduce_hook = _not_built("set_all_reduce_hook", "use MixedPrecisionPolicy(reduce_dtype=...)")
