@@ -87,7 +87,7 @@ def _not_built(name: str, instead: str):
 
 class FSDPModule(UnitHost, interop.TorchFSDPModule):
     """FSDP2's methods on a module ``fully_shard`` was applied to (a mixin of its new class); also a
-    ``torch.distributed.fsdp.FSDPModule`` ([Note: isinstance of PyTorch's FSDPModule], interop.py)."""
+    ``torch.distributed.fsdp.FSDPModule`` (interop.TorchFSDPModule says why)."""
 
     fsdp_output_dtype: Optional[torch.dtype] = None  # MixedPrecisionPolicy.output_dtype
 

@@ -5,6 +5,10 @@ A script that swapped some imports and not others still runs: ``torch.distribute
 ``ShardingStrategy``, ``BackwardPrefetch``, ``StateDictType``, ``MixedPrecision``, ``CPUOffload``, the
 state-dict configs and FSDP2's ``MixedPrecisionPolicy`` / ``OffloadPolicy`` / ``CPUOffloadPolicy`` are
 translated by name and fields. A field flatshard does not build raises ``NotBuiltError``.
+
+It also gives ``fully_shard``'s modules PyTorch's ``FSDPModule`` as a base class (``TorchFSDPModule``
+below says why), so the frameworks that ask ``isinstance(m, torch.distributed.fsdp.FSDPModule)``
+before calling FSDP2's public methods call flatshard's.
 """
 
 from __future__ import annotations
@@ -36,6 +40,37 @@ _CONFIGS = {
 TORCH_MIXED_PRECISION_POLICY = torch_fsdp.MixedPrecisionPolicy
 TORCH_OFFLOAD_POLICIES = (torch_fsdp.OffloadPolicy, torch_fsdp.CPUOffloadPolicy)
 TORCH_CPU_OFFLOAD_POLICY = torch_fsdp.CPUOffloadPolicy
+
+
+# isinstance of PyTorch's FSDPModule.
+# Frameworks find FSDP2's modules with ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` and then call
+# its public methods: torchtitan calls ``set_gradient_divide_factor(1.0)`` on each (it divides the loss by
+# the global token count itself; a module it misses divides its gradients by W a second time, and the
+# run trains differently with no error), and ``set_reshard_after_forward`` / ``set_requires_gradient_sync``
+# / ``unshard`` / ``reshard`` on its chunked loss's head; Lightning calls ``set_requires_gradient_sync``
+# for gradient accumulation; Accelerate leaves a model that already is one as it is. So flatshard's
+# ``FSDPModule`` derives from PyTorch's, and what the check then says is true of it: every method of
+# PyTorch's class is overridden by flatshard's (FSDP2's public ones with FSDP2's meaning, or a
+# ``NotBuiltError`` naming the alternative), so no line of PyTorch's FSDP runs on a flatshard module.
+# Its private ``_get_fsdp_state`` (read by torch's own ``register_fsdp_forward_method``, ``share_comm_ctx``,
+# pipelining and FSDP2's memory tracker) raises instead of handing out a state flatshard does not have;
+# ``_apply`` (``model.to``) is ``nn.Module``'s, as before. tests/test_frameworks.py checks the overrides.
+class TorchFSDPModule(torch_fsdp.FSDPModule):
+    """PyTorch's ``FSDPModule`` as the base of flatshard's, with its private methods refused."""
+
+    def _get_fsdp_state(self):
+        raise api.NotBuiltError(
+            f"{type(self).__name__} was sharded by flatshard's fully_shard, which has no PyTorch FSDPState: the "
+            "caller reads PyTorch FSDP2's internals. Use flatshard's functions (flatshard.register_fsdp_forward_method "
+            "for torch's), or shard this model with torch.distributed.fsdp.fully_shard"
+        )
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:  # noqa: ARG002 - refused
+        self._get_fsdp_state()
+
+    def _apply(self, *args, **kwargs):
+        """``nn.Module._apply``, not FSDP2's (which reshards through its FSDPState first)."""
+        return super(torch_fsdp.FSDPModule, self)._apply(*args, **kwargs)
 
 
 def translate(value: Any) -> Any:
