@@ -30,7 +30,7 @@ NOT_BUILT = {
     ],
     ("fsdp.py", "FullyShardedDataParallel._deprecated_optim.method"): ["the deprecated `full_optim_state_dict`"],
     ("fsdp.py", "FullyShardedDataParallel.register_comm_hook"): ["`register_comm_hook`"],
-    ("fsdp2.py", "_not_built.method"): ["FSDP2's `set_post_optim_event`, `set_custom_all_gather` and kin"],
+    ("fsdp2.py", "_not_built.method"): ["FSDP2's `set_custom_all_gather` and kin"],
     ("fsdp2.py", "FSDPModule.set_reshard_after_forward"): ["`set_reshard_after_forward` with an int"],
     ("fsdp2.py", "_check_placements"): ["`shard_placement_fn` returning other than `Shard(0)` or None"],
     ("fsdp2.py", "fully_shard"): ["`dp_mesh_dims`"],

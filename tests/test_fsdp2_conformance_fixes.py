@@ -317,3 +317,28 @@ def unshard_in_backward_worker(rank: int, world: int) -> dict:  # noqa: ARG001 -
 def test_set_unshard_in_backward_is_accepted():
     for out in run_distributed(unshard_in_backward_worker, 2):
         assert out["grad error"] < 1e-5, out  # fp32 sums of 55 logits in another order
+
+
+class _Event:
+    """Stands for the event optimizer.step() recorded: counts the waits."""
+
+    waits = 0
+
+    def synchronize(self) -> None:
+        _Event.waits += 1
+
+
+def post_optim_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    import flatshard
+
+    model = flatshard.fully_shard(_mlp())
+    event = _Event()
+    model.set_post_optim_event(event)
+    model(torch.randn(2, 5)).sum().backward()
+    model(torch.randn(2, 5)).sum().backward()
+    return {"waits": _Event.waits}
+
+
+def test_set_post_optim_event_is_waited_on_once():
+    for out in run_distributed(post_optim_worker, 2):
+        assert out == {"waits": 1}, out

@@ -90,6 +90,7 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
     ``torch.distributed.fsdp.FSDPModule`` (interop.TorchFSDPModule says why)."""
 
     fsdp_output_dtype: Optional[torch.dtype] = None  # MixedPrecisionPolicy.output_dtype
+    post_optim_event: Optional[Any] = None  # set_post_optim_event's, waited on by the next forward
 
     def __new__(cls, *args, **kwargs):
         """A sharded container indexed or sliced (``model[:2]`` builds ``type(model)(...)``) gives a
@@ -169,6 +170,11 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         whether a backward is the last of an accumulation changes no result and no schedule."""
         self._unit.ctx.is_last_backward = bool(is_last_backward)
 
+    def set_post_optim_event(self, event) -> None:
+        """The next forward's all-gathers wait for ``event`` (recorded after ``optimizer.step()``), FSDP2's
+        method; flatshard waits on the host once, as the root's next forward begins."""
+        self.post_optim_event = event
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:  # noqa: ARG002 - accepted, unused
         """Accepted for FSDP2's scripts: flatshard gathers every unit in backward, so False (an embedding,
         whose backward needs no weights) saves that all-gather in FSDP2 but changes no result here."""
@@ -180,7 +186,6 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
-    set_post_optim_event = _not_built("set_post_optim_event", "it has no streams to synchronise on CPU or here")
     set_custom_all_gather = _not_built("set_custom_all_gather", "flatshard's collectives are runtime/collectives.py")
     set_custom_reduce_scatter = _not_built("set_custom_reduce_scatter", "see runtime/collectives.py")
     set_all_reduce_hook = _not_built("set_all_reduce_hook", "use MixedPrecisionPolicy(reduce_dtype=...)")
@@ -377,8 +382,13 @@ _ON_META: weakref.WeakSet = weakref.WeakSet()  # units built on meta, not yet gi
 
 
 def _adopt_materialized(module: nn.Module, _args) -> None:
-    """At the first forward after the user materialised a meta model ([Note: meta parameters left to
-    the user], runtime/deferred.py): every unit under ``module`` built on meta takes its parameters back."""
+    """Before the hooks of a forward: wait for the optimizer's ``set_post_optim_event``; at the first forward
+    after the user materialised a meta model ([Note: meta parameters left to the user], runtime/deferred.py),
+    every unit under ``module`` built on meta takes its parameters back."""
+    event = module.post_optim_event
+    if event is not None:  # set_post_optim_event: the optimizer step's work is done before any gather
+        event.synchronize()
+        module.post_optim_event = None
     if not _ON_META:
         return
     pending = [u for u in units_under(module) if u in _ON_META]
