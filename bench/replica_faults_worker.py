@@ -66,7 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def corpus() -> torch.Tensor:
-    text = b"".join((ROOT / name).read_bytes() for name in ("README.md", "docs/multi_node.md"))
+    """The LICENSE's bytes: text that no one edits while a run goes on (a rank restarted mid-run reads it
+    again, and every run must see the same bytes)."""
+    text = (ROOT / "LICENSE").read_bytes()
     return torch.frombuffer(bytearray(text), dtype=torch.uint8)
 
 
@@ -79,18 +81,23 @@ def batch(data: torch.Tensor, seed: int, step: int, replica: str, rank: int, n: 
     return windows[:, :-1], windows[:, 1:]
 
 
+def _bytes(t: torch.Tensor) -> bytes:
+    t = t.to_local() if hasattr(t, "to_local") else t  # fully_shard's DTensors: this rank's shard
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def fingerprint(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, str]:
     """SHA-256 of this rank's parameter shards and of its optimizer state (every tensor, in order)."""
     params = hashlib.sha256()
     for name, p in model.named_parameters():
         params.update(name.encode())
-        params.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        params.update(_bytes(p))
     state = hashlib.sha256()
     for i, s in sorted(optim.state_dict()["state"].items()):
         for key, value in sorted(s.items()):
             state.update(f"{i}/{key}".encode())
             if isinstance(value, torch.Tensor):
-                state.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+                state.update(_bytes(value))
             else:
                 state.update(repr(value).encode())
     return {"parameters": params.hexdigest(), "optimizer": state.hexdigest()}
