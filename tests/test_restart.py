@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import sys
@@ -242,3 +243,34 @@ def test_fault_specs_and_plans(monkeypatch, capsys):
             example.parse_args(argv)
         err = capsys.readouterr().err
         assert err.count("error:") == 1 and needle in err, (argv, err)
+
+
+# ---------------------------------------------------------------- the soak's figures in the README
+def test_readme_soak_figures_are_the_committed_result():
+    """README's "When machines fail" quotes bench/results/soak.json, a run in which every check passed
+    and every phase was hit in each strategy."""
+    doc = json.loads((ROOT / "bench" / "results" / "soak.json").read_text())
+    assert doc["passed"] and not any(r["problems"] for r in doc["runs"])
+    for run in doc["runs"]:
+        assert run["losses_bitwise_equal"] and run["final_checkpoint_files_identical"], run["strategy"]
+        assert all(run["faults_by_phase"].values()), run["faults_by_phase"]
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## When machines fail") :]
+    section = " ".join(section[: section.index("\n## ", 10)].split())
+    t, settings = doc["total"], doc["settings"]
+    delays = [e[0] for r in doc["runs"] for stop in r["stop_errors"] for e in stop["errors"].values()]
+    bytes_on_disk = [f"{r['bytes_on_disk']:,}" for r in doc["runs"]]
+    for phrase in (
+        f"{settings['steps']} steps, a checkpoint every {settings['save_every']}, keep_last {settings['keep_last']}",
+        f"W = {settings['world']}",
+        f"collective timeout {settings['collective_timeout']:g} s, seed {settings['seed']}",
+        f"{t['faults']} faults at seeded random points",
+        f"({t['kills']} SIGKILL, {t['stops']} SIGSTOP), {t['restarts']} restarts",
+        f"{t['steps_recomputed']} steps recomputed, {t['checkpoints_committed']} checkpoints committed",
+        f"{t['checkpoints_interrupted']} saves interrupted, {t['checkpoints_removed']} checkpoints removed",
+        f"{bytes_on_disk[0]} and {bytes_on_disk[1]} bytes on disk",
+        f"All {t['losses_compared']} losses",
+        f"every other rank failed within {max(delays):.1f} s of the stop",
+        f"{doc['wall_s'] / 60:.0f} minutes",
+    ):
+        assert phrase in section, phrase
