@@ -272,7 +272,7 @@ def methods_worker(rank: int, world: int) -> dict:
         torch.allclose(s, r.grad * world, rtol=1e-4, atol=1e-5) for s, r in zip(summed, ref.parameters())
     )
     try:
-        ours.set_post_optim_event(None)
+        ours.set_custom_all_gather(None)
         out["not built"] = "no error"
     except NotBuiltError as e:
         out["not built"] = str(e)
@@ -286,5 +286,5 @@ def methods_worker(rank: int, world: int) -> dict:
 def test_fsdp2_methods():
     for out in run_distributed(methods_worker, 2, timeout=200):
         assert out["unshard"] and out["reshard"] and out["kept after forward"] and out["divide factor"], out
-        assert out["not built"].startswith("FSDPModule.set_post_optim_event is not built"), out
+        assert out["not built"].startswith("FSDPModule.set_custom_all_gather is not built"), out
         assert "torch.distributed.checkpoint" in out["flatshard checkpoint"], out
