@@ -342,3 +342,39 @@ def post_optim_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harn
 def test_set_post_optim_event_is_waited_on_once():
     for out in run_distributed(post_optim_worker, 2):
         assert out == {"waits": 1}, out
+
+
+def cast_after_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """model.to(torch.float64) after fully_shard: parameters, gradients and the training follow."""
+    import flatshard
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(_mlp(), _mlp()).to(torch.float64)
+    model = nn.Sequential(_mlp(), _mlp())
+    model.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    flatshard.fully_shard(model[0])
+    flatshard.fully_shard(model)
+    model.to(torch.float64)
+    with torch.no_grad():  # the fp64 values, past the fp32 rounding of the copy
+        for p, r in zip(model.parameters(), ref.parameters()):
+            p.to_local().copy_(torch.chunk(r, 2)[rank])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(x[2 * rank : 2 * rank + 2]).sum().backward()
+        (ref(x).sum() / 2).backward()
+        opt.step()
+        ref_opt.step()
+    return {
+        "dtypes": sorted(
+            {str(p.to_local().dtype) for p in model.parameters()} | {str(p.grad.dtype) for p in model.parameters()}
+        ),
+        "error": max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())),
+    }
+
+
+def test_a_cast_after_fully_shard_is_followed():
+    for out in run_distributed(cast_after_worker, 2):
+        assert out["dtypes"] == ["torch.float64"], out
+        assert out["error"] < 1e-12, out

@@ -389,14 +389,23 @@ def _adopt_materialized(module: nn.Module, _args) -> None:
     if event is not None:  # set_post_optim_event: the optimizer step's work is done before any gather
         event.synchronize()
         module.post_optim_event = None
-    if not _ON_META:
+    unit = module._unit
+    if not _ON_META and not (unit.is_root and _moved(unit)):
         return
-    pending = [u for u in units_under(module) if u in _ON_META]
+    pending = [u for u in units_under(module) if u in _ON_META or _moved(u)]
     if pending:
         fqns = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
         for unit in pending:
             deferred.adopt_materialized(unit, fqns)
             _ON_META.discard(unit)
+
+
+def _moved(unit: Unit) -> bool:
+    """Whether ``model.to(...)`` swapped the unit's DTensor parameters for copies outside its flat shard."""
+    if not unit.shard_views or unit.flat_shard.is_meta:
+        return False
+    local = unit.shard_views[0]._local_tensor
+    return local.untyped_storage().data_ptr() != unit.flat_shard.untyped_storage().data_ptr()
 
 
 def _no_nested(module: nn.Module, unit: Unit) -> nn.Module:  # noqa: ARG001 - build's host factory

@@ -211,7 +211,9 @@ def _fresh(unit: nn.Module, by_unit: dict[nn.Module, list], real: dict[int, tupl
 # the unit's flat shard no longer holds them. At the first forward the unit takes them back
 # (``adopt_materialized``): it reads each parameter as the module now holds it, copies this rank's
 # chunk into a new flat shard on that device, and points the registered DTensor at its slice, so
-# optimizers built after ``to_empty`` step the unit's own storage.
+# optimizers built after ``to_empty`` step the unit's own storage. A sharded model cast or moved by
+# ``model.to(...)`` (DTensor parameters are swapped in place) is taken back the same way, in the new
+# dtype.
 
 
 def adopt_materialized(unit, fqns: dict[int, str]) -> None:
@@ -232,7 +234,15 @@ def adopt_materialized(unit, fqns: dict[int, str]) -> None:
             "(reset_parameters(), or load a state dict with assign=True) before the first forward"
         )
     device = current[0].device if current else torch.device("cpu")
-    flat = torch.zeros(unit.flat_shard.numel(), dtype=unit.flat_shard.dtype, device=device)
+    dtype = current[0].dtype if current else unit.flat_shard.dtype
+    if dtype != unit.flat_shard.dtype:  # the model was cast (model.to(torch.float64)): the unit computes in it
+        from flatshard.runtime.precision import resolve
+        from flatshard.runtime.unit import storage_plan
+
+        unit.precision = resolve(unit.mixed_precision, dtype)
+        unit.plan = storage_plan(unit.groups.shard_size, unit.precision.mixed, unit.offload)
+        unit._grad_shard = None
+    flat = torch.zeros(unit.flat_shard.numel(), dtype=dtype, device=device)
     views = []
     for info, param, (lo, hi) in zip(layout.infos, current, layout.local_slices(rank)):
         local = param._local_tensor if isinstance(param, DTensor) else torch.chunk(param, layout.shard_size)[rank]
