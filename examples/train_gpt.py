@@ -397,7 +397,8 @@ def main(argv=None) -> int:
         opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     n_state = sum(len(g["params"]) for g in opt.param_groups)
     # checkpoints: every --save-every steps and at the end; each step's batch is a function of (seed, step),
-    # so the step is all the data loader needs to go on where it was ([Note: the loop's own state])
+    # so the step is all the data loader needs to go on where it was ("The loop's own state" in
+    # flatshard/checkpoint/resume.py)
     ckpt = None
     if args.ckpt_dir or args.resume:
         directory = args.ckpt_dir or Path(args.resume).parent

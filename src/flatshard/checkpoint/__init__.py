@@ -15,7 +15,7 @@ save.py writes (its docstring has the layout), directory.py decides which direct
 checkpoints ([Note: crash-safe commit], [Note: latest and rotation]), load.py reads, format.py is the
 bytes of a file ([Note: checksums]), export.py writes what a plain model or Hugging Face loads, and
 tools.py is ``flatshard consolidate`` and ``flatshard inspect``; resume.py is the ``Checkpointer`` a
-loop resumes with ([Note: the loop's own state]).
+loop resumes with (its docstring: "The loop's own state").
 """
 
 from flatshard.api import CheckpointError

@@ -40,7 +40,7 @@ def load(path, model, optimizer=None, *, strict: bool = True, rng: bool = True, 
     factor or strategy it was saved with. Collective. Returns ``(step, extra)``. With ``rng`` and the
     same world size, every rank's RNG states (torch, CUDA, numpy, random) are restored too. ``state``
     (``{name: obj}``, as given to ``save``) has each ``obj.load_state_dict`` called with what this rank
-    saved under ``name``; it needs the world size saved ([Note: the loop's own state], resume.py)."""
+    saved under ``name``; it needs the world size saved (resume.py: "The loop's own state")."""
     path = os.path.abspath(os.fspath(path))
     view = model_view(model)
     with traced("checkpoint.load"), view.phase(Phase.CHECKPOINT):

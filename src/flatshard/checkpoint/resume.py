@@ -10,7 +10,7 @@ step, RNG states and the loop's own state, saving every N steps and keeping the 
 Under ``torchrun --max-restarts=K`` every attempt runs the same script: the first starts at 0, each
 restart at the newest checkpoint committed before a rank died ([Note: crash-safe commit]).
 
-[Note: the loop's own state]
+The loop's own state.
 What a resumed run needs, besides the model and the optimizer, to go on bitwise as the uninterrupted
 run went: the step; every rank's RNG states (torch, CUDA, numpy, Python's ``random``: ``save`` writes
 them into each rank's file and ``load`` restores them when the world size is the one saved); and
@@ -47,7 +47,7 @@ class Checkpointer:
     ``every`` steps (``directory/step-00000100``, ...), keeping the ``keep_last`` newest.
 
     ``state``: the loop's own state, ``{name: obj}`` with ``obj.state_dict()`` (JSON) and
-    ``obj.load_state_dict(d)``, saved and restored per rank ([Note: the loop's own state]).
+    ``obj.load_state_dict(d)``, saved and restored per rank (above: "The loop's own state").
     ``async_save``: each save writes in the background (``checkpoint.save``'s); ``wait()`` before exit.
     Every method is collective over the model's ranks."""
 

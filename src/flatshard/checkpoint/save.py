@@ -168,7 +168,7 @@ def save(
 
     ``state`` is the loop's own state, this rank's: ``{name: obj}`` where each ``obj.state_dict()``
     returns JSON (a data loader's position, an LR scheduler); it goes into this rank's file, and
-    ``load(..., state=)`` hands it back to the same rank's objects ([Note: the loop's own state]).
+    ``load(..., state=)`` hands it back to the same rank's objects (resume.py: "The loop's own state").
 
     With ``async_save=True`` the tensors are first copied to host memory and the writing and commit
     run in a background thread on a separate gloo group; the returned ``AsyncSave`` says when it is
@@ -290,7 +290,7 @@ def _prepare(path: str, view: ModelView, optimizer, step, extra, keep_last, stat
 
 
 def _loop_state(state) -> dict:
-    """``{name: obj.state_dict()}``, each checked to be JSON ([Note: the loop's own state])."""
+    """``{name: obj.state_dict()}``, each checked to be JSON (resume.py: "The loop's own state")."""
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise CheckpointError(f"state must be a dict of names to objects with state_dict(), got {type(state).__name__}")
     out = {}
