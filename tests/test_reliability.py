@@ -145,7 +145,19 @@ def late_skip_worker(rank: int, world: int) -> str:
     return _error(lambda: model(x).sum().backward())
 
 
+def clip_skip_worker(rank: int, world: int) -> str:
+    """One rank skips clip_grad_norm_ and steps on: its peer's norm all-reduce times out with an error
+    naming the rank, the collective and the phase."""
+    group = dist.new_group(list(range(world)), timeout=SHORT)
+    model = _wrap(Two(), process_group=group)
+    model(torch.randn(3, 6)).sum().backward()
+    return _error(lambda: model.clip_grad_norm_(1.0)) if rank == 0 else "skipped"
+
+
 def test_a_unit_skipped_later_times_out_with_a_message_naming_it():
+    (clip, _), *_ = [run_distributed(clip_skip_worker, 2, timeout=120, fresh=True)]
+    assert clip.startswith("RuntimeError: flatshard: rank 0: the clip_grad_norm_ all_reduce"), clip
+    assert "optimizer" in clip and "timed out" in clip.lower(), clip
     messages = run_distributed(late_skip_worker, 2, timeout=120, fresh=True)
     for rank, message in enumerate(messages):
         assert message.startswith(f"RuntimeError: flatshard: rank {rank}: the "), message

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from flatshard.runtime import collectives
+from flatshard.runtime import collectives, order
 from flatshard.runtime.hooks import traced
 from flatshard.runtime.schedule import Phase, RunContext
 
@@ -79,12 +79,15 @@ def _clip(ctx: RunContext, unmanaged, max_norm: float, norm_type: float, error_i
 
 def _reduce(ctx: RunContext, value: torch.Tensor, group, name: str, norm_type: float) -> torch.Tensor:
     """``value`` (max |g|, or sum |g|^p) combined over ``group``: one all-reduce."""
+    errors = order.collective_errors(ctx.root, "clip_grad_norm_ all_reduce")  # a timeout names rank and phase
     if math.isinf(norm_type):  # [max, NaN seen]: MAX of both; a NaN never rides the maximum itself
         pair = torch.stack([torch.nan_to_num(value, nan=0.0), torch.isnan(value).float()])
-        result = collectives.all_reduce(pair, group, op=ReduceOp.MAX)
+        with errors:
+            result = collectives.all_reduce(pair, group, op=ReduceOp.MAX)
         value = torch.where(pair[1] > 0, torch.full_like(pair[0], float("nan")), pair[0])
     else:  # a sum carries a NaN or an inf by itself
-        result = collectives.all_reduce(value, group, op=ReduceOp.SUM)
+        with errors:
+            result = collectives.all_reduce(value, group, op=ReduceOp.SUM)
     ctx.record(result, name, "clip_grad_norm_", phase=Phase.OPTIMIZER)
     return value
 
