@@ -47,19 +47,20 @@ TORCH_CPU_OFFLOAD_POLICY = torch_fsdp.CPUOffloadPolicy
 # its public methods: torchtitan calls ``set_gradient_divide_factor(1.0)`` on each (it divides the loss by
 # the global token count itself; a module it misses divides its gradients by W a second time, and the
 # run trains differently with no error), and ``set_reshard_after_forward`` / ``set_requires_gradient_sync``
-# / ``unshard`` / ``reshard`` on its chunked loss's head; Lightning calls ``set_requires_gradient_sync``
-# for gradient accumulation; Accelerate leaves a model that already is one as it is. So flatshard's
-# ``FSDPModule`` derives from PyTorch's, and what the check then says is true of it: every method of
-# PyTorch's class is overridden by flatshard's (FSDP2's public ones with FSDP2's meaning, or a
-# ``NotBuiltError`` naming the alternative), so no line of PyTorch's FSDP runs on a flatshard module.
+# / ``unshard`` / ``reshard`` on its chunked loss's head; Lightning Fabric calls
+# ``set_requires_gradient_sync`` in ``no_backward_sync``; Accelerate leaves a model that already is one as
+# it is. So flatshard's ``FSDPModule`` derives from PyTorch's, and what the check then says is true of it:
+# every method of PyTorch's class is overridden by flatshard's (FSDP2's public ones with FSDP2's meaning,
+# or a ``NotBuiltError`` naming the alternative), so no line of PyTorch's FSDP runs on a flatshard module.
 # Its private ``_get_fsdp_state`` (read by torch's own ``register_fsdp_forward_method``, ``share_comm_ctx``,
-# pipelining and FSDP2's memory tracker) raises instead of handing out a state flatshard does not have;
-# ``_apply`` (``model.to``) is ``nn.Module``'s, as before. tests/test_frameworks.py checks the overrides.
+# pipelining and FSDP2's memory tracker) raises RuntimeError instead of handing out a state flatshard does
+# not have: PyTorch's internals are not a feature to build. ``_apply`` (``model.to``) is ``nn.Module``'s,
+# as before. tests/test_frameworks.py checks the overrides.
 class TorchFSDPModule(torch_fsdp.FSDPModule):
     """PyTorch's ``FSDPModule`` as the base of flatshard's, with its private methods refused."""
 
     def _get_fsdp_state(self):
-        raise api.NotBuiltError(
+        raise RuntimeError(
             f"{type(self).__name__} was sharded by flatshard's fully_shard, which has no PyTorch FSDPState: the "
             "caller reads PyTorch FSDP2's internals. Use flatshard's functions (flatshard.register_fsdp_forward_method "
             "for torch's), or shard this model with torch.distributed.fsdp.fully_shard"
