@@ -1,0 +1,96 @@
+"""Frameworks driving flatshard's ``fully_shard`` (examples/frameworks/), each through its own API at W = 2
+on CPU, every rank's losses equal to the same framework's run on PyTorch's FSDP2, and a run saved half
+way with the framework's checkpointing, loaded and resumed equal to the uninterrupted one: Lightning
+(ModelParallelStrategy, its distributed checkpoint), torchtitan's debug model (its FSDP function, chunked
+loss, optimizer, schedule, data loader and CheckpointManager; its Trainer needs CUDA) and Accelerate
+(which drops its FSDP plugin on CPU: the recipe shows that, then prepares the optimizer and data only).
+
+Lightning and Accelerate are in the ``test`` extra; torchtitan (and triton, which it imports) in
+``frameworks`` only: a framework not installed skips its test and says so. Also: flatshard's modules are
+``torch.distributed.fsdp.FSDPModule`` instances that run none of PyTorch's FSDP code (interop.py)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+
+from flatshard.fsdp2 import FSDPModule
+from tests.dist import run_launcher
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "examples" / "frameworks"
+TIMEOUT_S = 240  # each takes 10-40 s on two loaded cores; a hang must fail, not wait
+
+
+def needs(module: str, install: str):
+    """Skip, saying why, when ``module`` cannot be imported (the framework is not installed)."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return pytest.mark.skip(reason=f"{exc}: pip install -c constraints/cpu.txt {install}")
+    return lambda f: f
+
+
+def run_recipe(name: str, tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, str(RECIPES / name), "--compare", "--json", str(out), *args]
+    log = run_launcher(cmd, ROOT, TIMEOUT_S, name)
+    assert out.exists(), f"{name} wrote no JSON:\n{log[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def assert_equal_runs(fig: dict, steps: int) -> None:
+    runs = fig["runs"]
+    assert fig["world"] == 2 and fig["equal"] is True
+    assert runs["flatshard"] == runs["FSDP2"], "flatshard's losses differ from PyTorch's FSDP2"
+    assert runs["flatshard saved+resumed"] == runs["flatshard"], "the resumed run differs from the uninterrupted one"
+    assert all(len(rank) == steps for rank in runs["flatshard"]), runs["flatshard"]
+
+
+def test_fully_shard_modules_are_pytorch_fsdp_modules_that_run_none_of_its_code():
+    assert issubclass(FSDPModule, torch_fsdp.FSDPModule)
+    for name, value in vars(torch_fsdp.FSDPModule).items():
+        if callable(value) or isinstance(value, (staticmethod, classmethod)):
+            owner = next(k for k in FSDPModule.__mro__ if name in vars(k))
+            assert owner is not torch_fsdp.FSDPModule, f"{name} would run PyTorch's FSDPModule code"
+    # what torch's register_fsdp_forward_method, share_comm_ctx and pipelining read: refused, not faked
+    with pytest.raises(RuntimeError, match="flatshard.register_fsdp_forward_method"):
+        FSDPModule._get_fsdp_state(nn.Linear(1, 1))
+
+
+@needs("lightning", "lightning")
+def test_lightning_model_parallel_strategy(tmp_path):
+    fig = run_recipe("lightning_fully_shard.py", tmp_path, "--ckpt", str(tmp_path / "ckpt"))
+    per_rank_batches = fig["epochs"] * 48 // (4 * 2)
+    assert_equal_runs(fig, per_rank_batches)
+    saved = tmp_path / "ckpt" / "half.ckpt"  # the strategy's checkpoint: DCP shards and Lightning's meta.pt
+    assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+
+
+@needs("torchtitan.trainer", "torchtitan triton")
+def test_torchtitan_debug_model(tmp_path):
+    fig = run_recipe("torchtitan_fully_shard.py", tmp_path, "--steps", "6", "--dir", str(tmp_path))
+    runs = fig["runs"]  # [(loss, grad norm)] per step, as torchtitan logs them (already summed over ranks)
+    assert fig["world"] == 2 and fig["equal"] is True and len(runs["flatshard"]) == 6
+    assert runs["flatshard"] == runs["FSDP2"] and runs["flatshard saved+resumed"] == runs["flatshard"]
+    steps = tmp_path / "resumed" / "checkpoint"  # CheckpointManager's step folders, every 3 steps
+    assert sorted(p.name for p in steps.iterdir()) == ["step-3", "step-6"]
+
+
+@needs("accelerate", "accelerate")
+def test_accelerate_refuses_fsdp_on_cpu_and_trains_what_it_prepares(tmp_path):
+    fig = run_recipe("accelerate_fully_shard.py", tmp_path)
+    refusal = fig["refusal"]  # the FSDP2 plugin dropped on CPU, the model wrapped in DDP, a sharded one refused
+    assert refusal[:3] == [
+        "distributed type: DistributedType.MULTI_CPU",
+        "FSDP plugin kept: False",
+        "a plain model after prepare: DistributedDataParallel",
+    ]
+    assert refusal[3].startswith("a flatshard-sharded model after prepare: RuntimeError"), refusal
+    assert_equal_runs(fig, 12)
