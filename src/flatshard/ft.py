@@ -1,8 +1,13 @@
 """Replica groups that drop out and rejoin: fault-tolerant HYBRID_SHARD / NO_SHARD on torchft.
 
-How it works. A job is R replica groups of F ranks. Inside a group, flatshard shards as it always does (the model is
-wrapped over the group's own ranks: FULL_SHARD for F > 1, NO_SHARD for F = 1); each group is its own
-torchrun job with ``--max-restarts``, so a rank that dies takes down and restarts only its group.
+    model = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, ...)   # over this group's ranks
+    manager = ft.Manager(model, optim, lighthouse_addr=..., replica_id="group3", hostname=...)
+    optimizer = ft.Optimizer(manager, optim)   # zero_grad(): the quorum; step(): reduce, commit, step
+
+How it works. A job is R replica groups of F ranks. Inside a group, flatshard shards as it always
+does (the model is wrapped over the group's own ranks: FULL_SHARD for F > 1, NO_SHARD for F = 1); each
+group is its own torchrun job with ``--max-restarts`` (and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``),
+so a rank that dies takes down and restarts only its group.
 Across groups nothing is static: torchft's Lighthouse forms a quorum of the groups alive at each step,
 torchft's Manager rebuilds a gloo group over them when the membership changes, and this module adds
 the two flatshard-specific pieces:
