@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flatshard.runtime import build
 from flatshard.runtime.mesh import group_timeout
+from flatshard.runtime.streams import RecordingStreams
 from flatshard.runtime.tree import unit_hosts, units_under
 
 
@@ -82,8 +83,6 @@ def record_streams(model: nn.Module, streams=None) -> Iterator:
     ``runtime.streams.RecordingStreams``, or ``streams``): every record, wait and buffer access it would
     issue on an accelerator is logged ([Note: stream discipline]); ``runtime.streams.check_schedule``
     checks the log."""
-    from flatshard.runtime.streams import RecordingStreams
-
     ctx = unit_hosts(model)[0]._unit.ctx
     recording = streams if streams is not None else RecordingStreams()
     before, ctx.streams = ctx.streams, recording
