@@ -354,7 +354,8 @@ def cast_after_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harn
     model = nn.Sequential(_mlp(), _mlp())
     model.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
     flatshard.fully_shard(model[0])
-    flatshard.fully_shard(model)
+    flatshard.fully_shard(model[1])
+    flatshard.fully_shard(model)  # the root holds no parameters of its own
     model.to(torch.float64)
     with torch.no_grad():  # the fp64 values, past the fp32 rounding of the copy
         for p, r in zip(model.parameters(), ref.parameters()):

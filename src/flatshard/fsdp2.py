@@ -389,8 +389,7 @@ def _adopt_materialized(module: nn.Module, _args) -> None:
     if event is not None:  # set_post_optim_event: the optimizer step's work is done before any gather
         event.synchronize()
         module.post_optim_event = None
-    unit = module._unit
-    if not _ON_META and not (unit.is_root and _moved(unit)):
+    if not _ON_META and not module._unit.is_root:
         return
     pending = [u for u in units_under(module) if u in _ON_META or _moved(u)]
     if pending:
