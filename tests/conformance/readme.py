@@ -1,7 +1,7 @@
 """The conformance differences README.md lists: one place that run.py and tests/test_conformance.py read.
 
-In README.md's section "Differences from PyTorch FSDP", the list after the line that starts with
-``MARKER`` holds one bullet per reason: ``- <reason> Tests: `<test id>`, `<test id>` ...``; the list
+In README.md's section "Differences from PyTorch FSDP", the first list after the paragraph that begins
+with ``MARKER`` holds one bullet per reason: ``- <reason> Tests: `<test id>`, `<test id>` ...``; the list
 ends at the first line that is neither a bullet nor its continuation.
 """
 
@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 README = Path(__file__).resolve().parent.parent.parent / "README.md"
-MARKER = "PyTorch's FSDP2 tests that flatshard fails on purpose"
+MARKER = "PyTorch's own FSDP2 tests (`test/distributed/_composable/fsdp/`"
 
 
 def listed_differences(readme: Path = README) -> dict[str, str]:
@@ -27,7 +27,7 @@ def listed_differences(readme: Path = README) -> dict[str, str]:
             bullets.append(current)
         elif current is not None and line.startswith("  ") and line.strip():
             current.append(line.strip())
-        elif line.strip() or current is not None:
+        elif current is not None or line.startswith("#"):  # the list's end, or no list under the paragraph
             break
     listed = {}
     for bullet in bullets:
