@@ -28,13 +28,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from flatshard import interop
+from flatshard import fsdp2_checks, interop
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.runtime import build, deferred, hooks, precision, recording
 from flatshard.runtime.layout import set_views_on_modules
 from flatshard.runtime.mesh import group_timeout
 from flatshard.runtime.post_forward import PostForwardGroup
-from flatshard.runtime.tree import UnitHost, unit_hosts, units_under
+from flatshard.runtime.tree import UnitHost, units_under
 from flatshard.runtime.unit import Unit
 
 
@@ -72,11 +72,6 @@ class UnshardHandle:
         self._unit.wait_for_unshard()
 
 
-class FullyShardUsageError(ValueError, AssertionError):
-    """A misuse of ``fully_shard`` that FSDP2 reports with an AssertionError: a ValueError, and an
-    AssertionError too, so code written against FSDP2 catches it as it would FSDP2's."""
-
-
 def _not_built(name: str, instead: str):
     def method(self, *args, **kwargs):  # noqa: ARG001 - any call raises
         raise NotBuiltError(f"FSDPModule.{name} is not built in flatshard's fully_shard; {instead}")
@@ -101,7 +96,7 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         return self
 
     def __deepcopy__(self, memo):
-        raise FullyShardUsageError(
+        raise fsdp2_checks.FullyShardUsageError(
             f"FSDP does not support deepcopy of a module fully_shard was applied to ({type(self).__name__}): its "
             "parameters are shards over a process group. Copy the model before calling fully_shard, or build a "
             "second one and load the first one's state dict into it."
@@ -240,18 +235,19 @@ def fully_shard(
     if not modules:
         raise ValueError("fully_shard got an empty list of modules: pass a module, or a list of them (one group)")
     for m in modules:
-        _check_module(m)
+        fsdp2_checks.check_module(m)
     if dp_mesh_dims is not None:
         raise NotBuiltError("fully_shard(dp_mesh_dims=...) is not built: pass the data-parallel mesh as mesh=")
-    # [Note: a group of modules] fully_shard([a, b]) makes one unit of the parameters of a and b (FSDP2's
+    # [Note: a group of modules]
+    # fully_shard([a, b]) makes one unit of the parameters of a and b (FSDP2's
     # group: one all-gather, one reduce-scatter). It is built over a container holding them; each module
     # then hosts the same unit and runs its hooks, so the unit is gathered for whichever runs, and a
     # module run alone (a loss head called chunk by chunk) works as a module run twice in one forward.
     # Tied parameters must be in one group; the root adopts the unit once (runtime/tree.py, units_under).
     target = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
-    _check_not_flattened(target)
+    fsdp2_checks.check_not_flattened(target)
     if shard_placement_fn is not None:
-        _check_placements(target, shard_placement_fn, ignored_params)
+        fsdp2_checks.check_placements(target, shard_placement_fn, ignored_params)
     mesh, placements = _mesh(mesh, target)
     shard_size = mesh.size(mesh.ndim - 1)
     reshard, post_forward_size = _reshard_after_forward(reshard_after_forward, shard_size)
@@ -260,7 +256,7 @@ def fully_shard(
         strategy=_strategy(mesh, reshard),
         process_group=mesh.get_group() if mesh.ndim == 1 else None,
         device_mesh=mesh if mesh.ndim == 2 else None,
-        ignored_states=_ignored_here(target, ignored_params),
+        ignored_states=fsdp2_checks.ignored_here(target, ignored_params),
         mixed_precision=mp,
         # CPUOffloadPolicy on a CPU mesh: the parameters already live in CPU memory, as FSDP2 leaves them
         offload_params=_offload(offload_policy) and mesh.device_type != "cpu",
@@ -269,7 +265,7 @@ def fully_shard(
     )
     built = build.build_units(target, options, _no_nested)
     unit = built.root
-    _FLATTENED.update(unit.originals)  # id -> weakref, as the unit keeps them
+    fsdp2_checks.remember_flattened(unit)
     unit.unsynced_in_reduce_dtype = True  # FSDP2 accumulates unsynced gradients in the reduce dtype
     if post_forward_size:
         unit.post_forward = _post_forward_group(mesh, post_forward_size, unit.layout.padded)
@@ -319,63 +315,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return hooks.forward_post_hook(unit, output_dtype, module, args, out)
 
     setattr(module, method_name, method)
-
-
-# parameters an earlier fully_shard call flattened: one still registered on a module here was shared
-# (tied) with that call's module, and would become a second, untied copy
-_FLATTENED: dict[int, weakref.ref] = {}
-
-
-def _check_not_flattened(module: nn.Module) -> None:
-    for dead in [k for k, ref in _FLATTENED.items() if ref() is None]:
-        del _FLATTENED[dead]
-    for name, param in module.named_parameters():
-        ref = _FLATTENED.get(id(param))
-        if ref is not None and ref() is param:
-            raise ValueError(
-                f"{name} is already managed by another fully_shard call: it is shared (tied) with a module sharded "
-                "before, and sharding it again would untie it. Shard the modules that share it in one group, "
-                "fully_shard([a, b]), or in a common ancestor's call"
-            )
-
-
-def _ignored_here(module: nn.Module, ignored_params) -> Optional[list[nn.Parameter]]:
-    """The ignored parameters that are ``module``'s: FSDP2 takes one set for a whole model (a parameter of
-    another module in it is no error), where the engine refuses a parameter it cannot find."""
-    if not ignored_params:
-        return None
-    ignored = {id(p) for p in ignored_params}
-    return [p for p in module.parameters() if id(p) in ignored] or None
-
-
-def _check_module(module: nn.Module) -> None:
-    if isinstance(module, UnitHost):
-        raise FullyShardUsageError(
-            "Each distinct composable distributed API can only be applied to a module once. fully_shard was "
-            f"already applied to this {type(module).__name__}: apply it once"
-        )
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # FSDP2's check
-        raise ValueError(
-            f"fully_shard does not support containers that do not implement forward: {type(module).__name__}. "
-            "Apply it to each module inside, or to the module that runs them"
-        )
-
-
-def _check_placements(module: nn.Module, shard_placement_fn, ignored_params) -> None:
-    """``shard_placement_fn`` may choose FSDP2's default for every parameter (``Shard(0)``, or None); a
-    parameter sharded along another dim needs a layout flatshard's flat shard does not have."""
-    ignored = set(ignored_params or ())
-    inner = {id(p) for h in unit_hosts(module) if h is not module for p in h.parameters()}
-    for name, param in module.named_parameters():
-        if param in ignored or id(param) in inner:
-            continue
-        placement = shard_placement_fn(param)
-        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -param.ndim)):
-            continue
-        raise NotBuiltError(
-            f"fully_shard(shard_placement_fn=...) returned {placement!r} for {name} (shape {tuple(param.shape)}): "
-            "flatshard shards every parameter along dim 0; only Shard(0) or None is built. Return Shard(0)"
-        )
 
 
 _ON_META: weakref.WeakSet = weakref.WeakSet()  # units built on meta, not yet given their parameters back

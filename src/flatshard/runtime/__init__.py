@@ -52,6 +52,7 @@ Index of every [Note: ...] in the package
   hooks hold units weakly ......... runtime/hooks.py
   hooks under compile ............. runtime/hooks.py
   deferred initialisation ......... runtime/deferred.py
+  meta parameters left to the user . runtime/deferred.py
   equal errors .................... runtime/agree.py
   model fingerprint ............... runtime/fingerprint.py
   order checks .................... runtime/order.py
@@ -59,6 +60,7 @@ Index of every [Note: ...] in the package
   bounded recorders ............... runtime/instrument.py
   nested wrappers ................. fsdp.py
   get_state_dict on the wrapper ... fsdp.py
+  a group of modules .............. fsdp2.py
   flat ranges as boxes ............ state/sharded_tensors.py
   loading through a plain parent .. state/module.py
   crash-safe commit ............... checkpoint/directory.py

@@ -34,8 +34,13 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from flatshard.runtime import hooks
+from flatshard.runtime.layout import set_views_on_modules
 from flatshard.runtime.mesh import device_of
+from flatshard.runtime.precision import resolve
+from flatshard.runtime.unit import storage_plan
 
 
 def has_meta_states(module: nn.Module, skip: set[nn.Module]) -> bool:
@@ -219,11 +224,6 @@ def _fresh(unit: nn.Module, by_unit: dict[nn.Module, list], real: dict[int, tupl
 def adopt_materialized(unit, fqns: dict[int, str]) -> None:
     """Rebuild ``unit``'s storage from the parameters its modules hold now ([Note: meta parameters left
     to the user]). ``fqns``: id of a registered parameter -> its name from the root, for the error."""
-    from torch.distributed.tensor import DTensor
-
-    from flatshard.runtime import hooks
-    from flatshard.runtime.layout import set_views_on_modules
-
     layout, rank = unit.owner_layout, unit.owner_rank
     current = [getattr(info.uses[0][0], info.uses[0][1]) for info in layout.infos]
     still_meta = [fqns.get(id(p), info.name) for info, p in zip(layout.infos, current) if p.is_meta]
@@ -236,9 +236,6 @@ def adopt_materialized(unit, fqns: dict[int, str]) -> None:
     device = current[0].device if current else torch.device("cpu")
     dtype = current[0].dtype if current else unit.flat_shard.dtype
     if dtype != unit.flat_shard.dtype:  # the model was cast (model.to(torch.float64)): the unit computes in it
-        from flatshard.runtime.precision import resolve
-        from flatshard.runtime.unit import storage_plan
-
         unit.precision = resolve(unit.mixed_precision, dtype)
         unit.plan = storage_plan(unit.groups.shard_size, unit.precision.mixed, unit.offload)
         unit._grad_shard = None

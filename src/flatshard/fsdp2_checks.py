@@ -1,0 +1,81 @@
+"""What ``fully_shard`` (fsdp2.py) checks before it builds anything: the modules it is given, the
+placements ``shard_placement_fn`` returns, parameters an earlier call flattened, and which ignored
+parameters are this call's. Each refusal says what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from flatshard.api import NotBuiltError
+from flatshard.runtime.tree import UnitHost, unit_hosts
+
+
+class FullyShardUsageError(ValueError, AssertionError):
+    """A misuse of ``fully_shard`` that FSDP2 reports with an AssertionError: a ValueError, and an
+    AssertionError too, so code written against FSDP2 catches it as it would FSDP2's."""
+
+
+def check_placements(module: nn.Module, shard_placement_fn, ignored_params) -> None:
+    """``shard_placement_fn`` may choose FSDP2's default for every parameter (``Shard(0)``, or None); a
+    parameter sharded along another dim needs a layout flatshard's flat shard does not have."""
+    ignored = set(ignored_params or ())
+    inner = {id(p) for h in unit_hosts(module) if h is not module for p in h.parameters()}
+    for name, param in module.named_parameters():
+        if param in ignored or id(param) in inner:
+            continue
+        placement = shard_placement_fn(param)
+        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -param.ndim)):
+            continue
+        raise NotBuiltError(
+            f"fully_shard(shard_placement_fn=...) returned {placement!r} for {name} (shape {tuple(param.shape)}): "
+            "flatshard shards every parameter along dim 0; only Shard(0) or None is built. Return Shard(0)"
+        )
+
+
+# parameters an earlier fully_shard call flattened: one still registered on a module here was shared
+# (tied) with that call's module, and would become a second, untied copy
+_FLATTENED: dict[int, weakref.ref] = {}
+
+
+def check_not_flattened(module: nn.Module) -> None:
+    for dead in [k for k, ref in _FLATTENED.items() if ref() is None]:
+        del _FLATTENED[dead]
+    for name, param in module.named_parameters():
+        ref = _FLATTENED.get(id(param))
+        if ref is not None and ref() is param:
+            raise ValueError(
+                f"{name} is already managed by another fully_shard call: it is shared (tied) with a module sharded "
+                "before, and sharding it again would untie it. Shard the modules that share it in one group, "
+                "fully_shard([a, b]), or in a common ancestor's call"
+            )
+
+
+def ignored_here(module: nn.Module, ignored_params) -> Optional[list[nn.Parameter]]:
+    """The ignored parameters that are ``module``'s: FSDP2 takes one set for a whole model (a parameter of
+    another module in it is no error), where the engine refuses a parameter it cannot find."""
+    if not ignored_params:
+        return None
+    ignored = {id(p) for p in ignored_params}
+    return [p for p in module.parameters() if id(p) in ignored] or None
+
+
+def check_module(module: nn.Module) -> None:
+    if isinstance(module, UnitHost):
+        raise FullyShardUsageError(
+            "Each distinct composable distributed API can only be applied to a module once. fully_shard was "
+            f"already applied to this {type(module).__name__}: apply it once"
+        )
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # FSDP2's check
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: {type(module).__name__}. "
+            "Apply it to each module inside, or to the module that runs them"
+        )
+
+
+def remember_flattened(unit) -> None:
+    """The parameters ``unit`` flattened (id -> weakref, as the unit keeps them), for ``check_not_flattened``."""
+    _FLATTENED.update(unit.originals)
