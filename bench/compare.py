@@ -417,7 +417,7 @@ def worker(args) -> int:
     results = []
     for size in args.sizes:
         for dtype in args.dtypes:
-            for compiled in (False, True) if args.compile else (False,):
+            for compiled in (False, True) if args.compile and dtype in args.compile_dtypes else (False,):
                 bf16 = dtype == "bf16"
                 res = compare(gpt, table[size], bf16, args, data, compiled=compiled)
                 kind = "compiled" if compiled else "comparison"
@@ -491,6 +491,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_false",
         help="skip the compiled rows (each Block compiled with inductor, beside FSDP2 compiled alike)",
     )
+    p.add_argument(
+        "--compile-dtypes",
+        nargs="+",
+        default=["fp32", "bf16"],
+        choices=["fp32", "bf16"],
+        help="dtypes with compiled rows",
+    )
     p.add_argument("--ablation-size", default="30M", choices=["tiny", "3M", "30M"])
     p.add_argument("--ablation-world", type=int, default=2)
     p.add_argument(
@@ -526,6 +533,7 @@ def worker_argv(args) -> list[str]:
         "--ablation-world",
         str(args.ablation_world),
     ]
+    argv += ["--compile-dtypes", *args.compile_dtypes]
     return argv + ([] if args.ablation else ["--no-ablation"]) + ([] if args.compile else ["--no-compile"])
 
 
