@@ -99,3 +99,35 @@ def test_bench_smoke(tmp_path):
     losses = [ablation["systems"][name]["losses_per_rank"] for name in prefetch]
     assert len(prefetch) >= 5 and ablation["rows/flat"] > 0 and ablation["params/flat"] > 0
     assert all(ls == losses[0] for ls in losses)
+
+
+def compiled_rows(report: dict) -> list[str]:
+    """docs/bench.md's run 8 table, made from the committed bench/results/bench_compiled.json."""
+    rows = []
+    for r in (r for r in report["results"] if r["kind"] == "compiled"):
+        (eager,) = [
+            e
+            for e in report["results"]
+            if e["kind"] == "comparison" and (e["world"], e["dtype"]) == (r["world"], r["dtype"])
+        ]
+        sy = r["systems"]
+        ms = [f"{sy[n]['step_s_median'] * 1e3:,.0f}" for n in ("flatshard", "flatshard fully_shard", "FSDP2")]
+        mib = [
+            f"{max(sy[n]['peak_bytes_per_rank']) / 2**20:.1f}" for n in ("flatshard", "flatshard fully_shard", "FSDP2")
+        ]
+        rows.append(
+            f"| {r['size']} | {r['world']} | {r['dtype']} | {' / '.join(ms)} | {r['flatshard/FSDP2']:.2f} | "
+            f"{r['fully_shard/FSDP2']:.2f} | {eager['fully_shard/FSDP2']:.2f} | {' / '.join(mib)} |"
+        )
+    return rows
+
+
+def test_docs_compiled_rows_are_the_committed_run():
+    report = json.loads((ROOT / "bench" / "results" / "bench_compiled.json").read_text())
+    doc = (ROOT / "docs" / "bench.md").read_text()
+    rows = compiled_rows(report)
+    assert rows and all(row in doc for row in rows), rows
+    for r in (r for r in report["results"] if r["kind"] == "compiled"):  # what the prose says of every row
+        assert r["flatshard/FSDP2"] <= 0.90 and r["fully_shard/FSDP2"] <= 0.90, r
+        assert r["flatshard peak/FSDP2"] < 1 and r["flatshard fully_shard peak/FSDP2"] < 1, r
+        assert all(a["max_rel_diff"] <= 1e-5 for a in r["agree"].values()), r["agree"]
