@@ -36,27 +36,97 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_api as fsdp_api
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cluster_calibrate  # noqa: E402
 import compare  # noqa: E402  (bench/compare.py; it puts examples/ on the path for gpt.py)
 
 import flatshard  # noqa: E402
+from flatshard.runtime import gloo_exchange  # noqa: E402
 
 LINK_STATS = Path("/sys/class/net/fs0/statistics")
 FLOOR = "no communication"
+P2P_TAG = 7919  # the custom collectives' tag: FSDP2 issues them one at a time
 
 
 # ---- the systems --------------------------------------------------------------------------------------
-def build_hsdp(cfg, nodes: int, nproc: int):
-    """PyTorch FSDP2's HSDP: ``fully_shard`` over a (replicate = nodes, shard = ranks per node) mesh."""
+def build_hsdp(cfg, nodes: int, nproc: int, **kw):
+    """PyTorch FSDP2's HSDP: ``fully_shard`` over a (replicate = nodes, shard = ranks per node) mesh, FSDP2's
+    defaults unless ``kw`` says otherwise (``reshard_after_forward``)."""
     gpt = compare.load_gpt_module()
     mesh = init_device_mesh("cpu", (nodes, nproc), mesh_dim_names=("replicate", "shard"))
     model = gpt.GPT(cfg)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, **kw)
+    return fully_shard(model, mesh=mesh, **kw)
+
+
+def build_hsdp_torchtitan(cfg, nodes: int, nproc: int):
+    """FSDP2's HSDP wrapped as torchtitan wraps a model with tied weights (torchtitan/distributed/fsdp.py,
+    ``reshard_after_forward_policy="default"`` without pipelining): the embeddings, final norm and head in
+    one group left gathered after forward (backward needs them first), every block resharded after
+    forward, then the root."""
+    gpt = compare.load_gpt_module()
+    mesh = init_device_mesh("cpu", (nodes, nproc), mesh_dim_names=("replicate", "shard"))
+    model = gpt.GPT(cfg)
+    fully_shard([model.wte, model.wpe, model.ln_f, model.head], mesh=mesh, reshard_after_forward=False)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
     return fully_shard(model, mesh=mesh)
+
+
+class _P2PAllGather(fsdp_api.AllGather):
+    """FSDP2's all-gather as flatshard issues it on gloo: one round of point-to-point sends (analysis only:
+    how much of FSDP2's step on gloo is gloo's own collectives)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        n = dist.get_world_size(group)
+        return gloo_exchange.all_gather(output_tensor, input_tensor, group, n, P2P_TAG, async_op)
+
+
+class _P2PReduceScatter(fsdp_api.ReduceScatter):
+    """FSDP2's reduce-scatter as flatshard issues it on gloo: n - 1 rounds of point-to-point exchanges."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or async_op:
+            raise ValueError(f"the point-to-point reduce-scatter sums or averages, synchronously; FSDP2 asked for {op}")
+        n = dist.get_world_size(group)
+        gloo_exchange.reduce_scatter(output_tensor, input_tensor, group, n, P2P_TAG, False)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(n)
+
+
+def build_hsdp_prefetch(cfg, nodes: int, nproc: int):
+    """FSDP2's HSDP (defaults) with explicit prefetching, one block ahead in forward and in backward
+    (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``)."""
+    model = build_hsdp(cfg, nodes, nproc)
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
+    return model
+
+
+def build_hsdp_p2p(cfg, nodes: int, nproc: int):
+    """FSDP2's HSDP (defaults) with its all-gathers and reduce-scatters replaced by flatshard's gloo
+    exchanges (``set_custom_all_gather`` / ``set_custom_reduce_scatter``): not a configuration a user
+    runs, the measure of what gloo's own collectives cost FSDP2."""
+    model = build_hsdp(cfg, nodes, nproc)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(_P2PAllGather())
+            module.set_custom_reduce_scatter(_P2PReduceScatter())
+    return model
 
 
 def builders(gpt, cfg, nodes: int, nproc: int) -> dict:
@@ -118,7 +188,27 @@ def link_builders(gpt, cfg, nodes: int, nproc: int) -> dict:
     return out
 
 
-SETS = {"strategies": builders, "link": link_builders}
+def hsdp_builders(gpt, cfg, nodes: int, nproc: int) -> dict:
+    """``--set hsdp``: FSDP2's HSDP as a user would configure it, its variants, and flatshard's hybrid."""
+    fs = compare.build_flatshard
+    return {
+        f"flatshard HYBRID_SHARD F={nproc}": lambda: fs(gpt, cfg, False, "HYBRID_SHARD", sharding_factor=nproc),
+        f"flatshard _HYBRID_SHARD_ZERO2 F={nproc}": lambda: fs(
+            gpt, cfg, False, "_HYBRID_SHARD_ZERO2", sharding_factor=nproc
+        ),
+        f"FSDP2 HSDP ({nodes}x{nproc})": lambda: build_hsdp(cfg, nodes, nproc),
+        f"FSDP2 HSDP ({nodes}x{nproc}), torchtitan's wrapping": lambda: build_hsdp_torchtitan(cfg, nodes, nproc),
+        f"FSDP2 HSDP ({nodes}x{nproc}), reshard_after_forward=False": lambda: build_hsdp(
+            cfg, nodes, nproc, reshard_after_forward=False
+        ),
+        f"FSDP2 HSDP ({nodes}x{nproc}), explicit prefetch": lambda: build_hsdp_prefetch(cfg, nodes, nproc),
+        f"FSDP2 HSDP ({nodes}x{nproc}), point-to-point gloo collectives": lambda: build_hsdp_p2p(cfg, nodes, nproc),
+        "FSDP2 FULL_SHARD": lambda: compare.build_fsdp2(gpt, cfg, False),
+        FLOOR: lambda: gpt.GPT(cfg),
+    }
+
+
+SETS = {"strategies": builders, "link": link_builders, "hsdp": hsdp_builders}
 PIECES = "optimizer across replicas"  # shard_optimizer_across_replicas=True (runtime/pieces.py)
 
 
@@ -202,7 +292,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--systems", nargs="*", help="only the systems whose names contain one of these")
-    p.add_argument("--set", default="strategies", choices=sorted(SETS), help="link: bench/slow_link.py's systems")
+    p.add_argument(
+        "--set",
+        default="strategies",
+        choices=sorted(SETS),
+        help="link: bench/slow_link.py's systems; hsdp: FSDP2 HSDP's configurations",
+    )
     return p.parse_args(argv)
 
 
