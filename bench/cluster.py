@@ -86,6 +86,25 @@ def source_commit() -> str | None:
     return head.stdout.strip() + (" + changes" if dirty.stdout.strip() else "")
 
 
+def run_worker(worker_args: list[str], rate: str, timeout: float, tmp: Path, label: str) -> dict:
+    """One job of bench/cluster_worker.py (with ``worker_args`` and an ``--out`` of its own) on 2 nodes x 2
+    ranks at ``rate``: its result, the load average before and after, and the job's seconds."""
+    out = tmp / f"{label}.json"
+    topology = cluster_net.Topology(2, 2, cluster_net.parse_rate(rate), 0.0, cluster_net.Topology.queue_ms)
+    load_before = os.getloadavg()
+    with cluster_net.Cluster(topology) as c:
+        job = c.run([str(WORKER), "--out", str(out), *worker_args], timeout, tmp / f"logs-{label}")
+    if not job.ok:
+        state = f"timed out after {timeout:.0f} s" if job.timed_out else f"exit codes {job.codes}"
+        raise cluster_net.ClusterError(f"the job {label} failed ({state}):\n{job.tails()}")
+    return {
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "seconds": job.seconds,
+        "result": json.loads(out.read_text()),
+    }
+
+
 def measure_one(rate: str, args, tmp: Path) -> dict:
     """One job at ``rate``: the worker's result, the losses' agreement and the planner's predictions."""
     out = tmp / f"{rate}.json"

@@ -32,34 +32,18 @@ import compare  # noqa: E402
 import torch  # noqa: E402
 
 RESULT = cluster_net.ROOT / "bench" / "results" / "cluster_hsdp.json"
-WORKER = cluster_net.ROOT / "bench" / "cluster_worker.py"
 FLOOR = "no communication"
 FLATSHARD = "flatshard HYBRID_SHARD F=2"
 USER_HSDP = "FSDP2 HSDP (2x2)"  # FSDP2's defaults: what make cluster's strategies set runs
 
 
 def measure(batch_size: int, args, tmp: Path) -> dict:
-    out = tmp / f"hsdp_b{batch_size}.json"
-    worker = [str(WORKER), "--set", "hsdp", "--out", str(out), "--size", args.size, "--steps", str(args.steps)]
+    worker = ["--set", "hsdp", "--size", args.size, "--steps", str(args.steps)]
     worker += ["--warmup", str(args.warmup), "--batch-size", str(batch_size)]
-    topology = cluster_net.Topology(2, 2, cluster_net.parse_rate(args.rate), 0.0, cluster_net.Topology.queue_ms)
-    load_before = os.getloadavg()
-    with cluster_net.Cluster(topology) as c:
-        job = c.run(worker, args.timeout, tmp / f"logs-b{batch_size}")
-    if not job.ok:
-        state = f"timed out after {args.timeout:.0f} s" if job.timed_out else f"exit codes {job.codes}"
-        raise cluster_net.ClusterError(f"the job with {batch_size} sequences failed ({state}):\n{job.tails()}")
-    result = json.loads(out.read_text())
-    comparable = json.loads(json.dumps(result))
+    job = cluster.run_worker(worker, args.rate, args.timeout, tmp, f"hsdp-{batch_size}-sequences")
+    comparable = json.loads(json.dumps(job["result"]))
     comparable["systems"].pop(FLOOR)  # its own per-rank batch: other losses
-    return {
-        "batch_size": batch_size,
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "seconds": job.seconds,
-        "losses_agree": compare.losses_agree(comparable, False),
-        "result": result,
-    }
+    return {"batch_size": batch_size, **job, "losses_agree": compare.losses_agree(comparable, False)}
 
 
 def ratios(run: dict) -> dict[str, dict[str, float]]:

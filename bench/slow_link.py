@@ -35,28 +35,20 @@ FLOOR = "no communication"
 
 
 def measure(rate: str, args, tmp: Path) -> dict:
-    out = tmp / f"{rate}.json"
-    worker = [str(cluster.WORKER), "--set", "link", "--out", str(out), "--size", args.size]
+    worker = ["--set", "link", "--size", args.size]
     worker += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
-    topology = cluster_net.Topology(2, 2, cluster_net.parse_rate(rate), 0.0, cluster_net.Topology.queue_ms)
-    load_before = os.getloadavg()
-    with cluster_net.Cluster(topology) as c:
-        job = c.run(worker, args.timeout, tmp / f"logs-{rate}")
-    if not job.ok:
-        state = f"timed out after {args.timeout:.0f} s" if job.timed_out else f"exit codes {job.codes}"
-        raise cluster_net.ClusterError(f"the measurement at {rate} failed ({state}):\n{job.tails()}")
-    result = json.loads(out.read_text())
+    job = cluster.run_worker(worker, rate, args.timeout, tmp, rate)
     return {
         "rate": rate,
         "command": "python bench/slow_link.py " + " ".join(args.argv),
         "commit": cluster.source_commit(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "seconds": job.seconds,
-        "rows": rows(result),
-        "result": result,
+        "load_average_before": job["load_average_before"],
+        "load_average_after": job["load_average_after"],
+        "seconds": job["seconds"],
+        "rows": rows(job["result"]),
+        "result": job["result"],
     }
 
 
