@@ -247,7 +247,22 @@ def final_equal(run: dict, groups: int, nproc: int) -> dict:
     return out
 
 
-def summarize(faulty: dict, clean: dict[int, dict], args) -> dict:
+def against_band(curve: list[float | None], lo: list[float | None], hi: list[float | None]) -> dict:
+    """How much of a smoothed loss curve lies inside the band [lo, hi], step by step."""
+    checked = [s for s in range(SMOOTH, len(curve)) if None not in (curve[s], lo[s], hi[s])]
+    inside = [s for s in checked if lo[s] <= curve[s] <= hi[s]]
+    excess = max((max(lo[s] - curve[s], curve[s] - hi[s], 0.0) for s in checked), default=0.0)
+    return {"steps_checked": len(checked), "steps_inside": len(inside), "largest_excursion": round(excess, 4)}
+
+
+# [Note: the band's control]
+# The band is the smoothed minimum and maximum of the no-failure runs of --seeds (3 of them by default).
+# A run that differs from those only by its seed is itself outside such a band at many steps: of k
+# runs alike, a (k+1)-th lies inside their range at a given step with probability (k-1)/(k+1), a half
+# for k = 3. So "the loss curve stays within the band" is judged against runs that had no failure:
+# the no-failure runs of --control-seeds, checked against the same band as the faulty run.
+def summarize(faulty: dict, clean: dict[int, dict], args, controls: dict[int, dict] | None = None) -> dict:
+    controls = controls or {}
     groups = args.groups
     fails = failures(faulty, groups)
     steady = {f"g{g}": steady_rate(faulty, g, groups, fails) for g in range(groups)}
@@ -263,16 +278,17 @@ def summarize(faulty: dict, clean: dict[int, dict], args) -> dict:
         lo = [min((c[s] for c in curves if c[s] is not None), default=None) for s in range(args.steps)]
         hi = [max((c[s] for c in curves if c[s] is not None), default=None) for s in range(args.steps)]
         checked = [s for s in range(SMOOTH, args.steps) if None not in (curve[s], lo[s], hi[s])]
-        inside = [s for s in checked if lo[s] <= curve[s] <= hi[s]]
-        excess = max((max(lo[s] - curve[s], curve[s] - hi[s], 0.0) for s in checked), default=0.0)
         band = {
             "seeds": sorted(clean),
-            "steps_checked": len(checked),
-            "steps_inside": len(inside),
-            "largest_excursion": round(excess, 4),
+            **against_band(curve, lo, hi),
             "band_width_median": round(statistics.median(hi[s] - lo[s] for s in checked), 4) if checked else None,
             "final_loss_faulty": round(curve[-1], 4) if curve[-1] is not None else None,
             "final_loss_band": [round(lo[-1], 4), round(hi[-1], 4)] if lo[-1] is not None else None,
+            # [Note: the band's control]
+            "controls": {
+                f"seed{seed}": against_band(smooth(loss_curve(run, args.steps)), lo, hi)
+                for seed, run in sorted(controls.items())
+            },
         }
     clean_rate = {f"seed{seed}": rate(commits(run, 0)) for seed, run in clean.items()}
     ratios = [v for f in fails for v in f["others_rate_ratio"].values() if v is not None]
@@ -302,6 +318,10 @@ def main(argv=None) -> int:
     p.add_argument("--settle", type=int, default=5, help="no kill sooner than N steps after every group is back")
     p.add_argument("--last-kill-margin", type=int, default=40, help="no kill in the last N steps (time to rejoin)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="no-failure runs for the loss band")
+    p.add_argument(
+        "--control-seeds", type=int, nargs="*", default=[3, 4],
+        help="no-failure runs checked against the band as the faulty run is ([Note: the band's control])",
+    )  # fmt: skip
     p.add_argument("--preset", default="small")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument(
@@ -326,19 +346,22 @@ def main(argv=None) -> int:
     log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="replica_faults_"))
     print(f"logs under {log_root}", flush=True)
 
-    def runs(nodes: list[Node]) -> tuple[dict, dict[int, dict]]:
-        clean = {}
+    def runs(nodes: list[Node]) -> tuple[dict, dict[int, dict], dict[int, dict]]:
+        clean, controls = {}, {}
         for seed in args.seeds:
             print(f"no-failure run, seed {seed}", flush=True)
             clean[seed] = run_once(nodes, args, seed, kills=0, log_dir=log_root / f"clean{seed}")
+        for seed in args.control_seeds:
+            print(f"no-failure run, seed {seed} (a control: checked against the band)", flush=True)
+            controls[seed] = run_once(nodes, args, seed, kills=0, log_dir=log_root / f"control{seed}")
         print(f"faulty run, seed {args.seeds[0]}: a rank killed every {args.kill_every} steps", flush=True)
         faulty = run_once(nodes, args, args.seeds[0], kills=args.steps, log_dir=log_root / "faulty")
-        return faulty, clean
+        return faulty, clean, controls
 
     if args.local:
         if args.port == 0:
             args.port = free_port()  # the next G are tried too; a clash shows in the torchrun logs
-        faulty, clean = runs([Node("127.0.0.1") for _ in range(args.groups)])
+        faulty, clean, controls = runs([Node("127.0.0.1") for _ in range(args.groups)])
         where = "localhost"
     else:
         why = unavailable()
@@ -351,13 +374,13 @@ def main(argv=None) -> int:
                 Node(cluster.address(i), ["ip", "netns", "exec", ns], {"GLOO_SOCKET_IFNAME": "fs0"})
                 for i, ns in enumerate(cluster.nodes)
             ]
-            faulty, clean = runs(nodes)
+            faulty, clean, controls = runs(nodes)
         where = f"emulated cluster, {args.rate} between groups"
     result = {
         "where": where,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "load_average": os.getloadavg(),
-        **summarize(faulty, clean, args),
+        **summarize(faulty, clean, args, controls),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
