@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cluster  # noqa: E402  (source_commit)
 import fuzz_config  # noqa: E402
 import fuzz_pool  # noqa: E402
 import fuzz_worker  # noqa: E402
@@ -150,6 +151,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--margins", action="store_true", help="print each configuration's closest approach to its tolerances"
     )
+    parser.add_argument("--json", type=Path, help="also write the end's table to this file (bench/results/fuzz.json)")
     args = parser.parse_args(argv)
     if args.config:
         configs = [json.loads(c) for c in args.config]
@@ -207,6 +209,23 @@ def main(argv=None) -> int:
     for key, (value, index) in sorted(margins.items()):
         print(f"  closest to the {key} tolerance: {value:.2f} of it (index {index})")
     print(f"{'wall time':34s} {wall:6.0f} s")
+    if args.json:
+        summary = {
+            "command": "python bench/fuzz.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "commit": cluster.source_commit(),
+            "configurations": len(configs),
+            "pass": tally["pass"],
+            "refused": tally["refused"],
+            "failed": tally["fail"],
+            "kinds": dict(kinds),
+            "steps_compared_to_fsdp2": bitwise["steps"],
+            "steps_bitwise_equal_to_fsdp2": bitwise["equal"],
+            "steps_held_bitwise": bitwise["held"],
+            "fsdp2_off_the_reference": bitwise["fsdp2 wrong"],
+            "wall_s": round(wall, 1),
+            "failing": failures,
+        }
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
     if failures:
         print("\nfailing configurations, one line each to rerun:")
         print("\n".join(failures))

@@ -307,6 +307,22 @@ def summarize(faulty: dict, clean: dict[int, dict], args, controls: dict[int, di
     }
 
 
+def table(result: dict) -> list[str]:
+    """docs/multi_node.md's table of the kills, from a result file."""
+    lines = [
+        "| kill | group, rank | at step | back at step | steps away | seconds away "
+        "| survivor's steps/min while away | / its steady rate |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i, f in enumerate(result["failures"], 1):
+        ((during, ratio),) = zip(f["others_steps_per_min_during"].values(), f["others_rate_ratio"].values())
+        lines.append(
+            f"| {i} | {f['group']}, {f['rank']} | {f['step']} | {f['back_at_step']} | {f['steps_away']} "
+            f"| {f['seconds_away']:.1f} | {during:.1f} | {ratio:.2f} |"
+        )
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--local", action="store_true", help="run on this machine's loopback (no namespaces, no root)")
@@ -342,7 +358,11 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=0, help="first of G + 1 ports (0: free ones)")
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "replica_faults.json")
+    p.add_argument("--table", action="store_true", help="print the table of --out's kills, run nothing")
     args = p.parse_args(argv)
+    if args.table:
+        print("\n".join(table(json.loads(args.out.read_text()))))
+        return 0
     log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="replica_faults_"))
     print(f"logs under {log_root}", flush=True)
 
