@@ -380,3 +380,27 @@ def test_a_cast_after_fully_shard_is_followed():
     for out in run_distributed(cast_after_worker, 2):
         assert out["dtypes"] == ["torch.float64"], out
         assert out["error"] < 1e-12, out
+
+
+def dtensor_param_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """A parameter that is already a DTensor (tensor parallelism applied first) is refused at the call,
+    naming it, instead of failing at the first copy with DTensor's "got mixed torch.Tensor and DTensor"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import flatshard
+
+    model = _mlp()
+    tp_mesh = init_device_mesh("cpu", (2,))
+    model[0].weight = nn.Parameter(distribute_tensor(model[0].weight.detach(), tp_mesh, [Replicate()]))
+    refused = _raised(lambda: flatshard.fully_shard(model))
+    nested = nn.Sequential(_mlp(), _mlp())  # an inner call's DTensors are its own: no error
+    flatshard.fully_shard(nested[0])
+    return {"refused": refused, "nested": _raised(lambda: flatshard.fully_shard(nested))}
+
+
+def test_dtensor_parameters_are_refused_at_the_call():
+    for out in run_distributed(dtensor_param_worker, 2):
+        assert out["refused"].startswith("NotBuiltError/"), out
+        assert "0.weight" in out["refused"] and "torch.distributed.fsdp.fully_shard" in out["refused"], out
+        assert out["nested"] == "no error", out

@@ -246,6 +246,7 @@ def fully_shard(
     # Tied parameters must be in one group; the root adopts the unit once (runtime/tree.py, units_under).
     target = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     fsdp2_checks.check_not_flattened(target)
+    fsdp2_checks.check_plain_parameters(target, ignored_params)
     if shard_placement_fn is not None:
         fsdp2_checks.check_placements(target, shard_placement_fn, ignored_params)
     mesh, placements = _mesh(mesh, target)

@@ -8,7 +8,7 @@ import weakref
 from typing import Optional
 
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from flatshard.api import NotBuiltError
 from flatshard.runtime.tree import UnitHost, unit_hosts
@@ -34,6 +34,21 @@ def check_placements(module: nn.Module, shard_placement_fn, ignored_params) -> N
             f"fully_shard(shard_placement_fn=...) returned {placement!r} for {name} (shape {tuple(param.shape)}): "
             "flatshard shards every parameter along dim 0; only Shard(0) or None is built. Return Shard(0)"
         )
+
+
+def check_plain_parameters(module: nn.Module, ignored_params) -> None:
+    """A parameter that is already a DTensor (tensor parallelism applied before ``fully_shard``) would need
+    a flat shard of DTensor pieces; refused here, naming it, rather than failing at the first copy. The
+    DTensors of an inner ``fully_shard`` call are that call's, and ignored parameters stay as they are."""
+    ignored = {id(p) for p in ignored_params or ()}
+    inner = {id(p) for h in unit_hosts(module) if h is not module for p in h.parameters()}
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor) and id(param) not in ignored and id(param) not in inner:
+            raise NotBuiltError(
+                f"fully_shard got {name}, already a DTensor ({param.placements} over a {param.device_mesh.ndim}-D "
+                "mesh): flatshard's fully_shard shards plain tensors only; FSDP + tensor parallelism is not built. "
+                "Use torch.distributed.fsdp.fully_shard (PyTorch's FSDP2) for it, or pass plain parameters"
+            )
 
 
 # parameters an earlier fully_shard call flattened: one still registered on a module here was shared
