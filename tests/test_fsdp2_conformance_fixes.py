@@ -6,6 +6,7 @@ gloo ranks runs every case; each rank's answers are checked."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -404,3 +405,41 @@ def test_dtensor_parameters_are_refused_at_the_call():
         assert out["refused"].startswith("NotBuiltError/"), out
         assert "0.weight" in out["refused"] and "torch.distributed.fsdp.fully_shard" in out["refused"], out
         assert out["nested"] == "no error", out
+
+
+def post_acc_hook_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """A parameter's post-accumulate-grad hook runs once per backward with its reduced gradient on
+    ``.grad``, as FSDP2 runs it: an optimizer stepped from the hook (one per parameter) trains as one
+    stepped after backward."""
+    import flatshard
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(_mlp(), _mlp()) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    for model in models:
+        flatshard.fully_shard(model[0])
+        flatshard.fully_shard(model)
+    ref_opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
+    calls: dict[str, int] = {}
+    opts = {p: torch.optim.SGD([p], lr=0.1) for p in models[1].parameters()}
+
+    def hook(name: str, p: nn.Parameter) -> None:
+        calls[name] = calls.get(name, 0) + 1
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for name, p in models[1].named_parameters():
+        p.register_post_accumulate_grad_hook(functools.partial(hook, name))
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        models[0](x).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        models[1](x).sum().backward()
+    diff = max((a - b).abs().max().item() for a, b in zip(models[0].parameters(), models[1].parameters()))
+    return {"calls": sorted(set(calls.values())), "hooked": len(calls), "diff": diff}
+
+
+def test_post_accumulate_grad_hooks_run_on_the_reduced_gradient():
+    for out in run_distributed(post_acc_hook_worker, 2):
+        assert out == {"calls": [2], "hooked": 8, "diff": 0.0}, out

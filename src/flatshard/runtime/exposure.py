@@ -49,12 +49,24 @@ def expose_grads(unit: Unit, reduced: torch.Tensor) -> None:
         for i, view, lo, hi in trainable:
             _set_grad(view, wrap(i, reduced[lo:hi].view(local(view).shape)))
         unit._grad_shard = weakref.ref(reduced)
-        return
-    for i, view, lo, hi in trainable:
-        if view.grad is None:
-            _set_grad(view, wrap(i, reduced[lo:hi].view(local(view).shape).clone()))
-        else:
-            local(view.grad).add_(reduced[lo:hi].view(local(view.grad).shape))
+    else:
+        for i, view, lo, hi in trainable:
+            if view.grad is None:
+                _set_grad(view, wrap(i, reduced[lo:hi].view(local(view).shape).clone()))
+            else:
+                local(view.grad).add_(reduced[lo:hi].view(local(view.grad).shape))
+    if unit.grad_as is not None:
+        _run_post_accumulate_grad_hooks([v for _, v, _, _ in trainable])
+
+
+def _run_post_accumulate_grad_hooks(views: list[torch.Tensor]) -> None:
+    """fully_shard's parameters get their gradient from the reduction, not from autograd, so autograd
+    never runs hooks registered with ``register_post_accumulate_grad_hook`` on them: they run here, once
+    the reduced gradient is on ``.grad``, as FSDP2 runs them (an optimizer stepped per parameter from
+    its hook, the reduction's memory freed as it goes)."""
+    for view in views:
+        for hook in list((getattr(view, "_post_accumulate_grad_hooks", None) or {}).values()):
+            hook(view)
 
 
 def _set_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
