@@ -6,6 +6,7 @@ gloo ranks runs every case; each rank's answers are checked."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import torch
@@ -443,3 +444,35 @@ def post_acc_hook_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the h
 def test_post_accumulate_grad_hooks_run_on_the_reduced_gradient():
     for out in run_distributed(post_acc_hook_worker, 2):
         assert out == {"calls": [2], "hooked": 8, "diff": 0.0}, out
+
+
+@dataclasses.dataclass
+class _Input:
+    x: torch.Tensor
+    note: str = "kept"
+
+
+class _TakesDataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, inp: _Input) -> torch.Tensor:
+        assert inp.note == "kept"
+        return self.lin(inp.x)
+
+
+def dataclass_input_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """Floating tensors inside a dataclass input are cast to param_dtype, as FSDP2 casts them."""
+    import flatshard
+
+    model = _TakesDataclass()
+    flatshard.fully_shard(model, mp_policy=flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    dtypes = []
+    out = _raised(lambda: dtypes.append(str(model(_Input(torch.randn(2, 4))).dtype)))
+    return {"out": out, "dtype": dtypes}
+
+
+def test_dataclass_inputs_are_cast():
+    for out in run_distributed(dataclass_input_worker, 2):
+        assert out == {"out": "no error", "dtype": ["torch.bfloat16"]}, out

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -59,11 +60,15 @@ def resolve(policy: Optional[MixedPrecision], master: torch.dtype) -> UnitPrecis
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """``tree`` with every floating-point tensor cast to ``dtype`` (others untouched)."""
+    """``tree`` with every floating-point tensor cast to ``dtype`` (others untouched), also inside
+    dataclass instances (a copy with the cast fields), as PyTorch FSDP's input casts reach them."""
 
     def cast(x: Any) -> Any:
         if torch.is_tensor(x) and torch.is_floating_point(x) and x.dtype != dtype:
             return x.to(dtype)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            fields = {f.name: cast_floating(getattr(x, f.name), dtype) for f in dataclasses.fields(x) if f.init}
+            return dataclasses.replace(x, **fields)
         return x
 
     return tree_map(cast, tree)
