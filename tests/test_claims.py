@@ -32,6 +32,7 @@ NOT_BUILT = {
     ("fsdp.py", "FullyShardedDataParallel.register_comm_hook"): ["`register_comm_hook`"],
     ("fsdp2.py", "_not_built.method"): ["FSDP2's `set_custom_all_gather` and kin"],
     ("fsdp2.py", "FSDPModule.set_reshard_after_forward"): ["`set_reshard_after_forward` with an int"],
+    ("fsdp2_checks.py", "check_no_all_gather_extension"): ["FSDP2's all-gather extensions"],
     ("fsdp2_checks.py", "check_plain_parameters"): ["parameters that are already DTensors"],
     ("fsdp2_checks.py", "check_placements"): ["`shard_placement_fn` returning other than `Shard(0)` or None"],
     ("fsdp2.py", "fully_shard"): ["`dp_mesh_dims`"],

@@ -319,6 +319,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 _ON_META: weakref.WeakSet = weakref.WeakSet()  # units built on meta, not yet given their parameters back
+_ROOTS_CHECKED: weakref.WeakSet = weakref.WeakSet()  # roots whose first forward looked for all-gather extensions
 
 
 def _adopt_materialized(module: nn.Module, _args) -> None:
@@ -331,6 +332,10 @@ def _adopt_materialized(module: nn.Module, _args) -> None:
         module.post_optim_event = None
     if not _ON_META and not module._unit.is_root:
         return
+    if module._unit.is_root and module not in _ROOTS_CHECKED:  # a local tensor given an extension after the call
+        named = module.named_parameters()
+        fsdp2_checks.check_no_all_gather_extension([(n, p._local_tensor) for n, p in named if isinstance(p, DTensor)])
+        _ROOTS_CHECKED.add(module)
     pending = [u for u in units_under(module) if u in _ON_META or _moved(u)]
     if pending:
         fqns = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}

@@ -42,12 +42,29 @@ def check_plain_parameters(module: nn.Module, ignored_params) -> None:
     DTensors of an inner ``fully_shard`` call are that call's, and ignored parameters stay as they are."""
     ignored = {id(p) for p in ignored_params or ()}
     inner = {id(p) for h in unit_hosts(module) if h is not module for p in h.parameters()}
+    check_no_all_gather_extension(
+        [(n, p) for n, p in module.named_parameters() if id(p) not in ignored and id(p) not in inner]
+    )
     for name, param in module.named_parameters():
         if isinstance(param, DTensor) and id(param) not in ignored and id(param) not in inner:
             raise NotBuiltError(
                 f"fully_shard got {name}, already a DTensor ({param.placements} over a {param.device_mesh.ndim}-D "
                 "mesh): flatshard's fully_shard shards plain tensors only; FSDP + tensor parallelism is not built. "
                 "Use torch.distributed.fsdp.fully_shard (PyTorch's FSDP2) for it, or pass plain parameters"
+            )
+
+
+def check_no_all_gather_extension(named: list) -> None:
+    """FSDP2's all-gather extensions (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on a parameter or
+    its local tensor: float8 and other quantized gathers) are not built: flatshard gathers a unit's flat
+    shard as one buffer and would never call them. ``named``: (name, tensor) pairs."""
+    for name, tensor in named:
+        if hasattr(tensor, "fsdp_pre_all_gather"):
+            raise NotBuiltError(
+                f"{name} defines fsdp_pre_all_gather (FSDP2's all-gather extension): flatshard gathers each unit's "
+                "flat shard as one buffer, in the parameters' dtype or MixedPrecisionPolicy's param_dtype, and "
+                "never calls it. Use torch.distributed.fsdp.fully_shard (PyTorch's FSDP2) for custom all-gathers, "
+                "or MixedPrecisionPolicy(param_dtype=torch.bfloat16) for a bf16 gather"
             )
 
 
