@@ -21,6 +21,7 @@ def flat(path: str) -> str:
 
 def figures() -> dict[str, str]:
     band, fails = RESULT["loss_band"], RESULT["failures"]
+    seed3, seed4 = band["controls"]["seed3"], band["controls"]["seed4"]
     ratios = [r for f in fails for r in f["others_rate_ratio"].values()]
     away = [f["steps_away"] for f in fails]
     return {
@@ -28,8 +29,8 @@ def figures() -> dict[str, str]:
         "away": f"{min(away)}–{max(away)} steps",
         "inside": f"{band['steps_inside']} of {band['steps_checked']} steps",
         "excursion": f"{band['largest_excursion']:.3f}",
-        "seed3": f"{band['controls']['seed3']['steps_inside']} of {band['controls']['seed3']['steps_checked']} steps",
-        "seed4": f"{band['controls']['seed4']['steps_inside']} and up to {band['controls']['seed4']['largest_excursion']:.3f}",
+        "seed3": f"{seed3['steps_inside']} of {seed3['steps_checked']} steps",
+        "seed4": f"{seed4['steps_inside']} and up to {seed4['largest_excursion']:.3f}",
     }
 
 
