@@ -161,6 +161,7 @@ def main(argv=None) -> int:
     pools = fuzz_pool.Pools()
     tally, kinds, bitwise = collections.Counter(), collections.Counter(), collections.Counter()
     failures: list[str] = []
+    fsdp2_off: list[int] = []  # indices of configurations where PyTorch FSDP2 itself is off the reference
     margins: dict = collections.defaultdict(lambda: (0.0, -1))  # tolerance -> (largest diff / bound, index)
     start = time.perf_counter()
     try:
@@ -175,6 +176,8 @@ def main(argv=None) -> int:
             bitwise["equal"] += bw.get("equal", 0)
             bitwise["held"] += bw.get("held", 0)
             bitwise["fsdp2 wrong"] += bool(verdict.get("fsdp2_wrong"))
+            if verdict.get("fsdp2_wrong"):
+                fsdp2_off.append(cfg.get("index", -1))
             for key, value in verdict.get("margins", {}).items():
                 margins[key] = max(margins[key], (value, cfg.get("index", -1)))
             status = verdict["status"].upper()
@@ -222,6 +225,7 @@ def main(argv=None) -> int:
             "steps_bitwise_equal_to_fsdp2": bitwise["equal"],
             "steps_held_bitwise": bitwise["held"],
             "fsdp2_off_the_reference": bitwise["fsdp2 wrong"],
+            "fsdp2_off_the_reference_indices": fsdp2_off,
             "wall_s": round(wall, 1),
             "failing": failures,
         }
