@@ -43,3 +43,27 @@ def test_pinned_configurations_match_the_reference_every_step():
     log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/fuzz.py")
     assert f"{'configurations':34s} {len(INDICES):6d}" in log, log[-3000:]
     assert f"{'pass':34s} {len(INDICES):6d}" in log, log[-3000:]
+
+
+def test_readme_figures_are_the_committed_fuzz_run():
+    """README's paragraph on the fuzzer says what bench/results/fuzz.json (make fuzz N=200) holds."""
+    import json
+    import re
+
+    run = json.loads((ROOT / "bench" / "results" / "fuzz.json").read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert run["failed"] == 0 and not run["failing"], run["failing"]
+    assert "+" not in run["commit"], "the committed run must come from a clean tree"
+    n, seed = (int(v) for v in re.search(r"-n (\d+) --seed (\d+)", run["command"]).groups())
+    assert n == run["configurations"] == run["pass"] + run["refused"] + run["failed"]
+    assert f"`make fuzz N={n}`" in readme
+    assert (
+        f"{run['pass']} of {run['configurations']} configurations pass, {run['failed']} fail, {run['refused']} refused"
+        in readme
+    )
+    assert f"{run['steps_bitwise_equal_to_fsdp2']} of the {run['steps_compared_to_fsdp2']} steps" in readme
+    off = run["fsdp2_off_the_reference_indices"]
+    assert len(off) == run["fsdp2_off_the_reference"]
+    assert f"in {len(off)} configurations PyTorch's FSDP2 itself is off the reference" in readme
+    # "each of them after an exception the loop caught": every such draw holds a caught exception.
+    assert all(any(e["kind"] == "raise" for e in fuzz_config.draw(seed, i)["events"]) for i in off), off
