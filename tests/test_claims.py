@@ -34,7 +34,7 @@ NOT_BUILT = {
     ("fsdp2.py", "FSDPModule.set_reshard_after_forward"): ["`set_reshard_after_forward` with an int"],
     ("fsdp2_checks.py", "check_no_all_gather_extension"): ["FSDP2's all-gather extensions"],
     ("fsdp2_checks.py", "check_plain_parameters"): ["parameters that are already DTensors"],
-    ("fsdp2_checks.py", "check_placements"): ["`shard_placement_fn` returning other than `Shard(0)` or None"],
+    ("fsdp2_checks.py", "shard_dims"): ["`shard_placement_fn` returning a `ShardPlacementResult`"],
     ("fsdp2.py", "fully_shard"): ["`dp_mesh_dims`"],
     ("interop.py", "_mixed_precision"): ["`MixedPrecision(_module_classes_to_ignore=...)`"],
     ("runtime/build.py", "become_root"): ["units under one root with different process groups"],

@@ -107,8 +107,7 @@ def test_fully_shard_meets_fsdp2_where_its_tests_found_differences():
         assert out["3-D mesh"].startswith("ValueError/"), out
         assert "fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh" in out["3-D mesh"], out
         assert out["Shard(0)"] == [True] * 4, out
-        assert out["Shard(1)"].startswith("NotBuiltError/"), out
-        assert "returned Shard(dim=1) for 0.weight" in out["Shard(1)"], out
+        assert out["Shard(1)"] == "no error", out  # tests/test_shard_dims.py trains it
         assert out["0-D"].startswith("ValueError/"), out
         assert "Change scale to a 1D tensor with numel equal to 1." in out["0-D"], out
 

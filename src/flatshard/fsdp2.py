@@ -247,8 +247,7 @@ def fully_shard(
     target = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     fsdp2_checks.check_not_flattened(target)
     fsdp2_checks.check_plain_parameters(target, ignored_params)
-    if shard_placement_fn is not None:
-        fsdp2_checks.check_placements(target, shard_placement_fn, ignored_params)
+    dims = fsdp2_checks.shard_dims(target, shard_placement_fn, ignored_params) if shard_placement_fn else None
     mesh, placements = _mesh(mesh, target)
     shard_size = mesh.size(mesh.ndim - 1)
     reshard, post_forward_size = _reshard_after_forward(reshard_after_forward, shard_size)
@@ -263,6 +262,7 @@ def fully_shard(
         offload_params=_offload(offload_policy) and mesh.device_type != "cpu",
         shard_boundaries="chunks",
         keep_meta=True,  # [Note: meta parameters left to the user] (runtime/deferred.py)
+        shard_dims=dims,  # [Note: sharded along another dim] (runtime/chunked.py)
     )
     built = build.build_units(target, options, _no_nested)
     unit = built.root
@@ -458,10 +458,12 @@ def _as_dtensors(unit: Unit, mesh, placements) -> None:
     gradients become DTensor gradients alike."""
     infos = unit.layout.infos
 
+    per_param = [(*placements[:-1], Shard(d)) for d in unit.layout.dims]  # [Note: sharded along another dim]
+
     def dtensor(i: int, local: torch.Tensor) -> DTensor:
         shape = infos[i].shape
         return DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
+            local, mesh, per_param[i], run_check=False, shape=shape, stride=_contiguous_stride(shape)
         )
 
     unit.shard_views = [

@@ -19,21 +19,36 @@ class FullyShardUsageError(ValueError, AssertionError):
     AssertionError too, so code written against FSDP2 catches it as it would FSDP2's."""
 
 
-def check_placements(module: nn.Module, shard_placement_fn, ignored_params) -> None:
-    """``shard_placement_fn`` may choose FSDP2's default for every parameter (``Shard(0)``, or None); a
-    parameter sharded along another dim needs a layout flatshard's flat shard does not have."""
+def shard_dims(module: nn.Module, shard_placement_fn, ignored_params) -> dict[int, int]:
+    """The dim ``shard_placement_fn`` shards each of this call's parameters along, by ``id`` (FSDP2's
+    keyword: None is ``Shard(0)``, a negative dim counts from the end; [Note: sharded along another dim],
+    runtime/chunked.py). A dim the parameter does not have is refused in FSDP2's words; so is a placement
+    on another mesh (``ShardPlacementResult``), which flatshard's one flat shard per unit cannot hold."""
     ignored = set(ignored_params or ())
     inner = {id(p) for h in unit_hosts(module) if h is not module for p in h.parameters()}
+    dims: dict[int, int] = {}
     for name, param in module.named_parameters():
-        if param in ignored or id(param) in inner:
+        if param in ignored or id(param) in inner or id(param) in dims:
             continue
         placement = shard_placement_fn(param)
-        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -param.ndim)):
+        if placement is None:
             continue
-        raise NotBuiltError(
-            f"fully_shard(shard_placement_fn=...) returned {placement!r} for {name} (shape {tuple(param.shape)}): "
-            "flatshard shards every parameter along dim 0; only Shard(0) or None is built. Return Shard(0)"
-        )
+        if type(placement).__name__ == "ShardPlacementResult":  # FSDP2's placement with a mesh of its own
+            raise NotBuiltError(
+                f"fully_shard(shard_placement_fn=...) returned {placement!r} for {name}: flatshard builds "
+                "Shard(dim) placements on the call's mesh only (one flat shard per unit); return Shard(dim) "
+                "or None, or shard such parameters in a fully_shard call of their own"
+            )
+        if not isinstance(placement, Shard):
+            raise ValueError(f"Invalid shard_placement_fn result: {placement!r} for {name}; return Shard(dim) or None")
+        dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+        if not 0 <= dim < param.ndim:
+            raise FullyShardUsageError(
+                f"Shard dim {placement.dim} is invalid for {param.ndim}D tensor: {name} has shape "
+                f"{tuple(param.shape)}; return Shard(d) with -{param.ndim} <= d < {param.ndim} from shard_placement_fn"
+            )
+        dims[id(param)] = dim
+    return dims
 
 
 def check_plain_parameters(module: nn.Module, ignored_params) -> None:

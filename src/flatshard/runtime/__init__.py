@@ -37,6 +37,7 @@ Index of every [Note: ...] in the package
   flatshard tensors ............... runtime/layout.py
   shard boundaries ................ runtime/layout.py
   chunked layout .................. runtime/chunked.py
+  sharded along another dim ....... runtime/chunked.py
   reshard after forward to a smaller group .. runtime/post_forward.py
   precision of a unit's tensors ... runtime/precision.py
   reductions in flight ............ runtime/schedule.py

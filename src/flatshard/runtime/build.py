@@ -61,6 +61,7 @@ class BuildOptions:
     link_figures: Any = None  # sharding_factor="auto" by time: a flatshard.planner.Links (autoshard.py)
     shard_optimizer_across_replicas: bool = False  # [Note: optimizer state across replicas] (pieces.py)
     keep_meta: bool = False  # fully_shard: [Note: meta parameters left to the user] (deferred.py)
+    shard_dims: Optional[dict] = None  # "chunks": id(param) -> the dim it is cut along (default 0; chunked.py)
 
 
 @dataclass
@@ -161,7 +162,8 @@ def build_unit(
     device = originals[0].device if originals else torch.device("cpu")
     pieces = None
     if options.shard_boundaries == "chunks":  # fully_shard: FSDP2's dim-0 chunks ([Note: chunked layout])
-        layout = ChunkedLayout(infos, groups.shard_size)
+        dims = options.shard_dims or {}
+        layout = ChunkedLayout(infos, groups.shard_size, [dims.get(id(p), 0) for _, p in params])
     elif owners is not None:  # [Note: optimizer state across replicas] (pieces.py)
         layout = FlatLayout(infos, groups.shard_size, "flat", replicas=groups.replicate_size)
         owner = FlatLayout(layout.infos, groups.shard_size * groups.replicate_size, "flat")

@@ -11,6 +11,17 @@ are zero-copy splits and backward makes one flat gradient, as for ``FlatLayout``
 copies per unit and step, as in FSDP2: after each all-gather the rank-major buffer (F·S, rank after
 rank) is copied into the unsharded flat (``from_rank_major``), and before each reduce-scatter the flat
 gradient into a rank-major buffer (``to_rank_major``). 0-D parameters have no dim 0: refused, as FSDP2 does.
+
+[Note: sharded along another dim]
+``shard_placement_fn`` may shard a parameter along dim d > 0 (``Shard(d)``, FSDP2's keyword: a row-wise
+optimizer, or a dim that divides evenly). Its "rows" are then the slices along d: rank k holds
+``torch.chunk(p, F, dim=d)[k]``, stored contiguously in its flat shard in that chunk's own shape (padded
+to c slices), so the DTensor's local tensor is a plain view, as for dim 0. The copies between the
+param-major flat and the rank-major buffers already exist for every parameter; for such a parameter
+they move the F chunks along d (one strided copy when d divides evenly). The one thing that changes is
+that a rank's piece is no longer a contiguous run of the parameter's flattening, so ``param_ranges``
+(used by the FSDP1 wrapper's state dicts, which never hold this layout) refuses such a parameter.
+Unlike FSDP2, which refuses it, an uneven split along d > 0 is accepted: the copies are the same.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ class ChunkedLayout:
     boundaries = "chunks"
     rank_major = True
 
-    def __init__(self, infos: list[ParamInfo], shard_size: int):
+    def __init__(self, infos: list[ParamInfo], shard_size: int, dims: Optional[list[int]] = None):
         scalars = [i.name for i in infos if len(i.shape) == 0]
         if scalars:  # refused as FSDP2 refuses them, in FSDP2's words
             changes = " ".join(f"Change {name} to a 1D tensor with numel equal to 1." for name in scalars)
@@ -42,8 +53,11 @@ class ChunkedLayout:
         self.total = sum(i.numel for i in infos)  # T
         self.padded = self.total  # the unsharded flat: the parameters, param-major, no padding
         self.split_sizes = [i.numel for i in infos] + [0]
-        self.rows = [i.shape[0] for i in infos]
-        self.row_numel = [math.prod(i.shape[1:]) for i in infos]
+        # the dim each parameter is cut along ([Note: sharded along another dim]); its "rows" are slices along it
+        self.dims = list(dims) if dims is not None else [0] * len(infos)
+        self._index = {id(info): i for i, info in enumerate(infos)}
+        self.rows = [i.shape[d] for i, d in zip(infos, self.dims)]
+        self.row_numel = [math.prod(i.shape[:d]) * math.prod(i.shape[d + 1 :]) for i, d in zip(infos, self.dims)]
         self.chunk_rows = [math.ceil(d0 / shard_size) for d0 in self.rows]
         self.seg_offsets, offset = [], 0  # where each parameter's chunk starts in a flat shard
         for c, r in zip(self.chunk_rows, self.row_numel):
@@ -67,7 +81,8 @@ class ChunkedLayout:
 
     @property
     def signature(self) -> str:
-        return f"chunks F={self.shard_size} S={self.seg_numel}"
+        dims = "" if not any(self.dims) else " dims=" + ",".join(map(str, self.dims))
+        return f"chunks F={self.shard_size} S={self.seg_numel}{dims}"
 
     def _rows_of(self, i: int, rank: int) -> int:
         return max(0, min(self.chunk_rows[i], self.rows[i] - rank * self.chunk_rows[i]))
@@ -85,14 +100,35 @@ class ChunkedLayout:
         """For each parameter, the [start, end) of its flattened elements that rank ``rank`` holds."""
         out = []
         for i in range(len(self.infos)):
+            if self.dims[i]:
+                raise ValueError(
+                    f"{self.infos[i].name} is sharded along dim {self.dims[i]}: its piece is not a run of its "
+                    "flattened elements. Read fully_shard parameters as DTensors (state_dict(), full_tensor())"
+                )
             n = self._rows_of(i, rank) * self.row_numel[i]
             start = rank * self.chunk_rows[i] * self.row_numel[i]
             out.append((start, start + n) if n else (0, 0))
         return out
 
     def local_shape(self, info: ParamInfo, lo: int, hi: int) -> tuple[int, ...]:
-        row = math.prod(info.shape[1:])
-        return ((hi - lo) // row if row else 0, *info.shape[1:])
+        i = self._index[id(info)]
+        row = self.row_numel[i]
+        return self._chunk_shape(i, (hi - lo) // row if row else 0)
+
+    def _chunk_shape(self, i: int, rows: int) -> tuple[int, ...]:
+        shape = list(self.infos[i].shape)
+        shape[self.dims[i]] = rows
+        return tuple(shape)
+
+    def _chunks(self, param: torch.Tensor, i: int, rank: int, n_rows: int) -> torch.Tensor:
+        """Rank ``rank``'s chunk (``n_rows`` slices along the parameter's dim) of the param-major ``param``."""
+        d = self.dims[i]
+        return param.view(self.infos[i].shape).narrow(d, rank * self.chunk_rows[i], n_rows)
+
+    def _even_chunks(self, param: torch.Tensor, i: int) -> torch.Tensor:
+        """All F chunks of an evenly split parameter along its dim, as an (F, *chunk shape) strided view."""
+        d, c = self.dims[i], self.chunk_rows[i]
+        return param.view(self.infos[i].shape).unflatten(d, (self.shard_size, c)).movedim(d, 0)
 
     # ---- moving between the param-major flat and rank-major shards -------------------------------------
     def flatten(self, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -105,9 +141,11 @@ class ChunkedLayout:
     def segment(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s flat shard (S elements, padding zero) cut from the param-major ``full``."""
         out = torch.zeros(self.seg_numel, dtype=full.dtype, device=full.device)
-        for info, (a, b), (lo, hi) in zip(self.infos, self.param_ranges(rank), self.local_slices(rank)):
+        for i, (info, (lo, hi)) in enumerate(zip(self.infos, self.local_slices(rank))):
             if hi > lo:
-                out[lo:hi].copy_(full[info.offset + a : info.offset + b])
+                param = full[info.offset : info.offset + info.numel]
+                n_rows = (hi - lo) // self.row_numel[i]
+                out[lo:hi].view(self._chunk_shape(i, n_rows)).copy_(self._chunks(param, i, rank, n_rows))
         return out
 
     def to_rank_major(self, full: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -115,30 +153,28 @@ class ChunkedLayout:
         ``dtype`` (the reduce dtype: the copy casts, so no cast of its own follows)."""
         out = torch.zeros(self.shard_size, self.seg_numel, dtype=dtype or full.dtype, device=full.device)
         for i, info in enumerate(self.infos):
-            c, r = self.chunk_rows[i] * self.row_numel[i], self.row_numel[i]
-            param = full[info.offset : info.offset + info.numel]
-            padded_rows = self.chunk_rows[i] * self.shard_size
-            block = out[:, self.seg_offsets[i] : self.seg_offsets[i] + c]
-            if padded_rows == self.rows[i]:  # even: one strided copy
-                block.copy_(param.view(self.shard_size, c))
-            else:
-                for rank in range(self.shard_size):
-                    n = self._rows_of(i, rank) * r
-                    if n:
-                        block[rank, :n].copy_(param[rank * c : rank * c + n])
+            self._move(out, full[info.offset : info.offset + info.numel], i, to_rank_major=True)
         return out.view(-1)
 
     def from_rank_major(self, staging: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the F·S gathered ``staging`` (rank after rank) into the param-major ``out``."""
         rows = staging.view(self.shard_size, self.seg_numel)
         for i, info in enumerate(self.infos):
-            c, r = self.chunk_rows[i] * self.row_numel[i], self.row_numel[i]
-            param = out[info.offset : info.offset + info.numel]
-            block = rows[:, self.seg_offsets[i] : self.seg_offsets[i] + c]
-            if self.chunk_rows[i] * self.shard_size == self.rows[i]:
-                param.view(self.shard_size, c).copy_(block)
-            else:
-                for rank in range(self.shard_size):
-                    n = self._rows_of(i, rank) * r
-                    if n:
-                        param[rank * c : rank * c + n].copy_(block[rank, :n])
+            self._move(rows, out[info.offset : info.offset + info.numel], i, to_rank_major=False)
+
+    def _move(self, rank_major: torch.Tensor, param: torch.Tensor, i: int, *, to_rank_major: bool) -> None:
+        """Copy parameter ``i`` between its param-major run ``param`` and its F chunks in the (F, S)
+        ``rank_major``, either way: one strided copy when its dim splits evenly, else a copy per rank."""
+        c, r, d = self.chunk_rows[i] * self.row_numel[i], self.row_numel[i], self.dims[i]
+        block = rank_major[:, self.seg_offsets[i] : self.seg_offsets[i] + c]
+        if self.chunk_rows[i] * self.shard_size == self.rows[i]:  # even
+            chunks = self._even_chunks(param, i) if d else param.view(self.shard_size, c)
+            block = block.view(chunks.shape)
+            (block.copy_(chunks) if to_rank_major else chunks.copy_(block))
+            return
+        for rank in range(self.shard_size):
+            n_rows = self._rows_of(i, rank)
+            if n_rows:
+                piece = block[rank, : n_rows * r].view(self._chunk_shape(i, n_rows))
+                chunk = self._chunks(param, i, rank, n_rows)
+                (piece.copy_(chunk) if to_rank_major else chunk.copy_(piece))

@@ -241,8 +241,13 @@ def adopt_materialized(unit, fqns: dict[int, str]) -> None:
         unit._grad_shard = None
     flat = torch.zeros(unit.flat_shard.numel(), dtype=dtype, device=device)
     views = []
-    for info, param, (lo, hi) in zip(layout.infos, current, layout.local_slices(rank)):
-        local = param._local_tensor if isinstance(param, DTensor) else torch.chunk(param, layout.shard_size)[rank]
+    dims = getattr(layout, "dims", [0] * len(layout.infos))  # [Note: sharded along another dim] (chunked.py)
+    for info, param, dim, (lo, hi) in zip(layout.infos, current, dims, layout.local_slices(rank)):
+        if isinstance(param, DTensor):
+            local = param._local_tensor
+        else:
+            chunks = torch.chunk(param, layout.shard_size, dim=dim)
+            local = chunks[rank] if rank < len(chunks) else param.narrow(dim, 0, 0)
         slot = flat[lo:hi].view(layout.local_shape(info, lo, hi))
         slot.copy_(local.detach().reshape(slot.shape))
         if isinstance(param, DTensor) and isinstance(param, nn.Parameter):
