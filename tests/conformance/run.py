@@ -146,6 +146,9 @@ def _pytest(variant_dir: Path, args: list[str], env: dict, timeout: float) -> su
 def collect(variant_dir: Path, files: list[str]) -> list[str]:
     res = _pytest(variant_dir, ["--collect-only", *files], dict(os.environ), 600)
     ids = [line.strip() for line in res.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    if res.returncode not in (0, 5):  # a file that cannot be imported would otherwise count as no tests
+        tail = "\n".join((res.stdout + res.stderr).splitlines()[-12:])
+        raise SystemExit(f"collecting {files} in {variant_dir} failed (make conformance installs expecttest):\n{tail}")
     return ids
 
 
