@@ -127,6 +127,8 @@ def wrap_fully_shard(model: Root, cfg: dict, world: int, torch_fsdp2: bool) -> n
     kw = {"mp_policy": _mixed(cfg, "torch" if torch_fsdp2 else "flatshard")} if cfg.get("mp") else {}
     if cfg["mesh"] != "default":
         kw["mesh"] = mesh((world,) if cfg["mesh"] == "1d" else (world // cfg["F"], cfg["F"]))
+    if cfg.get("placement", "dim0") != "dim0":
+        kw["shard_placement_fn"] = functools.partial(_placement, cfg["placement"])
     for module, after in units:
         target = module
         if act == "apply_before":  # the checkpoint wrapper is the block's parent now: shard the wrapper
@@ -139,6 +141,15 @@ def wrap_fully_shard(model: Root, cfg: dict, world: int, torch_fsdp2: bool) -> n
             a.set_modules_to_forward_prefetch([b])
             b.set_modules_to_backward_prefetch([a])
     return model
+
+
+def _placement(kind: str, param: nn.Parameter):
+    """shard_placement_fn: the last dim, or the largest (the first of equals), of every parameter."""
+    from torch.distributed.tensor import Shard
+
+    if kind == "last":
+        return Shard(param.ndim - 1)
+    return Shard(max(range(param.ndim), key=lambda d: (param.shape[d], -d)))
 
 
 def _wrapper_of(root: nn.Module, module: nn.Module):
@@ -168,7 +179,12 @@ def build_models(cfg: dict, world: int, phase: str = "A"):
     if cfg.get("fsdp2"):
         theirs = make_model(spec, seed)
         modules["theirs"] = dict(theirs.named_modules())
-        theirs = wrap_fully_shard(theirs, cfg, world, torch_fsdp2=True)
+        try:
+            theirs = wrap_fully_shard(theirs, cfg, world, torch_fsdp2=True)
+        except NotImplementedError as exc:  # FSDP2 refuses Shard(d > 0) that does not split evenly
+            if "uneven sharding" not in str(exc):
+                raise
+            theirs = None
     return ref, wrapped, theirs, modules
 
 

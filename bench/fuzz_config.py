@@ -65,6 +65,10 @@ def _fully_shard(rng: random.Random, world: int, cfg: dict) -> None:
     cfg["act_ckpt"] = rng.choice([None, None, "apply_before", "inside"])
     cfg["explicit_prefetch"] = rng.random() < 0.25
     cfg["fsdp2"] = True
+    # shard_placement_fn ([Note: sharded along another dim]): drawn from a generator of its own, so the
+    # draws above (and every configuration drawn before it was added) stay as they were
+    own = random.Random(f"flatshard-fuzz/{cfg['seed']}/{cfg['index']}/placement")
+    cfg["placement"] = own.choice(["dim0", "dim0", "last", "largest"])
 
 
 def _events(rng: random.Random, cfg: dict) -> list[dict]:
@@ -152,6 +156,8 @@ def summary(cfg: dict) -> str:
         parts += ["opt_across"] if cfg.get("opt_across") else []
     else:
         parts += [f"mesh={cfg['mesh']}", f"F={cfg['F']}", f"raf={cfg['reshard_after_forward']}"]
+        if cfg.get("placement", "dim0") != "dim0":
+            parts.append(f"shard={cfg['placement']}")
     units = cfg["wrap_classes"] if cfg.get("wrap") == "classes" else cfg["units"]
     parts.append("blocks=" + ",".join(b["kind"] for b in cfg["model"]["blocks"]) + f" units={units}")
     if cfg.get("mp"):

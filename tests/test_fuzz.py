@@ -2,8 +2,9 @@
 trains beside the single-process reference on the global batch (and PyTorch's FSDP2 for ``fully_shard``)
 and must match it every step. The configurations are pinned by (master seed, index); the first test
 checks that they still cover what they were chosen for (both front ends, W = 3, a hybrid strategy, an
-exception caught by the loop in forward and in backward, gradient accumulation, and
-shard_optimizer_across_replicas with a fused optimizer and an edit of the parameters), so a change to
+exception caught by the loop in forward and in backward, gradient accumulation,
+shard_optimizer_across_replicas with a fused optimizer and an edit of the parameters, and fully_shard
+with shard_placement_fn sharding along another dim than 0), so a change to
 the generator that moves them fails here rather than silently testing less.
 
 Before the fixes of cb6a166 (a step that raised) and 6f3a1d0 (the optimizer across replicas with fused
@@ -36,6 +37,7 @@ def test_the_pinned_configurations_cover_what_they_were_chosen_for():
     assert any(c["accum"] > 1 for c in configs)
     edited = [c for c in configs if any(e["kind"] == "edit" for e in c["events"])]
     assert any(c.get("opt_across") and c["optim"]["impl"] == "fused" for c in edited)
+    assert any(c.get("placement", "dim0") != "dim0" for c in configs)  # shard_placement_fn beyond dim 0
 
 
 def test_pinned_configurations_match_the_reference_every_step():
