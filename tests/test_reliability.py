@@ -163,7 +163,10 @@ def test_a_unit_skipped_later_times_out_with_a_message_naming_it():
         assert message.startswith(f"RuntimeError: flatshard: rank {rank}: the "), message
         assert "unit 'a'" in message or "unit 'b'" in message, message
         assert "forward" in message and ("all_gather" in message or "reduce_scatter" in message), message
-        assert "timed out" in message.lower(), message
+        # gloo closes a pair whose receive timed out, so the rank that waited less (it reached the
+        # collective later, as on a loaded machine) may see its peer close the connection first
+        assert "timed out" in message.lower() or "connection closed by peer" in message.lower(), message
+    assert any("timed out" in m.lower() for m in messages), messages
 
 
 # ---- 3. groups flatshard creates inherit the timeout ---------------------------------------------

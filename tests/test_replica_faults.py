@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import replica_faults  # noqa: E402
 
 ARGS = dict(
-    groups=2, nproc=2, steps=20, kill_every=5, settle=0, last_kill_margin=0, preset="tiny", batch=4, lr=1e-2,
-    front="fsdp", step_sleep=0.15, max_restarts=2, collective_timeout=15.0, timeout=240.0,
+    groups=2, nproc=2, steps=40, kill_every=5, settle=0, last_kill_margin=0, preset="tiny", batch=4, lr=1e-2,
+    front="fsdp", step_sleep=0.3, max_restarts=2, collective_timeout=15.0, timeout=240.0,
 )  # fmt: skip
 
 
