@@ -384,26 +384,38 @@ def test_a_cast_after_fully_shard_is_followed():
 
 
 def dtensor_param_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
-    """A parameter that is already a DTensor (tensor parallelism applied first) is refused at the call,
-    naming it, instead of failing at the first copy with DTensor's "got mixed torch.Tensor and DTensor"."""
+    """A parameter that is already a DTensor of a mesh that fully_shard's tensor-parallel support does not
+    cover (a 2-D one) is refused at the call, naming it, instead of failing at the first copy with
+    DTensor's "got mixed torch.Tensor and DTensor"; one on the mesh fully_shard is to shard over is a
+    ValueError that says which mesh goes where (tests/test_tensor_parallel.py trains FSDP over TP)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     import flatshard
 
     model = _mlp()
-    tp_mesh = init_device_mesh("cpu", (2,))
-    model[0].weight = nn.Parameter(distribute_tensor(model[0].weight.detach(), tp_mesh, [Replicate()]))
+    mesh_2d = init_device_mesh("cpu", (1, 2))
+    model[0].weight = nn.Parameter(distribute_tensor(model[0].weight.detach(), mesh_2d, [Replicate(), Replicate()]))
     refused = _raised(lambda: flatshard.fully_shard(model))
+    same = _mlp()
+    mesh = init_device_mesh("cpu", (2,))
+    same[0].weight = nn.Parameter(distribute_tensor(same[0].weight.detach(), mesh, [Replicate()]))
     nested = nn.Sequential(_mlp(), _mlp())  # an inner call's DTensors are its own: no error
     flatshard.fully_shard(nested[0])
-    return {"refused": refused, "nested": _raised(lambda: flatshard.fully_shard(nested))}
+    return {
+        "refused": refused,
+        "same mesh": _raised(lambda: flatshard.fully_shard(same, mesh=mesh)),
+        "nested": _raised(lambda: flatshard.fully_shard(nested)),
+    }
 
 
 def test_dtensor_parameters_are_refused_at_the_call():
     for out in run_distributed(dtensor_param_worker, 2):
         assert out["refused"].startswith("NotBuiltError/"), out
         assert "0.weight" in out["refused"] and "torch.distributed.fsdp.fully_shard" in out["refused"], out
+        assert "over a 2-D mesh" in out["refused"], out
+        assert out["same mesh"].startswith("ValueError/"), out
+        assert "pass the data-parallel mesh" in out["same mesh"], out
         assert out["nested"] == "no error", out
 
 

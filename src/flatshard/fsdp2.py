@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from flatshard import fsdp2_checks, interop
+from flatshard import fsdp2_checks, fsdp2_tp, interop
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.runtime import build, deferred, hooks, precision, recording
 from flatshard.runtime.layout import set_views_on_modules
@@ -246,9 +246,12 @@ def fully_shard(
     # Tied parameters must be in one group; the root adopts the unit once (runtime/tree.py, units_under).
     target = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     fsdp2_checks.check_not_flattened(target)
-    fsdp2_checks.check_plain_parameters(target, ignored_params)
-    dims = fsdp2_checks.shard_dims(target, shard_placement_fn, ignored_params) if shard_placement_fn else None
+    fsdp2_checks.check_extensions(target, ignored_params)
     mesh, placements = _mesh(mesh, target)
+    tp_specs = fsdp2_tp.tensor_parallel_params(target, ignored_params, mesh)
+    dims = fsdp2_checks.shard_dims(target, shard_placement_fn, ignored_params) if shard_placement_fn else None
+    # [Note: FSDP over tensor-parallel parameters] (fsdp2_tp.py): the unit is built on their local tensors
+    tp_uses, dims = fsdp2_tp.localize(target, tp_specs, dims)
     shard_size = mesh.size(mesh.ndim - 1)
     reshard, post_forward_size = _reshard_after_forward(reshard_after_forward, shard_size)
     mp, output_dtype = _precision(mp_policy)
@@ -270,7 +273,7 @@ def fully_shard(
     unit.unsynced_in_reduce_dtype = True  # FSDP2 accumulates unsynced gradients in the reduce dtype
     if post_forward_size:
         unit.post_forward = _post_forward_group(mesh, post_forward_size, unit.layout.padded)
-    _as_dtensors(unit, mesh, placements)
+    _as_dtensors(unit, mesh, placements, tp_uses)
     if unit.flat_shard.is_meta:
         _ON_META.add(unit)
     for m in modules:
@@ -453,18 +456,28 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _as_dtensors(unit: Unit, mesh, placements) -> None:
+def _as_dtensors(unit: Unit, mesh, placements, tp_uses: dict) -> None:
     """The unit's shard views become DTensor parameters over the same storage (no copy); its reduced
-    gradients become DTensor gradients alike."""
+    gradients become DTensor gradients alike. Tensor-parallel parameters ([Note: FSDP over
+    tensor-parallel parameters], fsdp2_tp.py) are placed over both meshes, and their compute views are
+    made DTensors of the TP mesh again."""
     infos = unit.layout.infos
+    specs = [fsdp2_tp.spec_of(info, tp_uses) for info in infos]
 
-    per_param = [(*placements[:-1], Shard(d)) for d in unit.layout.dims]  # [Note: sharded along another dim]
+    def placed(i: int) -> tuple:
+        dim = unit.layout.dims[i]  # [Note: sharded along another dim]
+        if specs[i] is None:
+            return mesh, (*placements[:-1], Shard(dim)), infos[i].shape
+        return fsdp2_tp.sharded_placement(specs[i], dim, mesh)
+
+    per_param = [placed(i) for i in range(len(infos))]
 
     def dtensor(i: int, local: torch.Tensor) -> DTensor:
-        shape = infos[i].shape
-        return DTensor.from_local(
-            local, mesh, per_param[i], run_check=False, shape=shape, stride=_contiguous_stride(shape)
-        )
+        on, where, shape = per_param[i]
+        return DTensor.from_local(local, on, where, run_check=False, shape=shape, stride=_contiguous_stride(shape))
+
+    if any(specs):
+        unit.compute_as = [fsdp2_tp.compute_wrapper(s) if s is not None else None for s in specs]
 
     unit.shard_views = [
         nn.Parameter(dtensor(i, v.data), requires_grad=v.requires_grad) for i, v in enumerate(unit.shard_views)

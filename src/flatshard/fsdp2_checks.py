@@ -8,7 +8,7 @@ import weakref
 from typing import Optional
 
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from flatshard.api import NotBuiltError
 from flatshard.runtime.tree import UnitHost, unit_hosts
@@ -51,22 +51,15 @@ def shard_dims(module: nn.Module, shard_placement_fn, ignored_params) -> dict[in
     return dims
 
 
-def check_plain_parameters(module: nn.Module, ignored_params) -> None:
-    """A parameter that is already a DTensor (tensor parallelism applied before ``fully_shard``) would need
-    a flat shard of DTensor pieces; refused here, naming it, rather than failing at the first copy. The
-    DTensors of an inner ``fully_shard`` call are that call's, and ignored parameters stay as they are."""
+def check_extensions(module: nn.Module, ignored_params) -> None:
+    """FSDP2's all-gather extensions on this call's parameters (not an inner call's, not ignored ones):
+    refused (``check_no_all_gather_extension``). DTensor parameters (tensor parallelism applied first) are
+    fsdp2_tp.py's."""
     ignored = {id(p) for p in ignored_params or ()}
     inner = {id(p) for h in unit_hosts(module) if h is not module for p in h.parameters()}
     check_no_all_gather_extension(
         [(n, p) for n, p in module.named_parameters() if id(p) not in ignored and id(p) not in inner]
     )
-    for name, param in module.named_parameters():
-        if isinstance(param, DTensor) and id(param) not in ignored and id(param) not in inner:
-            raise NotBuiltError(
-                f"fully_shard got {name}, already a DTensor ({param.placements} over a {param.device_mesh.ndim}-D "
-                "mesh): flatshard's fully_shard shards plain tensors only; FSDP + tensor parallelism is not built. "
-                "Use torch.distributed.fsdp.fully_shard (PyTorch's FSDP2) for it, or pass plain parameters"
-            )
 
 
 def check_no_all_gather_extension(named: list) -> None:

@@ -125,6 +125,7 @@ class Unit:
         self.forward_entries: list = []  # fully_shard: the exception being handled as each forward began (hooks.py)
         self.summoned = False  # inside summon_full_params, its modules hold the full parameters (summon.py)
         self.grad_as: Optional[Any] = None  # fully_shard: (index, local gradient) -> its DTensor gradient
+        self.compute_as: Optional[list] = None  # fully_shard + TP: per parameter, compute view -> its DTensor
         self.post_forward: Optional[PostForwardGroup] = None  # fully_shard's reshard_after_forward=int
         self.inter_node = compress.LOCAL  # which of its peers are on other nodes; int8 across them (build.py)
         self._partial: Optional[tuple[torch.Tensor, int]] = None  # (this rank's piece, flat shard version)
@@ -230,9 +231,12 @@ class Unit:
         if not self.plan.aliased:
             self.ctx.streams.use(Lane.COMPUTE, self.unsharded, "read", gather.what(self))
         views = make_compute_views(self.layout, self.unsharded)
+        split = next((v.grad_fn.next_functions[0][0] for v in views if v.grad_fn is not None), None)
+        if self.compute_as is not None:  # tensor-parallel parameters: the module computes with DTensors
+            views = [wrap(v) if wrap is not None else v for wrap, v in zip(self.compute_as, views)]
         set_views_on_modules(self.layout, views, as_params=False)
         self.compute_views_set = True
-        return next((v.grad_fn.next_functions[0][0] for v in views if v.grad_fn is not None), None)
+        return split
 
     def use_shard_views(self) -> None:
         if self.compute_views_set:

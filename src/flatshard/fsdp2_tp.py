@@ -1,0 +1,129 @@
+"""``fully_shard`` over parameters that are already DTensors: FSDP + tensor parallelism (FSDP2's 2-D use).
+
+[Note: FSDP over tensor-parallel parameters]
+After ``parallelize_module(model, tp_mesh, plan)`` a parameter is a DTensor on the 1-D TP mesh whose
+local tensor is this rank's TP piece. ``fully_shard(model, mesh=dp_mesh)`` then shards that local tensor
+over the data-parallel mesh exactly as it shards a plain parameter (runtime/chunked.py: its chunk along
+``Shard(d)``'s dim, default 0): before building, each such parameter is swapped for a plain one holding
+its local tensor (``localize``), and the unit is built on those. What changes is what the module sees:
+
+- the sharded parameter (what the optimizer steps and state dicts hold) is a DTensor on the DP and TP
+  meshes concatenated, placed ``(Shard(d), *tp_placements)``, or ``_StridedShard(d, split_factor=k)``
+  when TP already cuts dim d into k pieces (so the global tensor reads back in order), as FSDP2 places it;
+- the compute view, a split of the gathered flat as for any parameter, is wrapped back into a DTensor on
+  the TP mesh with the original placements (``DTensor.from_local``, differentiable), so the module's TP
+  forward runs as before and the gradient reaching the flat is the local one (``from_local``'s backward
+  redistributes a partial TP gradient to the parameter's placements first).
+
+Built: 1-D TP meshes under a 1-D data-parallel mesh, Shard and Replicate TP placements. Not built
+(NotBuiltError at the call): TP over more than one mesh dim, ``Partial`` parameters, and HSDP (a 2-D
+data-parallel mesh) with TP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Partial, _StridedShard
+
+from flatshard.api import NotBuiltError
+from flatshard.runtime.tree import unit_hosts
+
+
+@dataclass
+class TPSpec:
+    """What a tensor-parallel parameter was before ``localize``: its TP mesh, placements, global shape."""
+
+    mesh: DeviceMesh
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+def tensor_parallel_params(module: nn.Module, ignored_params, dp_mesh: DeviceMesh) -> dict[int, TPSpec]:
+    """id(parameter) -> TPSpec for this call's DTensor parameters (inner calls' and ignored ones are not
+    this call's); each one checked to be what is built, on every rank alike (the model is the same)."""
+    ignored = {id(p) for p in ignored_params or ()}
+    inner = {id(p) for h in unit_hosts(module) if h is not module for p in h.parameters()}
+    specs: dict[int, TPSpec] = {}
+    for name, param in module.named_parameters():
+        if not isinstance(param, DTensor) or id(param) in ignored or id(param) in inner or id(param) in specs:
+            continue
+        tp_mesh = param.device_mesh
+        if tp_mesh.ndim != 1 or any(isinstance(p, Partial) for p in param.placements):
+            raise NotBuiltError(
+                f"fully_shard got {name}, a DTensor placed {param.placements} over a {tp_mesh.ndim}-D mesh: "
+                "flatshard shards DTensor parameters of a 1-D tensor-parallel mesh with Shard or Replicate "
+                "placements only. Use torch.distributed.fsdp.fully_shard (PyTorch's FSDP2) for this model"
+            )
+        if dp_mesh.ndim != 1:
+            raise NotBuiltError(
+                f"fully_shard got {name}, a tensor-parallel DTensor, with a {dp_mesh.ndim}-D data-parallel "
+                "mesh: HSDP with tensor parallelism is not built in flatshard. Pass a 1-D data-parallel mesh, "
+                "or use torch.distributed.fsdp.fully_shard (PyTorch's FSDP2)"
+            )
+        if tp_mesh == dp_mesh:
+            raise ValueError(
+                f"fully_shard got {name}, a DTensor on the mesh it was asked to shard over ({dp_mesh}): pass "
+                "the data-parallel mesh (e.g. mesh['dp']) to fully_shard and the tensor-parallel one to "
+                "parallelize_module"
+            )
+        specs[id(param)] = TPSpec(tp_mesh, tuple(param.placements), param.shape, tuple(param.stride()))
+    return specs
+
+
+def localize(
+    module: nn.Module, specs: dict[int, TPSpec], dims: Optional[dict[int, int]]
+) -> tuple[dict[tuple[int, str], TPSpec], Optional[dict[int, int]]]:
+    """Swap each tensor-parallel parameter for a plain one holding its local tensor (tied uses get the
+    same new parameter). Returns (id(module), attr) -> its TPSpec for every use swapped, and ``dims``
+    (id(parameter) -> shard dim, fsdp2_checks.shard_dims) keyed by the new parameters."""
+    old: dict[int, nn.Parameter] = {}  # held until the ids are remapped (a freed id may be reused)
+    swapped: dict[int, nn.Parameter] = {}
+    uses: dict[tuple[int, str], TPSpec] = {}
+    for m in module.modules():
+        for attr, param in list(m._parameters.items()):
+            if param is None or id(param) not in specs:
+                continue
+            if id(param) not in swapped:
+                old[id(param)] = param
+                swapped[id(param)] = nn.Parameter(param._local_tensor.detach(), requires_grad=param.requires_grad)
+            m._parameters[attr] = swapped[id(param)]
+            uses[(id(m), attr)] = specs[id(param)]
+    if dims is not None:
+        dims = {id(swapped[k]) if k in swapped else k: d for k, d in dims.items()}
+    del old
+    return uses, dims
+
+
+def spec_of(info: Any, uses: dict[tuple[int, str], TPSpec]) -> Optional[TPSpec]:
+    """The TPSpec of a unit's parameter (a runtime ParamInfo), or None for a plain one."""
+    return next((uses[(id(m), a)] for m, a in info.uses if (id(m), a) in uses), None)
+
+
+def sharded_placement(spec: TPSpec, dim: int, dp_mesh: DeviceMesh) -> tuple[DeviceMesh, tuple, torch.Size]:
+    """(mesh, placements, global shape) of the sharded DTensor parameter: the DP and TP meshes
+    concatenated, the DP chunk along ``dim`` strided when TP already cuts that dim (FSDP2's placement)."""
+    split = 1
+    for placement, size in zip(spec.placements, spec.mesh.shape):
+        if isinstance(placement, Shard) and placement.dim == dim:
+            split *= size
+    dp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    return DeviceMesh._concatenate([dp_mesh, spec.mesh]), (dp, *spec.placements), spec.shape
+
+
+def compute_wrapper(spec: TPSpec) -> Callable[[torch.Tensor], DTensor]:
+    """The gathered local tensor as the DTensor the module's TP forward expects (differentiable)."""
+
+    def wrap(view: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            view, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+        )
+
+    return wrap
