@@ -33,10 +33,7 @@ NOT_BUILT = {
     ("fsdp2.py", "_not_built.method"): ["FSDP2's `set_custom_all_gather` and kin"],
     ("fsdp2.py", "FSDPModule.set_reshard_after_forward"): ["`set_reshard_after_forward` with an int"],
     ("fsdp2_checks.py", "check_no_all_gather_extension"): ["FSDP2's all-gather extensions"],
-    ("fsdp2_tp.py", "tensor_parallel_params"): [
-        "DTensor parameters of a tensor-parallel mesh of more than one dim",
-        "HSDP with tensor parallelism",
-    ],
+    ("fsdp2_tp.py", "tensor_parallel_params"): ["DTensor parameters of a tensor-parallel mesh of more than one dim"],
     ("fsdp2_checks.py", "shard_dims"): ["`shard_placement_fn` returning a `ShardPlacementResult`"],
     ("fsdp2.py", "fully_shard"): ["`dp_mesh_dims`"],
     ("interop.py", "_mixed_precision"): ["`MixedPrecision(_module_classes_to_ignore=...)`"],

@@ -1,6 +1,7 @@
 """``fully_shard`` over tensor-parallel parameters ([Note: FSDP over tensor-parallel parameters],
 fsdp2_tp.py): ``parallelize_module`` on the TP mesh first, then ``fully_shard`` on the data-parallel mesh,
-as FSDP2 users write FSDP + TP. At W = 4 (2 data-parallel × 2 tensor-parallel) and W = 2 (1 × 2), on MLPs
+as FSDP2 users write FSDP + TP. At W = 4 (2 data-parallel × 2 tensor-parallel; and HSDP + TP, 2 × 1 × 2
+and 1 × 2 × 2) and W = 2 (1 × 2), on MLPs
 of even and odd widths, against PyTorch's FSDP2 given the same model and calls: the sharded parameters'
 meshes and placements, and every step's loss, local gradients and local parameters, to the bit; and the
 full parameters against the single-process model. Also: a state dict's full tensors equal the
@@ -118,8 +119,6 @@ def worker(rank: int, world: int, dp_size: int, sizes: list) -> dict:  # noqa: A
             name: _train(_build(8, 16, fn, dp_mesh, tp_mesh, last), dp_rank, dp_size, 8)
             for name, fn in (("flatshard", flatshard.fully_shard), ("fsdp2", torch_fully_shard))
         }
-    hsdp = init_device_mesh("cpu", (1, world), mesh_dim_names=("r", "s"))
-    out["hsdp"] = _raised(lambda: _build(8, 16, flatshard.fully_shard, hsdp, tp_mesh))
     out["same mesh"] = _raised(lambda: _build(8, 16, flatshard.fully_shard, tp_mesh, tp_mesh))
     return out
 
@@ -148,8 +147,6 @@ def _check(outs: list, dp_size: int, sizes: list) -> None:
         # TP cuts in_proj.weight along dim 0 into 2, and FSDP its local piece along dim 0 again: strided
         first = outs[0][sizes[0]]["flatshard"]["placements"][0][1]
         assert first == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", first  # as FSDP2's, also when dp is 1
-        assert out["hsdp"].startswith("NotBuiltError: "), out["hsdp"]
-        assert "HSDP with tensor parallelism is not built" in out["hsdp"], out["hsdp"]
         assert out["same mesh"].startswith("ValueError: "), out["same mesh"]
 
 
@@ -163,7 +160,7 @@ def test_fsdp_over_tensor_parallel_1x2_matches_fsdp2():
     _check(run_distributed(worker, 2, 1, sizes), 1, sizes)
 
 
-def uneven_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+def uneven_worker(rank: int, world: int, shape: tuple) -> dict:  # noqa: ARG001 - the harness's signature
     """An uneven TP split (hidden 9 over 2 TP ranks: the blocks keep DTensor activations with
     use_local_output=False), activation checkpointing of every block, reshard_after_forward False and
     True, Adam with zero_grad alternating set_to_none: flatshard beside PyTorch's FSDP2, four steps."""
@@ -174,7 +171,10 @@ def uneven_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness'
 
     import flatshard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    names = ("dp", "tp") if len(shape) == 2 else ("replicate", "shard", "tp")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dp_mesh = mesh["dp"] if len(shape) == 2 else mesh["replicate", "shard"]
+    dp_rank = dp_mesh.get_local_rank() if len(shape) == 2 else dp_mesh._flatten().get_local_rank()
     out = {}
     for after in (False, True):
         for name, fully_shard in (("flatshard", flatshard.fully_shard), ("fsdp2", torch_fully_shard)):
@@ -187,10 +187,10 @@ def uneven_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness'
             parallelize_module(model, mesh["tp"], plan)
             for mlp in model:
                 checkpoint(mlp)
-                fully_shard(mlp, mesh=mesh["dp"], reshard_after_forward=after)
-            fully_shard(model, mesh=mesh["dp"], reshard_after_forward=after)
+                fully_shard(mlp, mesh=dp_mesh, reshard_after_forward=after)
+            fully_shard(model, mesh=dp_mesh, reshard_after_forward=after)
             opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-            gen = torch.Generator().manual_seed(42 + mesh["dp"].get_local_rank())
+            gen = torch.Generator().manual_seed(42 + dp_rank)
             losses = []
             for step in range(4):
                 opt.zero_grad(set_to_none=step % 2 == 0)
@@ -202,9 +202,40 @@ def uneven_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness'
     return out
 
 
-def test_uneven_tensor_parallel_with_activation_checkpointing_matches_fsdp2():
-    for out in run_distributed(uneven_worker, 4):
+@pytest.mark.parametrize("shape", [(2, 2), (1, 2, 2)])  # FSDP + TP, and HSDP + TP
+def test_uneven_tensor_parallel_with_activation_checkpointing_matches_fsdp2(shape):
+    for out in run_distributed(uneven_worker, 4, shape):
         for after in (False, True):
             (ours, ours_params), (theirs, theirs_params) = out[(after, "flatshard")], out[(after, "fsdp2")]
             assert ours == theirs, (after, ours, theirs)
             assert all(torch.equal(a, b) for a, b in zip(ours_params, theirs_params)), after
+
+
+def hsdp_worker(rank: int, world: int, shape: tuple) -> dict:  # noqa: ARG001 - the harness's signature
+    """HSDP with TP: fully_shard on the (replicate, shard) mesh, parallelize_module on the TP one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import flatshard
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp"))
+    dp_mesh, tp_mesh = mesh["replicate", "shard"], mesh["tp"]
+    dp_rank, dp_size = mesh["replicate", "shard"]._flatten().get_local_rank(), shape[0] * shape[1]
+    out = {}
+    for dim, hidden in ((8, 16), (5, 6)):
+        for name, fn in (("flatshard", flatshard.fully_shard), ("fsdp2", torch_fully_shard)):
+            out[(dim, hidden, name)] = _train(_build(dim, hidden, fn, dp_mesh, tp_mesh), dp_rank, dp_size, dim)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2)])
+def test_hsdp_over_tensor_parallel_matches_fsdp2(shape):
+    for out in run_distributed(hsdp_worker, 4, shape):
+        for dim, hidden in ((8, 16), (5, 6)):
+            ours, theirs = out[(dim, hidden, "flatshard")], out[(dim, hidden, "fsdp2")]
+            assert ours["placements"] == theirs["placements"], (ours["placements"], theirs["placements"])
+            assert "Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0)" in ours["placements"][0][1]
+            assert ours["losses"] == theirs["losses"], (ours["losses"], theirs["losses"])
+            for what in ("grads", "params"):
+                for step, (a, b) in enumerate(zip(ours[what], theirs[what])):
+                    assert all(torch.equal(x, y) for x, y in zip(a, b)), (shape, dim, what, step)

@@ -15,9 +15,9 @@ its local tensor (``localize``), and the unit is built on those. What changes is
   forward runs as before and the gradient reaching the flat is the local one (``from_local``'s backward
   redistributes a partial TP gradient to the parameter's placements first).
 
-Built: 1-D TP meshes under a 1-D data-parallel mesh, Shard and Replicate TP placements. Not built
-(NotBuiltError at the call): TP over more than one mesh dim, ``Partial`` parameters, and HSDP (a 2-D
-data-parallel mesh) with TP.
+Built: 1-D TP meshes under a 1-D data-parallel mesh or a 2-D HSDP one (the sharded parameter is then
+placed over three mesh dims, ``Replicate()`` first), Shard and Replicate TP placements. Not built
+(NotBuiltError at the call): TP over more than one mesh dim, ``Partial`` parameters.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
 from flatshard.api import NotBuiltError
@@ -62,12 +62,6 @@ def tensor_parallel_params(module: nn.Module, ignored_params, dp_mesh: DeviceMes
                 "flatshard shards DTensor parameters of a 1-D tensor-parallel mesh with Shard or Replicate "
                 "placements only. Use torch.distributed.fsdp.fully_shard (PyTorch's FSDP2) for this model"
             )
-        if dp_mesh.ndim != 1:
-            raise NotBuiltError(
-                f"fully_shard got {name}, a tensor-parallel DTensor, with a {dp_mesh.ndim}-D data-parallel "
-                "mesh: HSDP with tensor parallelism is not built in flatshard. Pass a 1-D data-parallel mesh, "
-                "or use torch.distributed.fsdp.fully_shard (PyTorch's FSDP2)"
-            )
         if tp_mesh == dp_mesh:
             raise ValueError(
                 f"fully_shard got {name}, a DTensor on the mesh it was asked to shard over ({dp_mesh}): pass "
@@ -94,6 +88,8 @@ def localize(
             if id(param) not in swapped:
                 old[id(param)] = param
                 swapped[id(param)] = nn.Parameter(param._local_tensor.detach(), requires_grad=param.requires_grad)
+                # the model fingerprint compares the full shape: TP pieces of an uneven split differ per rank
+                swapped[id(param)].flatshard_full_shape = param.shape
             m._parameters[attr] = swapped[id(param)]
             uses[(id(m), attr)] = specs[id(param)]
     if dims is not None:
@@ -109,13 +105,15 @@ def spec_of(info: Any, uses: dict[tuple[int, str], TPSpec]) -> Optional[TPSpec]:
 
 def sharded_placement(spec: TPSpec, dim: int, dp_mesh: DeviceMesh) -> tuple[DeviceMesh, tuple, torch.Size]:
     """(mesh, placements, global shape) of the sharded DTensor parameter: the DP and TP meshes
-    concatenated, the DP chunk along ``dim`` strided when TP already cuts that dim (FSDP2's placement)."""
+    concatenated, the DP chunk along ``dim`` strided when TP already cuts that dim (FSDP2's placement),
+    replicated first over an HSDP mesh's replicate dim."""
     split = 1
     for placement, size in zip(spec.placements, spec.mesh.shape):
         if isinstance(placement, Shard) and placement.dim == dim:
             split *= size
     dp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
-    return DeviceMesh._concatenate([dp_mesh, spec.mesh]), (dp, *spec.placements), spec.shape
+    replicate = (Replicate(),) * (dp_mesh.ndim - 1)  # HSDP: (replicate, shard)
+    return DeviceMesh._concatenate([dp_mesh, spec.mesh]), (*replicate, dp, *spec.placements), spec.shape
 
 
 def compute_wrapper(spec: TPSpec) -> Callable[[torch.Tensor], DTensor]:

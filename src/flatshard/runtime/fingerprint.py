@@ -29,10 +29,16 @@ def entries(options_line: str, units: list[tuple[str, list]]) -> list[str]:
         prefix = "" if name == "<root>" else name + "."
         for info, param in params:
             out.append(
-                f"unit {name!r} parameter {prefix}{info.name}: shape {tuple(info.shape)}, {param.dtype}, "
+                f"unit {name!r} parameter {prefix}{info.name}: shape {tuple(_full_shape(info, param))}, "
+                f"{param.dtype}, "
                 f"requires_grad={info.requires_grad}"
             )
     return out
+
+
+def _full_shape(info, param) -> tuple:
+    """A tensor-parallel parameter's full shape (its TP piece's may differ per rank; fsdp2_tp.localize)."""
+    return getattr(param, "flatshard_full_shape", info.shape)
 
 
 def check_same_model(lines: list[str], group) -> None:

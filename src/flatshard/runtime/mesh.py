@@ -186,7 +186,9 @@ def _from_mesh(strategy: ShardingStrategy, mesh) -> ShardGroups:
         )
     names = mesh.mesh_dim_names
     shard_dim, replicate_dim = ("shard", "replicate") if names and set(names) == {"shard", "replicate"} else (1, 0)
-    return _checked(mesh.get_group(shard_dim), mesh.get_group(replicate_dim), dist.group.WORLD, "device_mesh")
+    # a 2-D data-parallel mesh inside a larger one (HSDP beside tensor parallelism): its own ranks' group
+    whole = dist.group.WORLD if mesh.size() == dist.get_world_size() else mesh._flatten().get_group()
+    return _checked(mesh.get_group(shard_dim), mesh.get_group(replicate_dim), whole, "device_mesh")
 
 
 def _checked(shard: ProcessGroup, replicate: ProcessGroup, world_group: ProcessGroup, how: str) -> ShardGroups:
