@@ -30,6 +30,26 @@ def mesh(shape: tuple):
     return _MESHES[shape]
 
 
+def tp_mesh(world: int, tp: int):
+    """The (dp, tp) mesh of a tensor-parallel configuration, one per shape in this process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = ("tp", world // tp, tp)
+    if shape not in _MESHES:
+        _MESHES[shape] = init_device_mesh("cpu", shape[1:], mesh_dim_names=("dp", "tp"))
+    return _MESHES[shape]
+
+
+def _parallelize(model: nn.Module, tp_mesh) -> None:
+    """Every MLP block's fc1 column-wise (its DTensor output kept: the hidden width need not divide by the TP
+    size) and fc2 row-wise, PyTorch's tensor-parallel styles."""
+    from fuzz_models import MLPBlock
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in [m for m in model.modules() if isinstance(m, MLPBlock)]:
+        parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(use_local_output=False), "fc2": RowwiseParallel()})
+
+
 def _mixed(cfg: dict, kind: str):
     mp = cfg.get("mp")
     if not mp:
@@ -122,10 +142,14 @@ def wrap_fully_shard(model: Root, cfg: dict, world: int, torch_fsdp2: bool) -> n
         for i, after in zip(cfg["units"], cfg["reshard_after_forward"])
         for m in unit_modules(model, spec, [i])
     ]
+    if cfg.get("tp"):  # [Note: FSDP over tensor-parallel parameters]: TP first, then fully_shard on dp
+        _parallelize(model, tp_mesh(world, cfg["tp"])["tp"])
     if act == "apply_before":
         _activation_checkpointing(model)
     kw = {"mp_policy": _mixed(cfg, "torch" if torch_fsdp2 else "flatshard")} if cfg.get("mp") else {}
-    if cfg["mesh"] != "default":
+    if cfg.get("tp"):
+        kw["mesh"] = tp_mesh(world, cfg["tp"])["dp"]
+    elif cfg["mesh"] != "default":
         kw["mesh"] = mesh((world,) if cfg["mesh"] == "1d" else (world // cfg["F"], cfg["F"]))
     if cfg.get("placement", "dim0") != "dim0":
         kw["shard_placement_fn"] = functools.partial(_placement, cfg["placement"])

@@ -50,9 +50,14 @@ def local_of(full: torch.Tensor, param, ranges: dict) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Shard
 
     if isinstance(param, DTensor):
+        from torch.distributed.tensor.placement_types import _StridedShard
+
         out = full
-        for dim, placement in enumerate(param.placements):
-            if isinstance(placement, Shard):
+        order = list(enumerate(param.placements))
+        if any(isinstance(p, _StridedShard) for p in param.placements):
+            order.reverse()  # FSDP over TP: the TP split (the last mesh dim) first, then the strided DP one
+        for dim, placement in order:
+            if isinstance(placement, (Shard, _StridedShard)):  # in torch 2.13 not a Shard subclass
                 chunks = torch.chunk(out, param.device_mesh.size(dim), dim=placement.dim)
                 index = param.device_mesh.get_local_rank(dim)
                 out = chunks[index] if index < len(chunks) else out.narrow(placement.dim, 0, 0)

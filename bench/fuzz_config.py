@@ -69,6 +69,14 @@ def _fully_shard(rng: random.Random, world: int, cfg: dict) -> None:
     # draws above (and every configuration drawn before it was added) stay as they were
     own = random.Random(f"flatshard-fuzz/{cfg['seed']}/{cfg['index']}/placement")
     cfg["placement"] = own.choice(["dim0", "dim0", "last", "largest"])
+    # tensor parallelism ([Note: FSDP over tensor-parallel parameters]): every MLP block's fc1 column-wise,
+    # fc2 row-wise over 2 TP ranks, fully_shard over the data-parallel ranks; its own generator again
+    tp = random.Random(f"flatshard-fuzz/{cfg['seed']}/{cfg['index']}/tp")
+    has_mlp = any(b["kind"] in ("mlp", "frozen", "container") for b in cfg["model"]["blocks"])
+    if world in (2, 4) and cfg["mesh"] != "2d" and has_mlp and tp.random() < 0.7:
+        cfg["tp"] = 2
+        cfg["F"] = world // 2
+        cfg["reshard_after_forward"] = [a if a in (True, False) else True for a in cfg["reshard_after_forward"]]
 
 
 def _events(rng: random.Random, cfg: dict) -> list[dict]:
@@ -158,6 +166,8 @@ def summary(cfg: dict) -> str:
         parts += [f"mesh={cfg['mesh']}", f"F={cfg['F']}", f"raf={cfg['reshard_after_forward']}"]
         if cfg.get("placement", "dim0") != "dim0":
             parts.append(f"shard={cfg['placement']}")
+        if cfg.get("tp"):
+            parts.append(f"tp={cfg['tp']}")
     units = cfg["wrap_classes"] if cfg.get("wrap") == "classes" else cfg["units"]
     parts.append("blocks=" + ",".join(b["kind"] for b in cfg["model"]["blocks"]) + f" units={units}")
     if cfg.get("mp"):

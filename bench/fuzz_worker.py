@@ -141,8 +141,25 @@ def _run_step(side: Side, cfg: dict, step: int, world: int, rank: int) -> list |
 def _clip(side: Side, max_norm: float):
     if side.role != "ref" and side.cfg["front"] == "fsdp1":
         return side.model.clip_grad_norm_(max_norm)
+    if side.cfg.get("tp"):
+        return _clip_by_mesh(list(side.model.parameters()), max_norm)
     norm = torch.nn.utils.clip_grad_norm_(list(side.model.parameters()), max_norm)
     return local_tensor(norm) if not hasattr(norm, "full_tensor") else norm.full_tensor()
+
+
+def _clip_by_mesh(params: list, max_norm: float) -> torch.Tensor:
+    """Clipping as FSDP + TP loops write it: torch's clip_grad_norm_ cannot stack the norms of DTensors on
+    different meshes (data-parallel only, and data-parallel x TP), so each mesh's gradients are normed
+    apart and the norms combined (every rank in the same order; the reference has one group)."""
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
+    total = torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]).norm()
+    for group in by_mesh.values():  # one mesh per call: foreach kernels take one mesh
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 class Run:
@@ -162,6 +179,8 @@ class Run:
         self.fsdp2_until = None  # the step PyTorch's FSDP2 was dropped at
         self.fsdp2_error = None  # what it raised, if it did
         sizes = [world] if cfg.get("mesh") in ("default", "1d") else [world // cfg.get("F", world), cfg.get("F")]
+        if cfg.get("tp"):  # the data-parallel reductions sum world / tp addends, the TP ones tp
+            sizes = [world // cfg["tp"], cfg["tp"]]
         # [Note: fuzz tolerances]: bitwise against FSDP2 where every reduction is in fp32 and sums at most two
         # addends; fp32's defaults where it is in fp32; bf16's where it is in bf16
         bf16_reduce = mixed and cfg["mp"]["reduce"] == "bf16"
@@ -213,7 +232,8 @@ class Run:
         losses = {}
         for side in sides:
             try:
-                losses[side.role] = _run_step(side, self.cfg, step, world, self.rank)
+                tp = self.cfg.get("tp") or 1  # the TP ranks of one data-parallel rank take the same rows
+                losses[side.role] = _run_step(side, self.cfg, step, world // tp, self.rank // tp)
             except SideError as exc:
                 if exc.role != "theirs":
                     raise

@@ -4,7 +4,7 @@ and must match it every step. The configurations are pinned by (master seed, ind
 checks that they still cover what they were chosen for (both front ends, W = 3, a hybrid strategy, an
 exception caught by the loop in forward and in backward, gradient accumulation,
 shard_optimizer_across_replicas with a fused optimizer and an edit of the parameters, and fully_shard
-with shard_placement_fn sharding along another dim than 0), so a change to
+with shard_placement_fn sharding along another dim than 0 and over tensor-parallel MLPs), so a change to
 the generator that moves them fails here rather than silently testing less.
 
 Before the fixes of cb6a166 (a step that raised) and 6f3a1d0 (the optimizer across replicas with fused
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import fuzz_config  # noqa: E402
 
 SEED = 0
-INDICES = [7, 22, 29, 62, 68, 90, 170]
+INDICES = [7, 22, 26, 29, 62, 68, 90, 170]
 TIMEOUT_S = 240  # about 40 s on two cores; a hang must fail, not wait
 
 
@@ -38,6 +38,7 @@ def test_the_pinned_configurations_cover_what_they_were_chosen_for():
     edited = [c for c in configs if any(e["kind"] == "edit" for e in c["events"])]
     assert any(c.get("opt_across") and c["optim"]["impl"] == "fused" for c in edited)
     assert any(c.get("placement", "dim0") != "dim0" for c in configs)  # shard_placement_fn beyond dim 0
+    assert any(c.get("tp") and c["W"] == 4 for c in configs)  # FSDP over tensor parallelism, 2 x 2
 
 
 def test_pinned_configurations_match_the_reference_every_step():
