@@ -63,3 +63,13 @@ def run_launcher(cmd: list[str], cwd, timeout: float, what: str) -> str:
         pytest.fail(f"{what} did not finish within {timeout:.0f}s:\n{log[-4000:]}")
     assert proc.returncode == 0, f"{what} exited {proc.returncode}:\n{log[-4000:]}"
     return log
+
+
+def raised(fn) -> str:
+    """What calling ``fn`` raises, as "Class/Base/Base: message" (the class and its first two bases, so a
+    check can name the one a user would catch), or "no error"."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the class and message are the answer
+        return f"{'/'.join(c.__name__ for c in type(e).__mro__[:3])}: {e}"
+    return "no error"

@@ -12,15 +12,8 @@ import functools
 import torch
 from torch import nn
 
+from tests.dist import raised as _raised
 from tests.dist import run_distributed
-
-
-def _raised(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the class and message are the answer
-        return f"{'/'.join(c.__name__ for c in type(e).__mro__[:3])}: {e}"
-    return "no error"
 
 
 def _mlp() -> nn.Sequential:

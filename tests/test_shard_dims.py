@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests import sharded_training
+from tests.dist import raised as _raised
 from tests.dist import run_distributed
 
 STEPS = 3
@@ -38,46 +40,14 @@ def _shard(model: nn.Sequential, fully_shard, fn) -> nn.Sequential:
 
 
 def _train(model: nn.Module, rank: int, world: int) -> dict:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(1)
-    out = {"losses": [], "grads": [], "params": []}
-    for _ in range(STEPS):
-        x = torch.randn(2 * world, model[0].in_features, generator=gen)
-        loss = model(x[2 * rank : 2 * rank + 2]).pow(2).mean()
-        loss.backward()
-        out["grads"].append([p.grad.to_local().clone() for p in model.parameters()])
-        opt.step()
-        opt.zero_grad()
-        out["losses"].append(loss.item())
-        out["params"].append([p.to_local().clone() for p in model.parameters()])
+    out = sharded_training.train(model, rank, world, model[0].in_features, STEPS)
     out["placements"] = [str(p.placements) for p in model.parameters()]
     out["contiguous"] = all(p.to_local().is_contiguous() for p in model.parameters())
-    out["full"] = [p.full_tensor() for p in model.parameters()]
     return out
 
 
 def _reference(sizes: list[int], world: int) -> dict:
-    model = _model(sizes)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(1)
-    out = {"losses": [], "full": None}
-    for _ in range(STEPS):
-        x = torch.randn(2 * world, model[0].in_features, generator=gen)
-        per_rank = [model(x[2 * r : 2 * r + 2]).pow(2).mean() for r in range(world)]
-        (sum(per_rank) / world).backward()
-        opt.step()
-        opt.zero_grad()
-        out["losses"].append([v.item() for v in per_rank])
-    out["full"] = [p.detach().clone() for p in model.parameters()]
-    return out
-
-
-def _raised(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the class and message are the answer
-        return f"{'/'.join(c.__name__ for c in type(e).__mro__[:3])}: {e}"
-    return "no error"
+    return sharded_training.reference(_model(sizes), world, sizes[0], STEPS)
 
 
 def worker(rank: int, world: int) -> dict:
