@@ -30,14 +30,18 @@ def mesh(shape: tuple):
     return _MESHES[shape]
 
 
-def tp_mesh(world: int, tp: int):
-    """The (dp, tp) mesh of a tensor-parallel configuration, one per shape in this process."""
+def tp_meshes(cfg: dict, world: int):
+    """(data-parallel mesh, TP mesh) of a tensor-parallel configuration: (dp, tp), or for HSDP
+    (replicate, shard, tp) with F shard ranks; one mesh per shape in this process."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = ("tp", world // tp, tp)
+    tp, dp = cfg["tp"], world // cfg["tp"]
+    shape = ("tp", dp, tp) if cfg["mesh"] != "2d" else ("tp", dp // cfg["F"], cfg["F"], tp)
     if shape not in _MESHES:
-        _MESHES[shape] = init_device_mesh("cpu", shape[1:], mesh_dim_names=("dp", "tp"))
-    return _MESHES[shape]
+        names = ("dp", "tp") if len(shape) == 3 else ("replicate", "shard", "tp")
+        _MESHES[shape] = init_device_mesh("cpu", shape[1:], mesh_dim_names=names)
+    mesh = _MESHES[shape]
+    return (mesh["dp"] if len(shape) == 3 else mesh["replicate", "shard"]), mesh["tp"]
 
 
 def _parallelize(model: nn.Module, tp_mesh) -> None:
@@ -143,12 +147,12 @@ def wrap_fully_shard(model: Root, cfg: dict, world: int, torch_fsdp2: bool) -> n
         for m in unit_modules(model, spec, [i])
     ]
     if cfg.get("tp"):  # [Note: FSDP over tensor-parallel parameters]: TP first, then fully_shard on dp
-        _parallelize(model, tp_mesh(world, cfg["tp"])["tp"])
+        _parallelize(model, tp_meshes(cfg, world)[1])
     if act == "apply_before":
         _activation_checkpointing(model)
     kw = {"mp_policy": _mixed(cfg, "torch" if torch_fsdp2 else "flatshard")} if cfg.get("mp") else {}
     if cfg.get("tp"):
-        kw["mesh"] = tp_mesh(world, cfg["tp"])["dp"]
+        kw["mesh"] = tp_meshes(cfg, world)[0]
     elif cfg["mesh"] != "default":
         kw["mesh"] = mesh((world,) if cfg["mesh"] == "1d" else (world // cfg["F"], cfg["F"]))
     if cfg.get("placement", "dim0") != "dim0":
@@ -209,6 +213,11 @@ def build_models(cfg: dict, world: int, phase: str = "A"):
             if "uneven sharding" not in str(exc):
                 raise
             theirs = None
+        # FSDP2 decides that from each rank's own piece: beside TP an uneven split on one TP rank may be
+        # even on another, so it raises on some ranks only; drop it on every rank then (else a hang)
+        refused = torch.tensor([float(theirs is None)])
+        dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+        theirs = None if refused.item() else theirs
     return ref, wrapped, theirs, modules
 
 

@@ -73,9 +73,10 @@ def _fully_shard(rng: random.Random, world: int, cfg: dict) -> None:
     # fc2 row-wise over 2 TP ranks, fully_shard over the data-parallel ranks; its own generator again
     tp = random.Random(f"flatshard-fuzz/{cfg['seed']}/{cfg['index']}/tp")
     has_mlp = any(b["kind"] in ("mlp", "frozen", "container") for b in cfg["model"]["blocks"])
-    if world in (2, 4) and cfg["mesh"] != "2d" and has_mlp and tp.random() < 0.7:
+    if world in (2, 4) and has_mlp and tp.random() < 0.7 and (cfg["mesh"] != "2d" or world == 4):
         cfg["tp"] = 2
-        cfg["F"] = world // 2
+        # the data-parallel ranks: a 1-D mesh, or HSDP's (replicate, shard) of 2 ranks beside TP
+        cfg["F"] = world // 2 if cfg["mesh"] != "2d" else tp.choice([1, 2])
         cfg["reshard_after_forward"] = [a if a in (True, False) else True for a in cfg["reshard_after_forward"]]
 
 

@@ -210,3 +210,46 @@ def test_hsdp_over_tensor_parallel_matches_fsdp2(shape):
             for what in ("grads", "params"):
                 for step, (a, b) in enumerate(zip(ours[what], theirs[what])):
                     assert all(torch.equal(x, y) for x, y in zip(a, b)), (shape, dim, what, step)
+
+
+def uneven_dim1_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """shard_placement_fn's Shard(1) for out_proj.weight beside an uneven TP split: its TP piece is 5
+    columns on TP rank 0 and 4 on TP rank 1, so over 2 data-parallel ranks it splits unevenly on one TP
+    rank only."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import flatshard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def build(fully_shard):
+        torch.manual_seed(0)
+        model = nn.Sequential(MLP(5, 9))
+        parallelize_module(model, mesh["tp"], {"0.in_proj": ColwiseParallel(use_local_output=False),
+                                               "0.out_proj": RowwiseParallel()})  # fmt: skip
+        return fully_shard(model, mesh=mesh["dp"], shard_placement_fn=along_tp)
+
+    def along_tp(param):  # the dim TP cuts out_proj.weight along (1), else 0
+        return Shard(1) if param.placements == (Shard(1),) else Shard(0)
+
+    fsdp2 = _raised(lambda: build(torch_fully_shard))
+    return {"fsdp2": fsdp2, "flatshard": _train(build(flatshard.fully_shard), mesh["dp"].get_local_rank(), 2, 5)}
+
+
+def test_an_uneven_split_on_one_tp_rank_only_trains():
+    outs = run_distributed(uneven_dim1_worker, 4)
+    torch.manual_seed(0)
+    ref = sharded_training.reference(nn.Sequential(MLP(5, 9)), 2, 5, STEPS)
+    # PyTorch's FSDP2 decides from each rank's TP piece: it raises on TP rank 0's ranks only (the others
+    # would wait in their first collective); flatshard accepts the uneven split on every rank and trains
+    assert [o["fsdp2"].split(":")[0] for o in outs] == [
+        "NotImplementedError/RuntimeError/Exception", "no error", "NotImplementedError/RuntimeError/Exception",
+        "no error"]  # fmt: skip
+    for rank, out in enumerate(outs):
+        want = [pytest.approx(r[rank // 2], rel=1.3e-6, abs=1e-5) for r in ref["losses"]]
+        assert out["flatshard"]["losses"] == want, (out["flatshard"]["losses"], ref["losses"])
+        for got, full in zip(out["flatshard"]["full"], ref["full"]):
+            torch.testing.assert_close(got, full)
