@@ -231,6 +231,9 @@ class RunContext:
     # next steps then equal a run that skipped the batch (tests/test_loops.py). Every rank must raise at
     # the same point, as an error in the data or the model does on every rank; an exception on one rank
     # alone leaves its peers in a collective until the group's timeout, whose error names the unit.
+    # Not handled yet: a backward that raises before it reaches any unit's hook (in a hook on the model's
+    # output or the loss) sets neither flag, so an open accumulation window survives the loop's
+    # zero_grad (tests/test_fuzz.py holds it as an expected failure; reset_iter_state() puts it right).
     @property
     def interrupted(self) -> bool:
         """Whether the last forward or backward raised and its state is not yet put back."""
