@@ -19,17 +19,21 @@ class FullyShardUsageError(ValueError, AssertionError):
     AssertionError too, so code written against FSDP2 catches it as it would FSDP2's."""
 
 
+def call_parameters(module: nn.Module, ignored_params) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) for each parameter this ``fully_shard`` call shards, once: not an inner call's
+    (those are already its DTensors), not an ignored one."""
+    ignored = {id(p) for p in ignored_params or ()}
+    inner = {id(p) for h in unit_hosts(module) if h is not module for p in h.parameters()}
+    return [(n, p) for n, p in module.named_parameters() if id(p) not in ignored and id(p) not in inner]
+
+
 def shard_dims(module: nn.Module, shard_placement_fn, ignored_params) -> dict[int, int]:
     """The dim ``shard_placement_fn`` shards each of this call's parameters along, by ``id`` (FSDP2's
     keyword: None is ``Shard(0)``, a negative dim counts from the end; [Note: sharded along another dim],
     runtime/chunked.py). A dim the parameter does not have is refused in FSDP2's words; so is a placement
     on another mesh (``ShardPlacementResult``), which flatshard's one flat shard per unit cannot hold."""
-    ignored = set(ignored_params or ())
-    inner = {id(p) for h in unit_hosts(module) if h is not module for p in h.parameters()}
     dims: dict[int, int] = {}
-    for name, param in module.named_parameters():
-        if param in ignored or id(param) in inner or id(param) in dims:
-            continue
+    for name, param in call_parameters(module, ignored_params):
         placement = shard_placement_fn(param)
         if placement is None:
             continue
@@ -55,11 +59,7 @@ def check_extensions(module: nn.Module, ignored_params) -> None:
     """FSDP2's all-gather extensions on this call's parameters (not an inner call's, not ignored ones):
     refused (``check_no_all_gather_extension``). DTensor parameters (tensor parallelism applied first) are
     fsdp2_tp.py's."""
-    ignored = {id(p) for p in ignored_params or ()}
-    inner = {id(p) for h in unit_hosts(module) if h is not module for p in h.parameters()}
-    check_no_all_gather_extension(
-        [(n, p) for n, p in module.named_parameters() if id(p) not in ignored and id(p) not in inner]
-    )
+    check_no_all_gather_extension(call_parameters(module, ignored_params))
 
 
 def check_no_all_gather_extension(named: list) -> None:

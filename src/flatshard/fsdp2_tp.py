@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
 from flatshard.api import NotBuiltError
-from flatshard.runtime.tree import unit_hosts
+from flatshard.fsdp2_checks import call_parameters
 
 
 @dataclass
@@ -49,11 +49,9 @@ class TPSpec:
 def tensor_parallel_params(module: nn.Module, ignored_params, dp_mesh: DeviceMesh) -> dict[int, TPSpec]:
     """id(parameter) -> TPSpec for this call's DTensor parameters (inner calls' and ignored ones are not
     this call's); each one checked to be what is built, on every rank alike (the model is the same)."""
-    ignored = {id(p) for p in ignored_params or ()}
-    inner = {id(p) for h in unit_hosts(module) if h is not module for p in h.parameters()}
     specs: dict[int, TPSpec] = {}
-    for name, param in module.named_parameters():
-        if not isinstance(param, DTensor) or id(param) in ignored or id(param) in inner or id(param) in specs:
+    for name, param in call_parameters(module, ignored_params):
+        if not isinstance(param, DTensor):
             continue
         tp_mesh = param.device_mesh
         if tp_mesh.ndim != 1 or any(isinstance(p, Partial) for p in param.placements):

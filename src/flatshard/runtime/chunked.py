@@ -165,10 +165,10 @@ class ChunkedLayout:
     def _move(self, rank_major: torch.Tensor, param: torch.Tensor, i: int, *, to_rank_major: bool) -> None:
         """Copy parameter ``i`` between its param-major run ``param`` and its F chunks in the (F, S)
         ``rank_major``, either way: one strided copy when its dim splits evenly, else a copy per rank."""
-        c, r, d = self.chunk_rows[i] * self.row_numel[i], self.row_numel[i], self.dims[i]
+        c, r = self.chunk_rows[i] * self.row_numel[i], self.row_numel[i]
         block = rank_major[:, self.seg_offsets[i] : self.seg_offsets[i] + c]
         if self.chunk_rows[i] * self.shard_size == self.rows[i]:  # even
-            chunks = self._even_chunks(param, i) if d else param.view(self.shard_size, c)
+            chunks = self._even_chunks(param, i)
             block = block.view(chunks.shape)
             (block.copy_(chunks) if to_rank_major else chunks.copy_(block))
             return
