@@ -71,3 +71,5 @@ def test_the_readme_counts_are_the_recorded_ones():
         sum(t["flatshard"] == "passed" for t in internals),
     )
     assert tuple(int(g) for g in said.groups()) == recorded, (said.groups(), recorded)
+    failing = recorded[0] - recorded[1]
+    assert f"The {failing} it fails" in text, f"README.md should say 'The {failing} it fails'"

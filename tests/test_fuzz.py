@@ -70,6 +70,8 @@ def test_readme_figures_are_the_committed_fuzz_run():
     off = run["fsdp2_off_the_reference_indices"]
     assert len(off) == run["fsdp2_off_the_reference"]
     assert f"in {len(off)} configurations PyTorch's FSDP2 itself is off the reference" in readme
+    words = {7: "seven", 8: "eight", 9: "nine", 10: "ten"}
+    assert f"runs {words[len(INDICES)]} of its configurations in the suite" in readme
     # "each of them after an exception the loop caught": every such draw holds a caught exception.
     assert all(any(e["kind"] == "raise" for e in fuzz_config.draw(seed, i)["events"]) for i in off), off
 
