@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -383,3 +385,33 @@ def _stop(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports that are free now, below the kernel's ephemeral range.
+
+    [Note: ports below the ephemeral range] A port the kernel hands out (bind to 0) lies inside
+    ``ip_local_port_range``, and so do the ports P + 1 ... P + G after it, which every outgoing connection of
+    the run (the lighthouse's, the stores', gloo's) may take as its own local port before torchrun binds them:
+    a rendezvous that failed with EADDRINUSE. Ports below the range are taken only by listeners, which the
+    trial binds here see."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, max(10001, low - count))
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports between 10000 and {low}: pass --port")

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,16 +37,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cluster_net import Cluster, Topology, parse_rate, unavailable  # noqa: E402
+from cluster_net import Cluster, Topology, free_ports, parse_rate, unavailable  # noqa: E402
 
 WORKER = ROOT / "bench" / "replica_faults_worker.py"
 SMOOTH = 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -380,7 +373,7 @@ def main(argv=None) -> int:
 
     if args.local:
         if args.port == 0:
-            args.port = free_port()  # the next G are tried too; a clash shows in the torchrun logs
+            args.port = free_ports(args.groups + 1)
         faulty, clean, controls = runs([Node("127.0.0.1") for _ in range(args.groups)])
         where = "localhost"
     else:

@@ -6,22 +6,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+from cluster_net import free_ports  # noqa: E402
 
 
 def test_two_node_torchrun_hybrid(tmp_path):
-    port, run_id = _free_port(), uuid.uuid4().hex[:8]
+    port, run_id = free_ports(1), uuid.uuid4().hex[:8]
     nodes = []
     for node in range(2):
         cmd = [

@@ -28,7 +28,7 @@ ARGS = dict(
 
 
 def test_a_group_dropped_and_rejoined_holds_bitwise_the_same_state(tmp_path):
-    args = Namespace(**ARGS, port=replica_faults.free_port())
+    args = Namespace(**ARGS, port=replica_faults.free_ports(ARGS["groups"] + 1))
     nodes = [replica_faults.Node("127.0.0.1") for _ in range(args.groups)]
     run = replica_faults.run_once(nodes, args, seed=0, kills=1, log_dir=tmp_path)
     tails = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("torchrun-g*.log")))
