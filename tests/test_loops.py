@@ -8,6 +8,7 @@ tolerances; after every step no unit is left gathered."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -583,3 +584,73 @@ def test_right_after_a_backward_raised_the_model_is_whole(front, tmp_path):
     n = len(list(_gpt(2).parameters()))
     assert all(r["params"] == n for r in results), results
     assert all(r.get("saved") for r in results) if front == "fsdp1" else results[0]["norm"] == results[1]["norm"]
+
+
+# ---- 1b. a window the loop gives up on before flatshard sees it -------------------------------------------
+def abandoned_window_worker(rank: int, world: int, front: str) -> list[str]:
+    """Two micro-batches accumulate unreduced; the third is given up before any unit's hook runs -- its
+    backward raises in a hook on the loss, or its loss is not finite and the loop skips the backward --
+    and the loop clears the gradients (``zero_grad``, either way) or, for a NaN guard that keeps the window,
+    does not. Another case clears one block's parameters mid-window (``p.grad = None``). Each ends with a
+    window of three micro-batches and a step, compared with the reference that ran the same loop."""
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    done = []
+    for case in ("loss hook raises", "nan skipped", "nan skipped, zeroed", "nan kept", "one block cleared"):
+        ref, model = _gpt(2), _gpt(2)
+        model = _wrap(model, front, "SHARD_GRAD_OP", True, None)
+        ref_opt, opt = _optimizer("adamw", ref.parameters()), _optimizer("adamw", model.parameters())
+
+        def micro(k: int, sync: bool, give_up: bool = False):
+            x, y = _batch(k, world)
+            for net, rows in ((ref, slice(None)), (model, local)):
+                if isinstance(net, FSDP) and not sync:
+                    ctx = net.no_sync()
+                else:
+                    ctx = contextlib.nullcontext()
+                    if net is model and not isinstance(net, FSDP):
+                        net.set_requires_gradient_sync(sync)
+                with ctx:
+                    loss = _loss(net(x[rows]), y[rows]) / 3
+                    if not give_up:
+                        loss.backward()
+                    elif case == "loss hook raises":
+                        loss.register_hook(lambda _g: (_ for _ in ()).throw(Boom("loss")))
+                        with pytest.raises(Boom):
+                            loss.backward()
+
+        def clear(net, names):
+            for name, p in net.named_parameters():
+                if name.replace("_checkpoint_wrapped_module.", "").startswith(names):
+                    p.grad = None
+
+        micro(0, False)
+        micro(1, False)
+        if case == "one block cleared":
+            clear(ref, "blocks.1.")
+            clear(model, "blocks.1.")
+        else:
+            micro(2, False, give_up=True)
+            if case != "nan kept":
+                set_to_none = case != "nan skipped, zeroed"
+                ref_opt.zero_grad(set_to_none=set_to_none)
+                opt.zero_grad(set_to_none=set_to_none)
+        for k in (3, 4, 5):
+            micro(k, k == 5)
+        what = f"{front}: {case}"
+        _compare(model, ref, what, grads=True)
+        ref_opt.step()
+        opt.step()
+        _compare(model, ref, what, grads=False)
+        _assert_nothing_gathered(model, what)
+        done.append(case)
+    return done
+
+
+@pytest.mark.parametrize("front", ["fsdp1", "fully_shard"])
+def test_a_window_given_up_before_any_unit_follows_the_loops_zero_grad(front):
+    """[Note: an open accumulation window] (exposure.py): the loop's zero_grad drops what the window
+    accumulated inside the units, as it drops an unwrapped model's ``.grad``; without it the window goes on."""
+    done = run_distributed(abandoned_window_worker, 2, front, timeout=300)
+    assert done[0] == done[1] and len(done[0]) == 5, done

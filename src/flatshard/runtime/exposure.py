@@ -9,6 +9,7 @@ trainable shard view's ``.grad`` a slice of it. Where a view still holds a gradi
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import TYPE_CHECKING, Optional
 
@@ -40,6 +41,7 @@ def grad_shard(unit: Unit) -> Optional[torch.Tensor]:
 def expose_grads(unit: Unit, reduced: torch.Tensor) -> None:
     """Make ``reduced`` this rank's gradient: the grad shard when no trainable view holds a gradient,
     else added in place to what each view holds, and ``reduced`` dropped."""
+    unmark(unit)  # [Note: an open accumulation window]
     if unit.offload:
         reduced = reduced.to(unit.flat_shard.device)
     slices = unit.owner_layout.local_slices(unit.owner_rank)
@@ -78,3 +80,93 @@ def _set_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
         return
     view.grad = torch.zeros((), dtype=view.dtype, device=view.device).expand(view.shape)
     view.grad.data = grad
+
+
+# [Note: an open accumulation window]
+# Between a backward that does not synchronise (no_sync, set_requires_gradient_sync(False)) and the one
+# that does, the micro-batches' gradients accumulate unreduced inside the units (the unsharded flat's
+# ``.grad``, or ``Unit.unsynced``), out of the optimizer's sight. On an unwrapped model they would be on
+# ``.grad``, where the loop's ``zero_grad()`` drops them -- the loop that gives up a window part-way (a
+# backward raising before it reaches any unit, a non-finite loss whose backward it skips) relies on that.
+# So while a window is open each trainable shard view's ``.grad`` is *marked*: a view with no gradient gets
+# a zero that allocates nothing (a broadcast scalar; a DTensor of one for fully_shard) -- the synchronised
+# gradient so far, which is nothing until the window's synchronised backward -- and each view's gradient
+# object and version are remembered. Before the root's next forward, a view whose ``.grad`` is no longer
+# that object (``zero_grad()``, ``p.grad = None``) or was written in place (``zero_grad(set_to_none=False)``)
+# has its part of the accumulation zeroed: the whole window when the loop cleared every parameter, as on an
+# unwrapped model. When the window's reduction is exposed the marks go first, so a marked view takes the
+# reduced gradient as a view that had none. PyTorch FSDP1 gets the same from its optimizer holding the
+# flat parameter whose ``.grad`` is the accumulation (or, with use_orig_params, from finding every original
+# parameter's ``.grad`` None); PyTorch FSDP2 shows ``None`` mid-window and keeps the window through
+# ``zero_grad()`` until ``reset_iter_state()`` -- a difference README's "Differences from PyTorch FSDP" lists.
+# Not seen: a foreach or fused optimizer's ``zero_grad(set_to_none=False)`` under fully_shard, whose
+# ``torch._foreach_zero_`` of DTensor gradients bumps no version counter (``_version``).
+def window_open(unit: Unit) -> bool:
+    """Whether ``unit`` holds an unreduced accumulation (an open window)."""
+    return unit.unsharded.grad is not None or unit.unsynced is not None
+
+
+def mark_window(unit: Unit) -> None:
+    """End of a backward that left ``unit``'s window open: mark each trainable shard view's ``.grad``."""
+    ours = {m.index for m in unit.window_marks if m.made and not m.cleared(unit)}  # marked by an earlier backward
+    marks = []
+    for i, view in enumerate(unit.shard_views):
+        if not view.requires_grad:
+            continue
+        made = view.grad is None or i in ours
+        if view.grad is None:
+            zero = torch.zeros((), dtype=view.dtype, device=view.device).expand(local(view).shape)
+            _set_grad(view, unit.grad_as(i, zero) if unit.grad_as is not None else zero)
+        marks.append(WindowMark(i, weakref.ref(view.grad), _version(view.grad), made))
+    unit.window_marks = marks
+
+
+@dataclasses.dataclass
+class WindowMark:
+    """One trainable shard view's ``.grad`` while a window is open: which object and version it was, and
+    whether flatshard made it (the mark that allocates nothing) or the loop's own gradient was there."""
+
+    index: int
+    grad: weakref.ref
+    version: tuple[int, int]
+    made: bool
+
+    def cleared(self, unit: Unit) -> bool:
+        grad = self.grad()
+        return grad is None or unit.shard_views[self.index].grad is not grad or _version(grad) != self.version
+
+
+def _version(grad: torch.Tensor) -> tuple[int, int]:
+    """What an in-place write to ``grad`` changes: its version and its local tensor's (a DTensor's ``zero_()``
+    bumps its own; ``torch._foreach_zero_`` of DTensors, a foreach or fused optimizer's
+    ``zero_grad(set_to_none=False)``, bumps neither -- that one clear is not seen)."""
+    return grad._version, local(grad)._version
+
+
+def drop_cleared(unit: Unit) -> bool:
+    """Before the root's next forward: zero the part of ``unit``'s open window whose views the loop cleared
+    since the last backward; the whole window (and the marks) when every one was. True if any was."""
+    if not unit.window_marks or not window_open(unit):
+        return False
+    cleared = {m.index for m in unit.window_marks if m.cleared(unit)}
+    if not cleared:
+        return False
+    if len(cleared) == len(unit.window_marks):
+        unit.unsharded.grad = unit.unsynced = None
+        unmark(unit)
+        return True
+    for held in (unit.unsharded.grad, unit.unsynced):
+        if held is not None:
+            pieces = torch.split(held, unit.layout.split_sizes)
+            for i in cleared:
+                pieces[i].zero_()
+    unit.window_marks = [m for m in unit.window_marks if m.index not in cleared]
+    return True
+
+
+def unmark(unit: Unit) -> None:
+    """The window closed (reduced, or dropped): a view still holding flatshard's mark has no gradient again."""
+    for mark in unit.window_marks:
+        if mark.made and mark.grad() is not None and unit.shard_views[mark.index].grad is mark.grad():
+            unit.shard_views[mark.index].grad = None
+    unit.window_marks = []

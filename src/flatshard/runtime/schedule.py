@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from flatshard.api import BackwardPrefetch
-from flatshard.runtime import agree, collectives, precision
+from flatshard.runtime import agree, collectives, exposure, precision
 from flatshard.runtime.collectives import CollectiveResult
 from flatshard.runtime.instrument import CommEvent, CommRecorder, MemoryRecorder
 from flatshard.runtime.order import END_BACKWARD, END_FORWARD, Checker, exchange_tag
@@ -142,6 +142,9 @@ class RunContext:
 
     def begin_forward(self) -> None:
         self.recover()
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            for unit in self.units:  # the loop cleared gradients since the last backward: [Note: an open
+                exposure.drop_cleared(unit)  # accumulation window] (exposure.py)
         if self.passes >= 1:  # a second forward: the first step (checked) is over, with or without a backward
             self.checker.first_step = False
         self.passes += 1
@@ -207,6 +210,8 @@ class RunContext:
                 unit.finish_reduction()
             for unit in self.units:
                 unit.finish_backward()
+                if exposure.window_open(unit):
+                    exposure.mark_window(unit)
             self.sample_memory()
             self.checker.first_step = False
         finally:
@@ -231,9 +236,9 @@ class RunContext:
     # next steps then equal a run that skipped the batch (tests/test_loops.py). Every rank must raise at
     # the same point, as an error in the data or the model does on every rank; an exception on one rank
     # alone leaves its peers in a collective until the group's timeout, whose error names the unit.
-    # Not handled yet: a backward that raises before it reaches any unit's hook (in a hook on the model's
-    # output or the loss) sets neither flag, so an open accumulation window survives the loop's
-    # zero_grad (tests/test_fuzz.py holds it as an expected failure; reset_iter_state() puts it right).
+    # A backward that raises before it reaches any unit's hook (in a hook on the model's output or the
+    # loss) sets neither flag: there is nothing in flight to put back, and an accumulation window it
+    # leaves open follows the loop's zero_grad ([Note: an open accumulation window], exposure.py).
     @property
     def interrupted(self) -> bool:
         """Whether the last forward or backward raised and its state is not yet put back."""

@@ -118,6 +118,7 @@ class Unit:
         self.requires_gradient_sync = True  # False: this unit's gradients accumulate unreduced (no_sync)
         self.unsynced_in_reduce_dtype = False  # fully_shard: accumulate unreduced in the reduce dtype, as FSDP2
         self.unsynced: Optional[torch.Tensor] = None  # that accumulation (keep_unsynced_gradient)
+        self.window_marks: list = []  # [Note: an open accumulation window] (exposure.py)
         self.reshard_after_backward = True
         self.gradient_divide_factor: Optional[float] = None  # None: divide by the data-parallel size
         self.forward_prefetch: list[Unit] = []  # explicit prefetch targets (else the run context's schedule)
@@ -336,6 +337,7 @@ class Unit:
         self.open_splits = 0
         self.view_grad_bytes = 0
         self.unsharded.grad = self.unsynced = None
+        exposure.unmark(self)
         self.use_shard_views()
         self.reshard()
 
