@@ -654,3 +654,47 @@ def test_a_window_given_up_before_any_unit_follows_the_loops_zero_grad(front):
     accumulated inside the units, as it drops an unwrapped model's ``.grad``; without it the window goes on."""
     done = run_distributed(abandoned_window_worker, 2, front, timeout=300)
     assert done[0] == done[1] and len(done[0]) == 5, done
+
+
+# ---- 1c. a forward with no backward after it, then an edit --------------------------------------------
+def forward_without_backward_worker(rank: int, world: int, front: str, strategy: str) -> int:
+    """A forward whose backward never reaches a unit (it raises in a hook on the loss; or the loss is not
+    finite and the loop skips it) leaves what that forward kept gathered (the root; SHARD_GRAD_OP's
+    units). The loop then edits the parameters -- through ``p.data``, and a fused optimizer, neither of
+    which bumps a version counter -- and the next forward must compute with the edited parameters."""
+    local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    done = 0
+    for case in ("loss hook raises", "nan skipped"):
+        ref, model = _gpt(2), _gpt(2)
+        model = _wrap(model, front, strategy, False, None)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for step in range(3):
+            x, y = _batch(step, world)
+            ref_loss, loss = _loss(ref(x), y), _loss(model(x[local]), y[local])
+            what = f"{front} {strategy} {case} step {step}"
+            torch.testing.assert_close(loss, _loss(ref(x)[local], y[local]), msg=lambda m, w=what: f"{w}: {m}")
+            if step == 0:  # given up: no gradient, the parameters edited by hand
+                if case == "loss hook raises":
+                    loss.register_hook(lambda _g: (_ for _ in ()).throw(Boom("loss")))
+                    with pytest.raises(Boom):
+                        loss.backward()
+                ref_opt.zero_grad()
+                opt.zero_grad()
+                _edit(model, ref, 0)
+                continue
+            ref_loss.backward()
+            loss.backward()
+            ref_opt.step()
+            opt.step()
+            ref_opt.zero_grad()
+            opt.zero_grad()
+            _compare(model, ref, what, grads=False)
+        done += 1
+    return done
+
+
+@pytest.mark.parametrize("front", ["fsdp1", "fully_shard"])
+def test_a_forward_with_no_backward_then_an_edit_computes_with_the_edit(front):
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        assert run_distributed(forward_without_backward_worker, 2, front, strategy, timeout=200) == [2, 2]

@@ -44,6 +44,7 @@ Index of every [Note: ...] in the package
   prefetch ........................ runtime/schedule.py
   stream discipline ............... runtime/streams.py
   a step that raised .............. runtime/schedule.py
+  a forward with no backward after it .. runtime/schedule.py
   an open accumulation window .... runtime/exposure.py
   exchange tags ................... runtime/gloo_exchange.py
   inter-node compression .......... runtime/compress.py

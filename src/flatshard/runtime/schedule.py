@@ -98,6 +98,7 @@ class RunContext:
         # [Note: order checks] (order.py)
         self.checker = Checker(units, root.groups.process_group, lambda r: self.record(r, "world", "<order check>"))
         self.passes = 0  # forward passes the root has begun
+        self.backward_since_forward = False  # [Note: a forward with no backward after it]
         self.is_last_backward = (
             True  # fully_shard's set_is_last_backward (changes nothing: reductions end each backward)
         )
@@ -145,6 +146,9 @@ class RunContext:
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
             for unit in self.units:  # the loop cleared gradients since the last backward: [Note: an open
                 exposure.drop_cleared(unit)  # accumulation window] (exposure.py)
+            if self.passes >= 1 and not self.backward_since_forward:
+                self.reshard_kept()
+        self.backward_since_forward = False
         if self.passes >= 1:  # a second forward: the first step (checked) is over, with or without a backward
             self.checker.first_step = False
         self.passes += 1
@@ -192,6 +196,7 @@ class RunContext:
 
     def begin_backward(self) -> bool:
         """The first pre-backward (or post-backward) hook of a backward pass: True if this call began it."""
+        self.backward_since_forward = True
         if self.end_of_backward_queued:
             return False
         self.end_of_backward_queued = True
@@ -239,6 +244,22 @@ class RunContext:
     # A backward that raises before it reaches any unit's hook (in a hook on the model's output or the
     # loss) sets neither flag: there is nothing in flight to put back, and an accumulation window it
     # leaves open follows the loop's zero_grad ([Note: an open accumulation window], exposure.py).
+    # [Note: a forward with no backward after it]
+    # What a forward leaves gathered (the root; units that do not reshard after forward) is its backward's,
+    # which reshards it. A forward whose backward never reaches a unit -- it raised in a hook on the loss,
+    # or the loop skipped a non-finite loss -- leaves it gathered for the next forward, and the loop may
+    # change the parameters meanwhile in ways no version counter sees (``p.data`` writes, fused optimizers),
+    # so the next forward would compute with the parameters as they were. So a forward that follows a
+    # forward with no backward in between first reshards what the earlier one left gathered, and gathers
+    # afresh (every rank runs the same loop, so they agree without a collective). A forward after a
+    # backward reuses what is gathered as before: no_sync's micro-batches, a user's ``unshard()``.
+    def reshard_kept(self) -> None:
+        for unit in self.units:
+            if unit.gathered:
+                unit.wait_for_unshard()
+                unit.use_shard_views()
+                unit.reshard()
+
     @property
     def interrupted(self) -> bool:
         """Whether the last forward or backward raised and its state is not yet put back."""
