@@ -232,14 +232,19 @@ def accumulation_fault_worker(rank: int, world: int, front: str, phase: str) -> 
     with pytest.raises(Boom):
         micro(2, True, model_only=True)
     opt.zero_grad()
+    _close_window(micro, model, ref, opt, ref_opt, f"{front}: {phase} raised at the end of an accumulation window")
+    return 1
+
+
+def _close_window(micro, model, ref, opt, ref_opt, what: str) -> None:
+    """Micro-batches 3 and 4 unsynced, 5 synced, on both models; then both step: gradients and parameters
+    compared with the reference's."""
     for k in (3, 4, 5):
         micro(k, k == 5)
-    what = f"{front}: {phase} raised at the end of an accumulation window"
     _compare(model, ref, what, grads=True)
     ref_opt.step()
     opt.step()
     _compare(model, ref, what, grads=False)
-    return 1
 
 
 @pytest.mark.parametrize("front", ["fsdp1", "fully_shard"])
@@ -636,13 +641,8 @@ def abandoned_window_worker(rank: int, world: int, front: str) -> list[str]:
                 set_to_none = case != "nan skipped, zeroed"
                 ref_opt.zero_grad(set_to_none=set_to_none)
                 opt.zero_grad(set_to_none=set_to_none)
-        for k in (3, 4, 5):
-            micro(k, k == 5)
         what = f"{front}: {case}"
-        _compare(model, ref, what, grads=True)
-        ref_opt.step()
-        opt.step()
-        _compare(model, ref, what, grads=False)
+        _close_window(micro, model, ref, opt, ref_opt, what)
         _assert_nothing_gathered(model, what)
         done.append(case)
     return done
