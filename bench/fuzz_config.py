@@ -106,6 +106,21 @@ def _events(rng: random.Random, cfg: dict) -> list[dict]:
         else:
             event.update(how="copy", seed=rng.randrange(10**6))
         events.append(event)
+    # drawn from a generator of its own, so every earlier configuration of a seed is drawn as before
+    own = random.Random(f"flatshard-fuzz/{cfg['seed']}/{cfg['index']}/skip")
+    if own.random() < 0.2:
+        # a non-finite loss skipped by the loop: no backward for it; zero_grad; the step is given up
+        foreach = cfg["front"] == "fully_shard" and cfg["optim"]["impl"] != "plain"
+        events.append(
+            {
+                "kind": "skip",
+                "step": own.randrange(steps),
+                "micro": own.randrange(cfg["accum"]),
+                # zero_grad(set_to_none=False) of a foreach or fused optimizer leaves no trace on DTensor
+                # gradients (README, "The loops people write"): drawn only where flatshard can see it
+                "set_to_none": True if foreach else own.random() < 0.5,
+            }
+        )
     return events
 
 
@@ -178,6 +193,7 @@ def summary(cfg: dict) -> str:
         parts.append(f"act={cfg['act_ckpt']}")
     for e in cfg["events"]:
         parts.append(f"{e['kind']}@{e['step']}" + (f":{e['module']}/{e['phase']}" if e["kind"] == "raise" else ""))
+        parts[-1] += "" if e["kind"] != "skip" or e["set_to_none"] else "/zeros"
     if cfg.get("ckpt"):
         c = cfg["ckpt"]
         parts.append(f"ckpt@{c['after_step']}->W={c['W']} {c['strategy']} F={c['F']}")

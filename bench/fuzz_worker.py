@@ -28,9 +28,10 @@ class Injected(RuntimeError):
     """The exception a configuration injects; the training loop catches it and skips the batch (and, when
     ``reset``, calls the root's reset_iter_state())."""
 
-    def __init__(self, message: str, reset: bool):
+    def __init__(self, message: str, reset: bool, set_to_none: bool = True):
         super().__init__(message)
         self.reset = reset
+        self.set_to_none = set_to_none
 
 
 ROLES = {"ref": "the reference", "ours": "flatshard", "theirs": "PyTorch's FSDP2"}
@@ -107,6 +108,7 @@ def _run_step(side: Side, cfg: dict, step: int, world: int, rank: int) -> list |
     m, accum, spec = cfg["micro"], cfg["accum"], cfg["model"]
     local = slice(rank * m, (rank + 1) * m)
     due = [e for e in cfg["events"] if e["kind"] == "raise" and e["step"] == step]
+    skip = next((e for e in cfg["events"] if e["kind"] == "skip" and e["step"] == step), None)
     losses = []
     try:
         for j in range(accum):
@@ -121,6 +123,8 @@ def _run_step(side: Side, cfg: dict, step: int, world: int, rank: int) -> list |
                     out = side.model(x[local])
                     loss = loss_fn(spec, out, y[local]) / accum
                     losses.append(loss.detach())
+                if skip is not None and skip["micro"] == j:  # the loop's guard finds the loss not finite
+                    raise Injected(f"loss skipped ({side.role})", False, skip["set_to_none"])
                 loss.backward()
     except Injected as exc:
         # PyTorch's FSDP2 recovers only through reset_iter_state() (its documented workflow: catch, reset,
@@ -128,7 +132,7 @@ def _run_step(side: Side, cfg: dict, step: int, world: int, rank: int) -> list |
         # flatshard puts its units back by itself ([Note: a step that raised]); fully_shard takes the call too
         if side.role == "theirs" or (side.role == "ours" and exc.reset):
             side.model.reset_iter_state()
-        side.opt.zero_grad()
+        side.opt.zero_grad(set_to_none=exc.set_to_none)
         return None
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0]
