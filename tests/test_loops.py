@@ -698,3 +698,26 @@ def forward_without_backward_worker(rank: int, world: int, front: str, strategy:
 def test_a_forward_with_no_backward_then_an_edit_computes_with_the_edit(front):
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
         assert run_distributed(forward_without_backward_worker, 2, front, strategy, timeout=200) == [2, 2]
+
+
+def clip_in_window_worker(rank: int, world: int) -> str:
+    """clip_grad_norm_ while an accumulation window is open: the window's gradients are unreduced inside
+    the units, so there is nothing right to clip; every rank raises the same clear error."""
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    model = _wrap(_gpt(2), "fsdp1", "FULL_SHARD", False, None)
+    x, y = _batch(0, world)
+    local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    with model.no_sync():
+        _loss(model(x[local]), y[local]).backward()
+    assert isinstance(model, FSDP)
+    with pytest.raises(RuntimeError, match="accumulation window") as info:
+        model.clip_grad_norm_(1.0)
+    _loss(model(x[local]), y[local]).backward()  # the synchronised backward closes it: clipping works again
+    assert torch.isfinite(model.clip_grad_norm_(1.0))
+    return str(info.value)
+
+
+def test_clip_grad_norm_inside_an_open_window_raises_on_every_rank():
+    messages = run_distributed(clip_in_window_worker, 2, timeout=120)
+    assert messages[0] == messages[1] and "after the synchronised backward" in messages[0], messages

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from flatshard.runtime import collectives, order
+from flatshard.runtime import collectives, exposure, order
 from flatshard.runtime.hooks import traced
 from flatshard.runtime.schedule import Phase, RunContext
 
@@ -40,6 +40,14 @@ def clip_grad_norm_(
 
 def _clip(ctx: RunContext, unmanaged, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
     ctx.recover()  # [Note: a step that raised] (schedule.py)
+    open_window = [unit.name for unit in ctx.units if unit.window_marks and exposure.window_open(unit)]
+    if open_window:  # every rank runs the same loop, so every rank raises here alike
+        raise RuntimeError(
+            f"clip_grad_norm_ inside an open gradient accumulation window (units {', '.join(open_window)}): "
+            "their gradients are still unreduced inside the units ([Note: an open accumulation window]), "
+            "so there is nothing right to clip yet. Clip after the synchronised backward (the last "
+            "micro-batch, outside no_sync / with set_requires_gradient_sync(True)), before optimizer.step()."
+        )
     sharded = [v.grad for unit in ctx.units for v in unit.shard_views if v.grad is not None]
     local = [p.grad for p in unmanaged if p.grad is not None]
     device = ctx.root.compute_device  # where collectives run (gradient shards are on CPU under CPUOffload)
