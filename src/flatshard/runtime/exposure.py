@@ -145,25 +145,22 @@ def _version(grad: torch.Tensor) -> tuple[int, int]:
     return grad._version, local(grad)._version
 
 
-def drop_cleared(unit: Unit) -> bool:
+def drop_cleared(unit: Unit) -> None:
     """Before the root's next forward: zero the part of ``unit``'s open window whose views the loop cleared
-    since the last backward; the whole window (and the marks) when every one was. True if any was."""
+    since the last backward; the whole window (and the marks) when every one was."""
     if not unit.window_marks or not window_open(unit):
-        return False
+        return
     cleared = {m.index for m in unit.window_marks if m.cleared(unit)}
-    if not cleared:
-        return False
     if len(cleared) == len(unit.window_marks):
         unit.unsharded.grad = unit.unsynced = None
         unmark(unit)
-        return True
+        return
     for held in (unit.unsharded.grad, unit.unsynced):
-        if held is not None:
+        if held is not None and cleared:
             pieces = torch.split(held, unit.layout.split_sizes)
             for i in cleared:
                 pieces[i].zero_()
     unit.window_marks = [m for m in unit.window_marks if m.index not in cleared]
-    return True
 
 
 def unmark(unit: Unit) -> None:

@@ -256,9 +256,8 @@ class RunContext:
     def reshard_kept(self) -> None:
         for unit in self.units:
             if unit.gathered:
-                unit.wait_for_unshard()
                 unit.use_shard_views()
-                unit.reshard()
+                unit.reshard()  # waits for a gather still in flight first
 
     @property
     def interrupted(self) -> bool:
