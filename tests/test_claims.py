@@ -32,7 +32,13 @@ NOT_BUILT = {
     ("fsdp.py", "FullyShardedDataParallel.register_comm_hook"): ["`register_comm_hook`"],
     ("fsdp2.py", "_not_built.method"): ["FSDP2's `set_custom_all_gather` and kin"],
     ("fsdp2.py", "FSDPModule.set_reshard_after_forward"): ["`set_reshard_after_forward` with an int"],
-    ("fsdp2_checks.py", "check_no_all_gather_extension"): ["FSDP2's all-gather extensions"],
+    ("fsdp2_checks.py", "check_no_all_gather_extension"): [
+        "an all-gather extension set on the local tensor of a plain parameter after `fully_shard`"
+    ],
+    ("fsdp2_extensions.py", "SelfGathered._pre_all_gather"): [
+        "a tensor subclass parameter without `fsdp_pre_all_gather`"
+    ],
+    ("fsdp2_extensions.py", "attach"): ["on a 2-D mesh without dim names", "such parameters under `CPUOffloadPolicy`"],
     ("fsdp2_tp.py", "tensor_parallel_params"): ["DTensor parameters of a tensor-parallel mesh of more than one dim"],
     ("fsdp2_checks.py", "shard_dims"): ["`shard_placement_fn` returning a `ShardPlacementResult`"],
     ("fsdp2.py", "fully_shard"): ["`dp_mesh_dims`"],

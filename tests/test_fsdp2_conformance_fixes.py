@@ -480,34 +480,3 @@ def dataclass_input_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the
 def test_dataclass_inputs_are_cast():
     for out in run_distributed(dataclass_input_worker, 2):
         assert out == {"out": "no error", "dtype": ["torch.bfloat16"]}, out
-
-
-class _GathersInBf16(torch.Tensor):
-    """A parameter class defining FSDP2's all-gather extension (what float8 training libraries do)."""
-
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # noqa: ARG002
-        return (self.to(torch.bfloat16),), None
-
-
-def extension_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
-    """FSDP2's all-gather extensions (fsdp_pre_all_gather / fsdp_post_all_gather) are not built: a
-    parameter defining one is refused at the call, and one set on a local tensor after the call is refused
-    at the first forward, instead of gathering in the parameter's dtype as if it were not there."""
-    import flatshard
-
-    model = _mlp()
-    model[0].weight = nn.Parameter(model[0].weight.detach().as_subclass(_GathersInBf16))
-    at_call = _raised(lambda: flatshard.fully_shard(model))
-    patched = _mlp()
-    flatshard.fully_shard(patched)
-    local = patched[2].weight._local_tensor
-    local.fsdp_pre_all_gather = _GathersInBf16.fsdp_pre_all_gather.__get__(local)
-    at_forward = _raised(lambda: patched(torch.randn(2, 5)))
-    return {"at_call": at_call, "at_forward": at_forward}
-
-
-def test_all_gather_extensions_are_refused():
-    for out in run_distributed(extension_worker, 2):
-        for where, name in (("at_call", "0.weight"), ("at_forward", "2.weight")):
-            assert out[where].startswith("NotBuiltError/"), out
-            assert name in out[where] and "fsdp_pre_all_gather" in out[where], out

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from flatshard import fsdp2_checks, fsdp2_tp, interop
+from flatshard import fsdp2_checks, fsdp2_extensions, fsdp2_tp, interop
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.runtime import build, deferred, hooks, precision, recording
 from flatshard.runtime.layout import set_views_on_modules
@@ -246,8 +246,11 @@ def fully_shard(
     # Tied parameters must be in one group; the root adopts the unit once (runtime/tree.py, units_under).
     target = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     fsdp2_checks.check_not_flattened(target)
-    fsdp2_checks.check_extensions(target, ignored_params)
     mesh, placements = _mesh(mesh, target)
+    # [Note: parameters that gather themselves] (fsdp2_extensions.py): kept out of the flat shard
+    self_gathered = [
+        (n, p) for n, p in fsdp2_checks.call_parameters(target, ignored_params) if fsdp2_extensions.gathers_itself(p)
+    ]
     tp_specs = fsdp2_tp.tensor_parallel_params(target, ignored_params, mesh)
     dims = fsdp2_checks.shard_dims(target, shard_placement_fn, ignored_params) if shard_placement_fn else None
     # [Note: FSDP over tensor-parallel parameters] (fsdp2_tp.py): the unit is built on their local tensors
@@ -259,7 +262,7 @@ def fully_shard(
         strategy=_strategy(mesh, reshard),
         process_group=mesh.get_group() if mesh.ndim == 1 else None,
         device_mesh=mesh if mesh.ndim == 2 else None,
-        ignored_states=fsdp2_checks.ignored_here(target, ignored_params),
+        ignored_states=fsdp2_checks.ignored_here(target, ignored_params, [p for _, p in self_gathered]),
         mixed_precision=mp,
         # CPUOffloadPolicy on a CPU mesh: the parameters already live in CPU memory, as FSDP2 leaves them
         offload_params=_offload(offload_policy) and mesh.device_type != "cpu",
@@ -274,6 +277,7 @@ def fully_shard(
     if post_forward_size:
         unit.post_forward = _post_forward_group(mesh, post_forward_size, unit.layout.padded)
     _as_dtensors(unit, mesh, placements, tp_uses)
+    fsdp2_extensions.attach(unit, target, self_gathered, mesh, placements, mp_policy, mp)
     if unit.flat_shard.is_meta:
         _ON_META.add(unit)
     for m in modules:
@@ -336,8 +340,9 @@ def _adopt_materialized(module: nn.Module, _args) -> None:
     if not _ON_META and not module._unit.is_root:
         return
     if module._unit.is_root and module not in _ROOTS_CHECKED:  # a local tensor given an extension after the call
-        named = module.named_parameters()
-        fsdp2_checks.check_no_all_gather_extension([(n, p._local_tensor) for n, p in named if isinstance(p, DTensor)])
+        own = {i for u in units_under(module) if u.side is not None for i in u.side.params}
+        named = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor) and id(p) not in own]
+        fsdp2_checks.check_no_all_gather_extension([(n, p._local_tensor) for n, p in named])
         _ROOTS_CHECKED.add(module)
     pending = [u for u in units_under(module) if u in _ON_META or _moved(u)]
     if pending:

@@ -55,24 +55,18 @@ def shard_dims(module: nn.Module, shard_placement_fn, ignored_params) -> dict[in
     return dims
 
 
-def check_extensions(module: nn.Module, ignored_params) -> None:
-    """FSDP2's all-gather extensions on this call's parameters (not an inner call's, not ignored ones):
-    refused (``check_no_all_gather_extension``). DTensor parameters (tensor parallelism applied first) are
-    fsdp2_tp.py's."""
-    check_no_all_gather_extension(call_parameters(module, ignored_params))
-
-
 def check_no_all_gather_extension(named: list) -> None:
-    """FSDP2's all-gather extensions (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on a parameter or
-    its local tensor: float8 and other quantized gathers) are not built: flatshard gathers a unit's flat
-    shard as one buffer and would never call them. ``named``: (name, tensor) pairs."""
+    """An all-gather extension (``fsdp_pre_all_gather``) set on the local tensor of a plain parameter after
+    ``fully_shard``: that parameter lives in the unit's flat shard, gathered as one buffer, and flatshard
+    would never call it. A parameter whose class defines it, or any tensor subclass, gathers itself
+    ([Note: parameters that gather themselves], fsdp2_extensions.py). ``named``: (name, local tensor) pairs."""
     for name, tensor in named:
         if hasattr(tensor, "fsdp_pre_all_gather"):
             raise NotBuiltError(
-                f"{name} defines fsdp_pre_all_gather (FSDP2's all-gather extension): flatshard gathers each unit's "
-                "flat shard as one buffer, in the parameters' dtype or MixedPrecisionPolicy's param_dtype, and "
-                "never calls it. Use torch.distributed.fsdp.fully_shard (PyTorch's FSDP2) for custom all-gathers, "
-                "or MixedPrecisionPolicy(param_dtype=torch.bfloat16) for a bf16 gather"
+                f"{name} was given fsdp_pre_all_gather (FSDP2's all-gather extension) on its local tensor after "
+                "fully_shard, but it is a plain parameter, gathered within its unit's flat shard, where flatshard "
+                "does not call it. Make the parameter an instance of a tensor subclass (which flatshard gathers "
+                "through the extension) before fully_shard, or define the extension on that subclass"
             )
 
 
@@ -94,12 +88,13 @@ def check_not_flattened(module: nn.Module) -> None:
             )
 
 
-def ignored_here(module: nn.Module, ignored_params) -> Optional[list[nn.Parameter]]:
+def ignored_here(module: nn.Module, ignored_params, kept_out=()) -> Optional[list[nn.Parameter]]:
     """The ignored parameters that are ``module``'s: FSDP2 takes one set for a whole model (a parameter of
-    another module in it is no error), where the engine refuses a parameter it cannot find."""
-    if not ignored_params:
+    another module in it is no error), where the engine refuses a parameter it cannot find. ``kept_out``:
+    parameters the flat shard leaves to the front end (those that gather themselves)."""
+    ignored = {id(p) for p in (*(ignored_params or ()), *kept_out)}
+    if not ignored:
         return None
-    ignored = {id(p) for p in ignored_params}
     return [p for p in module.parameters() if id(p) in ignored] or None
 
 

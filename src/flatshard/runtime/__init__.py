@@ -65,6 +65,7 @@ Index of every [Note: ...] in the package
   get_state_dict on the wrapper ... fsdp.py
   a group of modules .............. fsdp2.py
   FSDP over tensor-parallel parameters .. fsdp2_tp.py
+  parameters that gather themselves .... fsdp2_extensions.py
   flat ranges as boxes ............ state/sharded_tensors.py
   loading through a plain parent .. state/module.py
   crash-safe commit ............... checkpoint/directory.py

@@ -214,6 +214,8 @@ class RunContext:
             for unit in crossing:
                 unit.finish_reduction()
             for unit in self.units:
+                if unit.side is not None:  # [Note: parameters that gather themselves] (fsdp2_extensions.py)
+                    unit.side.reduce(unit)
                 unit.finish_backward()
                 if exposure.window_open(unit):
                     exposure.mark_window(unit)

@@ -132,6 +132,9 @@ class Unit:
         self._partial: Optional[tuple[torch.Tensor, int]] = None  # (this rank's piece, flat shard version)
         self.strategy: Optional[ShardingStrategy] = None  # what the wrap call asked for (checkpoint manifests)
         self.mixed_precision: Optional[MixedPrecision] = None  # the policy ``precision`` was resolved from
+        # fully_shard: parameters kept out of the flat shard that gather themselves ([Note: parameters that
+        # gather themselves], fsdp2_extensions.py); it gathers beside the compute views, frees beside reshard
+        self.side: Optional[Any] = None
         set_views_on_modules(layout, self.shard_views, as_params=True)
 
     def _keep_shard(self, flat_full: torch.Tensor) -> torch.Tensor:
@@ -212,6 +215,8 @@ class Unit:
         """Free the unsharded flat (its tensor object stays, for autograd's saved views). ``after_forward``
         with a post-forward group ([Note: reshard after forward to a smaller group]): keep this rank's
         piece of it for the backward's gather within that group."""
+        if self.side is not None and not self.ctx.in_backward:  # in backward: at its end (finish_backward)
+            self.side.free()
         if self.state is UnitState.SHARDED or self.plan.aliased:
             return
         self.wait_for_unshard()  # never free memory a collective is still writing
@@ -236,10 +241,14 @@ class Unit:
         if self.compute_as is not None:  # tensor-parallel parameters: the module computes with DTensors
             views = [wrap(v) if wrap is not None else v for wrap, v in zip(self.compute_as, views)]
         set_views_on_modules(self.layout, views, as_params=False)
+        if self.side is not None:
+            self.side.use_compute(self)
         self.compute_views_set = True
         return split
 
     def use_shard_views(self) -> None:
+        if self.side is not None:
+            self.side.use_sharded()
         if self.compute_views_set:
             set_views_on_modules(self.layout, self.shard_views, as_params=True)
             self.compute_views_set = False
@@ -337,6 +346,8 @@ class Unit:
         self.open_splits = 0
         self.view_grad_bytes = 0
         self.unsharded.grad = self.unsynced = None
+        if self.side is not None:
+            self.side.abandon()
         exposure.unmark(self)
         self.use_shard_views()
         self.reshard()
@@ -351,6 +362,8 @@ class Unit:
         self.open_splits = 0
         self.use_shard_views()
         if self.reshard_after_backward and (self.sync or self.reshard_after_forward):
+            if self.side is not None:
+                self.side.free()
             self.reshard()
 
     @property
