@@ -289,3 +289,68 @@ def test_mistakes_raise_on_every_rank():
             out["2-D mesh without names"].startswith("NotBuiltError")
             and "mesh_dim_names" in out["2-D mesh without names"]
         )
+
+
+# ---- a step that raised ------------------------------------------------------------------------------
+class _Boom(nn.Module):
+    """Raises in forward (after the first block gathered its extension) or in backward, when armed."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = None
+
+    def forward(self, x):
+        if self.armed == "forward":
+            raise RuntimeError("boom in forward")
+        if self.armed == "backward":
+            return _RaiseInBackward.apply(x)
+        return x
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # noqa: ARG004
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ARG004
+        raise RuntimeError("boom in backward")
+
+
+def raised_step_worker(rank: int, world: int, where: str) -> dict:  # noqa: ARG001
+    """A loop that catches an exception in step 1 and goes on (zero_grad, next batch) equals, every step
+    after, a run that skipped that batch; the extension's parameters are back on the modules."""
+    import flatshard
+
+    runs = []
+    for skip in (False, True):
+        model = _model("bf16")
+        model.insert(1, _Boom())
+        _shard(model, flatshard.fully_shard, True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(4):
+            x = torch.randn(3, 15, generator=torch.Generator().manual_seed(10 * step + rank))
+            if step == 1:
+                if skip:
+                    continue
+                model[1].armed = where
+                try:
+                    model(x).sum().backward()
+                except RuntimeError:
+                    pass
+                model[1].armed = None
+                opt.zero_grad()
+                continue
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        registered = all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+        runs.append(([_plain(p) for p in model.parameters()], registered))
+    (after, registered), (skipped, _) = runs
+    return {"equal": all(map(torch.equal, after, skipped)), "registered": registered}
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_step_that_raised_is_skipped(where):
+    for out in run_distributed(raised_step_worker, 2, where):
+        assert out == {"equal": True, "registered": True}, out
