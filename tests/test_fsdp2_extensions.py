@@ -354,3 +354,25 @@ def raised_step_worker(rank: int, world: int, where: str) -> dict:  # noqa: ARG0
 def test_a_step_that_raised_is_skipped(where):
     for out in run_distributed(raised_step_worker, 2, where):
         assert out == {"equal": True, "registered": True}, out
+
+
+def memory_worker(rank: int, world: int) -> dict:  # noqa: ARG001
+    """memory_bytes() counts what the extension holds: after a forward that keeps every block gathered,
+    each block's flat and its bf16 gather with the fp32 copy made of it; nothing gathered after backward."""
+    import flatshard
+
+    model = _model("bf16")
+    _shard(model, flatshard.fully_shard, False)
+    model(torch.randn(3, 15)).sum().backward()  # the first step gathers and records the order
+    loss = model(torch.randn(3, 15)).sum()
+    after_forward = model.memory_bytes()["gathered"]
+    loss.backward()
+    after_backward = model.memory_bytes()["gathered"]
+    rows = -(-7 // world)
+    flats = sum(u.padded_numel * 4 for u in flatshard.units(model))
+    return {"after forward": after_forward == flats + 2 * world * rows * 15 * (2 + 4), "after backward": after_backward}
+
+
+def test_memory_bytes_counts_what_the_extension_holds():
+    for out in run_distributed(memory_worker, 3):
+        assert out == {"after forward": True, "after backward": 0}, out

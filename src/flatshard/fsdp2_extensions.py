@@ -78,6 +78,14 @@ def _free(tensor: torch.Tensor) -> None:
         storage.resize_(0)
 
 
+def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: itself, or a wrapper subclass's inner tensors."""
+    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [p for name in names for p in _plain_tensors(getattr(t, name))]
+
+
 def _alloc(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     nbytes = tensor.numel() * tensor.element_size()
@@ -143,6 +151,27 @@ class SelfGathered:
         self.gathered = False
         self.set_on_modules = False
         self.params = {id(m.param) for m in members}
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes these parameters hold now on this rank: their local shards, their sharded gradients, and
+        what is gathered (the gathered inputs, what fsdp_post_all_gather made, gradients not yet reduced).
+        Storages shared between them are counted once."""
+        held: dict[str, dict[int, int]] = {"params": {}, "grads": {}, "gathered": {}}
+
+        def add(kind: str, t) -> None:
+            if t is None:
+                return
+            t = t._local_tensor if isinstance(t, DTensor) else t
+            for inner in _plain_tensors(t):
+                storage = inner.untyped_storage()
+                held[kind][storage.data_ptr()] = storage.nbytes()
+
+        for m in self.members:
+            add("params", m.param)
+            add("grads", m.param.grad)
+            for t in (*(m.outputs or ()), *m.freed, m.unsynced, None if m.unsharded is None else m.unsharded.grad):
+                add("gathered", t)
+        return {kind: sum(v for ptr, v in storages.items() if ptr) for kind, storages in held.items()}
 
     # ---- gather ----------------------------------------------------------------------------------
     def use_compute(self, unit) -> None:

@@ -448,12 +448,16 @@ class Unit:
             full, out = self.reduction.nbytes()
             gathered += full
             grads += out
-        return {
+        held = {
             "params": self.flat_shard.untyped_storage().nbytes(),
             "grads": grads,
             "optimizer": 0,
             "gathered": gathered,
         }
+        if self.side is not None:  # parameters that gather themselves (fsdp2_extensions.py)
+            for kind, nbytes in self.side.memory_bytes().items():
+                held[kind] += nbytes
+        return held
 
     def __repr__(self) -> str:
         sizes = self.layout.shard_sizes
