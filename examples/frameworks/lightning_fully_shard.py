@@ -23,6 +23,7 @@ batches (``accumulate_grad_batches``); Lightning's Trainer reduces them after ev
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -178,4 +179,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()  # [Note: process groups at exit] in examples/local_launch.py
+    sys.exit(code)
