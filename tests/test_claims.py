@@ -38,7 +38,11 @@ NOT_BUILT = {
     ("fsdp2_extensions.py", "SelfGathered._pre_all_gather"): [
         "a tensor subclass parameter without `fsdp_pre_all_gather`"
     ],
-    ("fsdp2_extensions.py", "attach"): ["on a 2-D mesh without dim names", "such parameters under `CPUOffloadPolicy`"],
+    ("fsdp2_extensions.py", "attach"): [
+        "`shard_placement_fn` returning other than `Shard(0)` for them",
+        "on a 2-D mesh without dim names",
+        "such parameters under `CPUOffloadPolicy`",
+    ],
     ("fsdp2_tp.py", "tensor_parallel_params"): ["DTensor parameters of a tensor-parallel mesh of more than one dim"],
     ("fsdp2_checks.py", "shard_dims"): ["`shard_placement_fn` returning a `ShardPlacementResult`"],
     ("fsdp2.py", "fully_shard"): ["`dp_mesh_dims`"],

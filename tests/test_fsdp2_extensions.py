@@ -7,6 +7,7 @@ every rank."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
@@ -269,7 +270,12 @@ def mistakes_worker(rank: int, world: int) -> dict:  # noqa: ARG001
     local.fsdp_pre_all_gather = Bf16Gathered.fsdp_pre_all_gather.__get__(local)
     out["set on a plain parameter's local tensor"] = raised(lambda: plain(torch.randn(2, 5)))
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
 
+    along_dim_1 = functools.partial(
+        flatshard.fully_shard, shard_placement_fn=lambda p: Shard(1) if p.ndim > 1 else None
+    )
+    out["Shard(1)"] = raised(lambda: along_dim_1(_model("bf16")[0]))
     unnamed = init_device_mesh("cpu", (1, world))
     out["2-D mesh without names"] = raised(lambda: flatshard.fully_shard(_model("bf16")[0], mesh=unnamed))
     return out
@@ -285,6 +291,7 @@ def test_mistakes_raise_on_every_rank():
         assert "fsdp_pre_all_gather" in out["no extension"], out
         bad = out["set on a plain parameter's local tensor"]
         assert bad.startswith("NotBuiltError") and "2.weight" in bad and "plain parameter" in bad, out
+        assert out["Shard(1)"].startswith("NotBuiltError") and "0.weight" in out["Shard(1)"], out
         assert (
             out["2-D mesh without names"].startswith("NotBuiltError")
             and "mesh_dim_names" in out["2-D mesh without names"]

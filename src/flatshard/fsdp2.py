@@ -277,7 +277,7 @@ def fully_shard(
     if post_forward_size:
         unit.post_forward = _post_forward_group(mesh, post_forward_size, unit.layout.padded)
     _as_dtensors(unit, mesh, placements, tp_uses)
-    fsdp2_extensions.attach(unit, target, self_gathered, mesh, placements, mp_policy, mp)
+    fsdp2_extensions.attach(unit, target, self_gathered, mesh, placements, mp_policy, mp, dims)
     if unit.flat_shard.is_meta:
         _ON_META.add(unit)
     for m in modules:

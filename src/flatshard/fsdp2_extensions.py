@@ -374,12 +374,19 @@ class SelfGathered:
         self.free()
 
 
-def attach(unit, target: nn.Module, named: list, mesh, placements, mp_policy, mp) -> None:
+def attach(unit, target: nn.Module, named: list, mesh, placements, mp_policy, mp, dims: Optional[dict]) -> None:
     """Give ``unit`` (built by ``fully_shard`` over ``target`` without them) the parameters of ``named``
     that gather themselves: each becomes a DTensor parameter over this rank's chunk of it, of its own
-    class, on every module that holds it."""
+    class, on every module that holds it. ``dims``: what ``shard_placement_fn`` chose, by ``id``."""
     if not named:
         return
+    along = [(n, dims[id(p)]) for n, p in named if dims and dims.get(id(p), 0) != 0]
+    if along:
+        raise NotBuiltError(
+            f"shard_placement_fn returned Shard({along[0][1]}) for {along[0][0]}, which gathers itself (FSDP2's "
+            "all-gather extension): flatshard shards such parameters along dim 0 only. Return Shard(0) or None "
+            "for it"
+        )
     if mesh.ndim == 1:
         shard_mesh = mesh
     elif mesh.mesh_dim_names is not None:
