@@ -383,3 +383,37 @@ def memory_worker(rank: int, world: int) -> dict:  # noqa: ARG001
 def test_memory_bytes_counts_what_the_extension_holds():
     for out in run_distributed(memory_worker, 3):
         assert out == {"after forward": True, "after backward": 0}, out
+
+
+def window_given_up_worker(rank: int, world: int, set_to_none: bool) -> dict:  # noqa: ARG001
+    """Step 1 accumulates micro-batch 0 unreduced (set_requires_gradient_sync(False)), then the loop skips
+    micro-batch 1 (a non-finite loss: no backward), calls zero_grad and gives the step up: the steps after
+    equal a run that never saw step 1, as on an unwrapped model ([Note: an open accumulation window])."""
+    import flatshard
+
+    runs = []
+    for skip in (False, True):
+        model = _model("bf16")
+        _shard(model, flatshard.fully_shard, True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step in range(4):
+            x = torch.randn(3, 15, generator=torch.Generator().manual_seed(10 * step + rank))
+            if step == 1:
+                if skip:
+                    continue
+                model.set_requires_gradient_sync(False)
+                model(x).square().mean().backward()
+                model.set_requires_gradient_sync(True)
+                opt.zero_grad(set_to_none=set_to_none)  # micro-batch 1's loss was not finite: given up
+                continue
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([_plain(p) for p in model.parameters()])
+    return {"equal": all(map(torch.equal, *runs))}
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_an_accumulation_window_given_up_follows_the_loops_zero_grad(set_to_none):
+    for out in run_distributed(window_given_up_worker, 2, set_to_none):
+        assert out == {"equal": True}, out

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -48,6 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from flatshard.api import NotBuiltError
 from flatshard.runtime import collectives, reduce
+from flatshard.runtime.exposure import _version
 
 _ALIGN = 16  # each packed input starts at a multiple of this many bytes (any dtype views its slice)
 
@@ -109,6 +111,7 @@ class Member:
     freed: list[torch.Tensor] = field(default_factory=list)  # what fsdp_post_all_gather said to free
     unsharded: Optional[nn.Parameter] = None  # what the module computes with
     unsynced: Optional[torch.Tensor] = None  # gradient accumulated unreduced (set_requires_gradient_sync(False))
+    mark: Optional[tuple] = None  # (weakref to .grad, its version, flatshard made it) while a window is open
 
     @property
     def local(self) -> torch.Tensor:
@@ -325,7 +328,9 @@ class SelfGathered:
                 m.unsynced = grad.to(reduce_dtype) if m.unsynced is None else m.unsynced.add_(grad)
             taken.append(m)
         if not unit.sync:
+            self._mark_window()
             return
+        self._unmark()
         ready = [m for m in taken if m.unsynced is not None]
         if not ready:
             return
@@ -364,8 +369,50 @@ class SelfGathered:
             else:
                 m.param.grad._local_tensor.add_(piece)
 
+    # [Note: an open accumulation window] (runtime/exposure.py), for these parameters: while their gradients
+    # accumulate unreduced, a parameter with no ``.grad`` gets a zero that allocates nothing (a DTensor of a
+    # broadcast scalar), and the ``.grad`` object and version are remembered; before the root's next forward
+    # a parameter whose ``.grad`` the loop cleared (``zero_grad()``, ``p.grad = None``, an in-place zero) drops
+    # its unreduced part, as on an unwrapped model
+    def _mark_window(self) -> None:
+        for m in self.members:
+            if m.unsynced is None or not m.param.requires_grad:
+                continue
+            if m.mark is not None and not self._cleared(m):
+                continue  # marked by an earlier backward of this window
+            made = m.param.grad is None
+            if made:
+                local = m.local
+                zero = torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape)
+                m.param.grad = m.as_dtensor(zero)
+            m.mark = (weakref.ref(m.param.grad), _version(m.param.grad), made)
+
+    @staticmethod
+    def _cleared(m: Member) -> bool:
+        grad = m.mark[0]()
+        return grad is None or m.param.grad is not grad or _version(grad) != m.mark[1]
+
+    def drop_cleared(self) -> None:
+        """Before the root's next forward: drop the unreduced gradient of each parameter the loop cleared."""
+        for m in self.members:
+            if m.mark is not None and self._cleared(m):
+                m.unsynced = None
+                self._unmark_one(m)
+
+    def _unmark(self) -> None:
+        """The window closes: a parameter still holding flatshard's mark has no gradient again."""
+        for m in self.members:
+            self._unmark_one(m)
+
+    @staticmethod
+    def _unmark_one(m: Member) -> None:
+        if m.mark is not None and m.mark[2] and m.param.grad is m.mark[0]():
+            m.param.grad = None  # the mark, zeroed in place by zero_grad(set_to_none=False): still no gradient
+        m.mark = None
+
     def abandon(self) -> None:
         """A step that raised: drop what backward had not put on ``.grad``, put the sharded parameters back."""
+        self._unmark()
         for m in self.members:
             m.unsynced = None
             if m.unsharded is not None:

@@ -146,6 +146,8 @@ class RunContext:
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
             for unit in self.units:  # the loop cleared gradients since the last backward: [Note: an open
                 exposure.drop_cleared(unit)  # accumulation window] (exposure.py)
+                if unit.side is not None:
+                    unit.side.drop_cleared()
             if self.passes >= 1 and not self.backward_since_forward:
                 self.reshard_kept()
         self.backward_since_forward = False
