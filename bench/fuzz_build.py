@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 
+import fuzz_gathers
 import torch
 import torch.distributed as dist
 from fuzz_models import BLOCKS, Root, make_model, unit_modules
@@ -195,6 +196,8 @@ def build_models(cfg: dict, world: int, phase: str = "A"):
     spec, seed, act = cfg["model"], cfg["init_seed"], cfg.get("act_ckpt")
     ref = make_model(spec, seed)
     ours = make_model(spec, seed)
+    for model in (ref, ours):
+        fuzz_gathers.convert(model, cfg.get("gathers_itself", []))
     modules = {"ref": dict(ref.named_modules()), "ours": dict(ours.named_modules())}
     ref.checkpointed = act == "inside"
     if act in ("apply_before", "apply_after"):
@@ -206,6 +209,7 @@ def build_models(cfg: dict, world: int, phase: str = "A"):
     theirs = None
     if cfg.get("fsdp2"):
         theirs = make_model(spec, seed)
+        fuzz_gathers.convert(theirs, cfg.get("gathers_itself", []))
         modules["theirs"] = dict(theirs.named_modules())
         try:
             theirs = wrap_fully_shard(theirs, cfg, world, torch_fsdp2=True)

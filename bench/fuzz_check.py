@@ -69,9 +69,12 @@ def local_of(full: torch.Tensor, param, ranges: dict) -> torch.Tensor:
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's values of ``t`` as a plain tensor (a DTensor's local tensor; a parameter that gathers
+    itself, bench/fuzz_gathers.py, as its data)."""
+    from fuzz_gathers import plain
     from torch.distributed.tensor import DTensor
 
-    return t.to_local() if isinstance(t, DTensor) else t
+    return plain(t.to_local() if isinstance(t, DTensor) else t)
 
 
 class Checker:

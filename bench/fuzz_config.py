@@ -78,6 +78,12 @@ def _fully_shard(rng: random.Random, world: int, cfg: dict) -> None:
         # the data-parallel ranks: a 1-D mesh, or HSDP's (replicate, shard) of 2 ranks beside TP
         cfg["F"] = world // 2 if cfg["mesh"] != "2d" else tp.choice([1, 2])
         cfg["reshard_after_forward"] = [a if a in (True, False) else True for a in cfg["reshard_after_forward"]]
+    # MLP weights that gather themselves ([Note: parameters that gather themselves], bench/fuzz_gathers.py):
+    # not beside TP (a DTensor parameter) or shard_placement_fn's other dims (refused by design); its own generator
+    own = random.Random(f"flatshard-fuzz/{cfg['seed']}/{cfg['index']}/gathers_itself")
+    weights = [n for n in trainable_names(cfg["model"]) if n.endswith(("fc1.weight", "fc2.weight"))]
+    if own.random() < 0.6 and weights and not cfg.get("tp") and cfg["placement"] == "dim0":
+        cfg["gathers_itself"] = sorted(own.sample(weights, own.randint(1, len(weights))))
 
 
 def _events(rng: random.Random, cfg: dict) -> list[dict]:
@@ -184,6 +190,8 @@ def summary(cfg: dict) -> str:
             parts.append(f"shard={cfg['placement']}")
         if cfg.get("tp"):
             parts.append(f"tp={cfg['tp']}")
+        if cfg.get("gathers_itself"):
+            parts.append(f"gathers_itself={len(cfg['gathers_itself'])}")
     units = cfg["wrap_classes"] if cfg.get("wrap") == "classes" else cfg["units"]
     parts.append("blocks=" + ",".join(b["kind"] for b in cfg["model"]["blocks"]) + f" units={units}")
     if cfg.get("mp"):
