@@ -52,12 +52,12 @@ class GathersItself(torch.Tensor):
     def __tensor_flatten__(self):
         return ["_data"], None
 
-    @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):  # noqa: ARG004
-        return GathersItself(inner["_data"])
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):  # noqa: ARG003
+        return cls(inner["_data"])
 
     def __repr__(self):
-        return f"GathersItself({self._data})"
+        return f"{type(self).__name__}({self._data})"
 
 
 def convert(model: nn.Module, names: list[str]) -> None:

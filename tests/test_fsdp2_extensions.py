@@ -9,15 +9,19 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.testing._internal.two_tensor import TwoTensor
 
 from tests.dist import raised, run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from fuzz_gathers import GathersItself  # noqa: E402 - the fuzzer's wrapper subclass
 
 
 # ---- two extensions: each inner tensor gathered (TwoTensor), and a bf16 gather of an fp32 weight --------
@@ -44,18 +48,9 @@ def _two_post(self, outputs, metadata, param_dtype, *, out=None):  # noqa: ARG00
     return TwoTensor(a, b).to(param_dtype), (a, b)
 
 
-class Bf16Gathered(torch.Tensor):
+class Bf16Gathered(GathersItself):
     """An fp32 weight that is all-gathered in bf16 and computes in fp32 (what float8 training does with
-    another dtype): a wrapper subclass over its data."""
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, data.shape, data.stride(), data.storage_offset(), dtype=data.dtype, device=data.device
-        )
-
-    def __init__(self, data: torch.Tensor):
-        self._data = data
+    another dtype): bench/fuzz_gathers.py's wrapper subclass, with another gather."""
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # noqa: ARG002
         rows = -(-outer_size[0] // mesh.size())
@@ -63,28 +58,12 @@ class Bf16Gathered(torch.Tensor):
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):  # noqa: ARG002
         (gathered,) = outputs
-        if out is not None:
-            with (
-                torch.no_grad(),
-                _unsafe_preserve_version_counter(out),
-            ):  # ``out``: the parameter's rows, without the padding
+        if out is not None:  # ``out``: the parameter's rows, without the padding
+            with torch.no_grad(), _unsafe_preserve_version_counter(out):
                 out.copy_(gathered[: out.size(0)])
             return None
         upcast = gathered.to(param_dtype)
         return upcast, (gathered, upcast)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ARG003
-        unwrap = lambda x: x._data  # noqa: E731
-        out = func(*pytree.tree_map_only(cls, unwrap, args), **pytree.tree_map_only(cls, unwrap, kwargs or {}))
-        return pytree.tree_map_only(torch.Tensor, cls, out)
-
-    def __tensor_flatten__(self):
-        return ["_data"], None
-
-    @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):  # noqa: ARG004
-        return Bf16Gathered(inner["_data"])
 
 
 def _block(kind: str) -> nn.Sequential:
