@@ -106,3 +106,12 @@ def test_a_window_given_up_drops_the_unreduced_gradients_of_parameters_that_gath
     cmd = [sys.executable, str(ROOT / "bench" / "fuzz.py"), "--seed", "0", "--index", "128", "130"]
     log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/fuzz.py")
     assert f"{'pass':34s} {2:6d}" in log, log[-3000:]
+
+
+# Found by seed 3 (index 188): a window given up by zero_grad(set_to_none=False) left a parameter frozen
+# afterwards with no gradient (None), where an unwrapped model's micro-batches had given it one, zeroed in
+# place: a zero gradient ([Note: an open accumulation window]).
+def test_a_window_zeroed_in_place_leaves_zero_gradients():
+    cmd = [sys.executable, str(ROOT / "bench" / "fuzz.py"), "--seed", "3", "--index", "188"]
+    log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/fuzz.py")
+    assert f"{'pass':34s} {1:6d}" in log, log[-3000:]

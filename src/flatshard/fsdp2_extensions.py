@@ -397,6 +397,8 @@ class SelfGathered:
         for m in self.members:
             if m.mark is not None and self._cleared(m):
                 m.unsynced = None
+                if m.mark[2] and m.param.grad is m.mark[0]():  # zeroed in place: a zero gradient, as unwrapped
+                    m.param.grad = m.as_dtensor(torch.zeros(m.local.shape, dtype=m.local.dtype, device=m.local.device))
                 self._unmark_one(m)
 
     def _unmark(self) -> None:
@@ -407,7 +409,7 @@ class SelfGathered:
     @staticmethod
     def _unmark_one(m: Member) -> None:
         if m.mark is not None and m.mark[2] and m.param.grad is m.mark[0]():
-            m.param.grad = None  # the mark, zeroed in place by zero_grad(set_to_none=False): still no gradient
+            m.param.grad = None
         m.mark = None
 
     def abandon(self) -> None:

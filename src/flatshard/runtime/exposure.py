@@ -94,7 +94,8 @@ def _set_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
 # object and version are remembered. Before the root's next forward, a view whose ``.grad`` is no longer
 # that object (``zero_grad()``, ``p.grad = None``) or was written in place (``zero_grad(set_to_none=False)``)
 # has its part of the accumulation zeroed: the whole window when the loop cleared every parameter, as on an
-# unwrapped model. When the window's reduction is exposed the marks go first, so a marked view takes the
+# unwrapped model, where the micro-batches so far had given it a gradient: zeroed in place, it is a zero
+# gradient then, not None. When the window's reduction is exposed the marks go first, so a marked view takes the
 # reduced gradient as a view that had none. PyTorch FSDP1 gets the same from its optimizer holding the
 # flat parameter whose ``.grad`` is the accumulation (or, with use_orig_params, from finding every original
 # parameter's ``.grad`` None); PyTorch FSDP2 shows ``None`` mid-window and keeps the window through
@@ -151,6 +152,11 @@ def drop_cleared(unit: Unit) -> None:
     if not unit.window_marks or not window_open(unit):
         return
     cleared = {m.index for m in unit.window_marks if m.cleared(unit)}
+    for mark in unit.window_marks:  # a mark zeroed in place (zero_grad(set_to_none=False)): a zero gradient
+        view = unit.shard_views[mark.index]
+        if mark.index in cleared and mark.made and mark.grad() is not None and view.grad is mark.grad():
+            zero = torch.zeros(local(view).shape, dtype=view.dtype, device=view.device)
+            _set_grad(view, unit.grad_as(mark.index, zero) if unit.grad_as is not None else zero)
     if len(cleared) == len(unit.window_marks):
         unit.unsharded.grad = unit.unsynced = None
         unmark(unit)
