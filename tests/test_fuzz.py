@@ -84,18 +84,14 @@ def test_readme_figures_are_the_committed_fuzz_run():
 # the window's earlier micro-batches, accumulated unreduced inside the units. Fixed by [Note: an open
 # accumulation window] (exposure.py); tests/test_loops.py holds the smaller cases.
 def test_a_backward_raising_before_any_unit_mid_window_matches_the_reference():
-    cmd = [sys.executable, str(ROOT / "bench" / "fuzz.py"), "--seed", "1", "--index", "157", "174"]
-    log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/fuzz.py")
-    assert f"{'pass':34s} {2:6d}" in log, log[-3000:]
+    _rerun(1, [157, 174])
 
 
 # Found by make fuzz's seed 2 (indices 1, 27): the backward that raised before any unit left the root
 # gathered, and the loop's p.data edit before the next forward was not computed with. Fixed by [Note: a
 # forward with no backward after it] (schedule.py).
 def test_a_forward_after_a_backward_that_reached_no_unit_sees_the_loops_edit():
-    cmd = [sys.executable, str(ROOT / "bench" / "fuzz.py"), "--seed", "2", "--index", "27"]
-    log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/fuzz.py")
-    assert f"{'pass':34s} {1:6d}" in log, log[-3000:]
+    _rerun(2, [27])
 
 
 # Found by the fuzzer's draws of parameters that gather themselves (seed 0, indices 128 and 130): an
@@ -103,15 +99,18 @@ def test_a_forward_after_a_backward_that_reached_no_unit_sees_the_loops_edit():
 # gradients for the next step. Fixed by marking their .grad while a window is open, as the flat shard's
 # ([Note: an open accumulation window]); tests/test_fsdp2_extensions.py holds the smaller case.
 def test_a_window_given_up_drops_the_unreduced_gradients_of_parameters_that_gather_themselves():
-    cmd = [sys.executable, str(ROOT / "bench" / "fuzz.py"), "--seed", "0", "--index", "128", "130"]
-    log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/fuzz.py")
-    assert f"{'pass':34s} {2:6d}" in log, log[-3000:]
+    _rerun(0, [128, 130])
 
 
 # Found by seed 3 (index 188): a window given up by zero_grad(set_to_none=False) left a parameter frozen
 # afterwards with no gradient (None), where an unwrapped model's micro-batches had given it one, zeroed in
 # place: a zero gradient ([Note: an open accumulation window]).
 def test_a_window_zeroed_in_place_leaves_zero_gradients():
-    cmd = [sys.executable, str(ROOT / "bench" / "fuzz.py"), "--seed", "3", "--index", "188"]
+    _rerun(3, [188])
+
+
+def _rerun(seed: int, indices: list[int]) -> None:
+    """``bench/fuzz.py --seed S --index ...`` passes every one of ``indices``."""
+    cmd = [sys.executable, str(ROOT / "bench" / "fuzz.py"), "--seed", str(seed), "--index", *map(str, indices)]
     log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/fuzz.py")
-    assert f"{'pass':34s} {1:6d}" in log, log[-3000:]
+    assert f"{'pass':34s} {len(indices):6d}" in log, log[-3000:]
