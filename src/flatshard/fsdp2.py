@@ -453,14 +453,6 @@ def _offload(policy) -> bool:
     return isinstance(policy, CPUOffloadPolicy)
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, out = 1, []
-    for size in reversed(shape):
-        out.append(stride)
-        stride *= size
-    return tuple(reversed(out))
-
-
 def _as_dtensors(unit: Unit, mesh, placements, tp_uses: dict) -> None:
     """The unit's shard views become DTensor parameters over the same storage (no copy); its reduced
     gradients become DTensor gradients alike. Tensor-parallel parameters ([Note: FSDP over
@@ -479,7 +471,9 @@ def _as_dtensors(unit: Unit, mesh, placements, tp_uses: dict) -> None:
 
     def dtensor(i: int, local: torch.Tensor) -> DTensor:
         on, where, shape = per_param[i]
-        return DTensor.from_local(local, on, where, run_check=False, shape=shape, stride=_contiguous_stride(shape))
+        return DTensor.from_local(
+            local, on, where, run_check=False, shape=shape, stride=fsdp2_extensions.contiguous_stride(shape)
+        )
 
     if any(specs):
         unit.compute_as = [fsdp2_tp.compute_wrapper(s) if s is not None else None for s in specs]

@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from flatshard.api import NotBuiltError
 from flatshard.runtime import collectives, reduce
-from flatshard.runtime.exposure import _version
+from flatshard.runtime.exposure import grad_cleared, grad_version
 
 _ALIGN = 16  # each packed input starts at a multiple of this many bytes (any dtype views its slice)
 
@@ -62,7 +62,7 @@ def gathers_itself(param: torch.Tensor) -> bool:
     return type(param) not in (nn.Parameter, torch.Tensor) or hasattr(type(param), "fsdp_pre_all_gather")
 
 
-def _contiguous_stride(shape) -> tuple[int, ...]:
+def contiguous_stride(shape) -> tuple[int, ...]:
     stride, out = 1, []
     for size in reversed(shape):
         out.append(stride)
@@ -223,7 +223,7 @@ class SelfGathered:
             inputs, metadata = hook(self.shard_mesh)
         elif count == 5:
             shape = torch.Size(m.shape)
-            inputs, metadata = hook(self.shard_mesh, shape, _contiguous_stride(shape), m.uses[0][0], self.mp_policy)
+            inputs, metadata = hook(self.shard_mesh, shape, contiguous_stride(shape), m.uses[0][0], self.mp_policy)
         else:
             raise TypeError(
                 f"{m.name}: fsdp_pre_all_gather takes (mesh) or (mesh, outer_size, outer_stride, module, mp_policy), "
@@ -311,7 +311,7 @@ class SelfGathered:
             unsharded, m.freed = post(gathered, metadata, dtype)
             m.freed = list(m.freed)
         shape = torch.Size(m.shape)
-        view = torch.as_strided(unsharded, shape, _contiguous_stride(shape), storage_offset=0)
+        view = torch.as_strided(unsharded, shape, contiguous_stride(shape), storage_offset=0)
         m.unsharded = nn.Parameter(view, requires_grad=m.param.requires_grad)
 
     # ---- gradients -------------------------------------------------------------------------------
@@ -385,12 +385,11 @@ class SelfGathered:
                 local = m.local
                 zero = torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape)
                 m.param.grad = m.as_dtensor(zero)
-            m.mark = (weakref.ref(m.param.grad), _version(m.param.grad), made)
+            m.mark = (weakref.ref(m.param.grad), grad_version(m.param.grad), made)
 
     @staticmethod
     def _cleared(m: Member) -> bool:
-        grad = m.mark[0]()
-        return grad is None or m.param.grad is not grad or _version(grad) != m.mark[1]
+        return grad_cleared(m.mark[0], m.mark[1], m.param.grad)
 
     def drop_cleared(self) -> None:
         """Before the root's next forward: drop the unreduced gradient of each parameter the loop cleared."""
@@ -461,7 +460,7 @@ def attach(unit, target: nn.Module, named: list, mesh, placements, mp_policy, mp
         local, padded_rows = shard(param, size, rank)
 
         def as_dtensor(t: torch.Tensor, shape=shape) -> DTensor:
-            stride = _contiguous_stride(shape)
+            stride = contiguous_stride(shape)
             return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
 
         sharded = nn.Parameter(as_dtensor(local.detach()), requires_grad=param.requires_grad)

@@ -103,7 +103,7 @@ def _set_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
 # flatshard's clip_grad_norm_ inside an open window raises (runtime/grad.py): nothing there is reduced
 # yet, and a broadcast zero cannot be scaled in place. Not seen: a foreach or fused optimizer's
 # ``zero_grad(set_to_none=False)`` under fully_shard, whose ``torch._foreach_zero_`` of DTensor gradients
-# bumps no version counter (``_version``).
+# bumps no version counter (``grad_version``).
 def window_open(unit: Unit) -> bool:
     """Whether ``unit`` holds an unreduced accumulation (an open window)."""
     return unit.unsharded.grad is not None or unit.unsynced is not None
@@ -120,7 +120,7 @@ def mark_window(unit: Unit) -> None:
         if view.grad is None:
             zero = torch.zeros((), dtype=view.dtype, device=view.device).expand(local(view).shape)
             _set_grad(view, unit.grad_as(i, zero) if unit.grad_as is not None else zero)
-        marks.append(WindowMark(i, weakref.ref(view.grad), _version(view.grad), made))
+        marks.append(WindowMark(i, weakref.ref(view.grad), grad_version(view.grad), made))
     unit.window_marks = marks
 
 
@@ -135,11 +135,17 @@ class WindowMark:
     made: bool
 
     def cleared(self, unit: Unit) -> bool:
-        grad = self.grad()
-        return grad is None or unit.shard_views[self.index].grad is not grad or _version(grad) != self.version
+        return grad_cleared(self.grad, self.version, unit.shard_views[self.index].grad)
 
 
-def _version(grad: torch.Tensor) -> tuple[int, int]:
+def grad_cleared(marked: weakref.ref, version: tuple[int, int], current: Optional[torch.Tensor]) -> bool:
+    """Whether the loop cleared a marked ``.grad`` (``marked``, at ``version``) that now reads ``current``:
+    set to None or to another tensor, or written in place."""
+    grad = marked()
+    return grad is None or current is not grad or grad_version(grad) != version
+
+
+def grad_version(grad: torch.Tensor) -> tuple[int, int]:
     """What an in-place write to ``grad`` changes: its version and its local tensor's (a DTensor's ``zero_()``
     bumps its own; ``torch._foreach_zero_`` of DTensors, a foreach or fused optimizer's
     ``zero_grad(set_to_none=False)``, bumps neither -- that one clear is not seen)."""
