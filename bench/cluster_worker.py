@@ -44,7 +44,7 @@ import cluster_calibrate  # noqa: E402
 import compare  # noqa: E402  (bench/compare.py; it puts examples/ on the path for gpt.py)
 
 import flatshard  # noqa: E402
-from flatshard.runtime import gloo_exchange  # noqa: E402
+from flatshard.runtime.comm import gloo_exchange  # noqa: E402
 
 LINK_STATS = Path("/sys/class/net/fs0/statistics")
 FLOOR = "no communication"
@@ -209,7 +209,7 @@ def hsdp_builders(gpt, cfg, nodes: int, nproc: int) -> dict:
 
 
 SETS = {"strategies": builders, "link": link_builders, "hsdp": hsdp_builders}
-PIECES = "optimizer across replicas"  # shard_optimizer_across_replicas=True (runtime/pieces.py)
+PIECES = "optimizer across replicas"  # shard_optimizer_across_replicas=True (runtime/across_replicas.py)
 
 
 def make_systems(

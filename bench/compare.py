@@ -107,7 +107,7 @@ C10D_KINDS = {
     "allreduce_coalesced_": "all_reduce",
     "broadcast_": "broadcast",
     "send": "send",
-}  # flatshard's point-to-point all-gathers and reduce-scatters on gloo (collectives.py)
+}  # flatshard's point-to-point all-gathers and reduce-scatters on gloo (comm/collectives.py)
 
 
 def _nbytes(tensors) -> int:

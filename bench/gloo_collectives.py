@@ -1,5 +1,5 @@
 """One Block unit's collectives alone on gloo (30M GPT: 4,923,520 elements): gloo's own all-gather,
-reduce-scatter and all-reduce against flatshard's (collectives.py: point-to-point exchanges on gloo,
+reduce-scatter and all-reduce against flatshard's (comm/collectives.py: point-to-point exchanges on gloo,
 the same bytes per rank). Median of 9, rank 0's clock; the results are checked against gloo's.
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node=2 bench/gloo_collectives.py

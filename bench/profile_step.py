@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import flatshard
-from flatshard.runtime import collectives
+from flatshard.runtime.comm import collectives
 
 
 def timed_step(system, x, y) -> tuple[float, float, float]:
@@ -41,7 +41,7 @@ def timed_step(system, x, y) -> tuple[float, float, float]:
 
 
 def collective_costs(flat_system, rank: int) -> None:
-    """flatshard's synchronous collectives (collectives.py: point-to-point on gloo) of one Block unit's size,
+    """flatshard's synchronous collectives (comm/collectives.py: point-to-point on gloo) of one Block unit's size,
     alone (median of 5, rank 0's clock)."""
     unit = next(u for u in flatshard.units(flat_system.model) if not u.is_root)
     world = dist.get_world_size()

@@ -171,7 +171,7 @@ RESUMED = re.compile(
     r"(?: \(restart (\d+)\))?$"
 )
 COMMITTED = re.compile(r"^checkpoint (\S+) committed$")
-# every error a collective that a peer never joined ends in: a unit's (runtime/order.py), a checkpoint's
+# every error a collective that a peer never joined ends in: a unit's (runtime/consistency.py), a checkpoint's
 # (checkpoint/save.py), the example's report
 FAILED = re.compile(r"(flatshard|train_gpt\.py): rank (\d+): (.*?) did not complete")
 UNIT_PHASE = re.compile(r"of unit '([^']+)' in (\w+)$|\(phase (\w+), no unit\)$")

@@ -183,7 +183,7 @@ def async_group_worker(rank: int, world: int, tmp: str) -> float:
 
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard import checkpoint
-    from flatshard.runtime.mesh import group_timeout
+    from flatshard.runtime.comm.mesh import group_timeout
     from tests.models import TinyGPT
 
     group = dist.new_group([0, 1], timeout=timedelta(seconds=77))

@@ -30,29 +30,31 @@ NOT_BUILT = {
     ],
     ("fsdp.py", "FullyShardedDataParallel._deprecated_optim.method"): ["the deprecated `full_optim_state_dict`"],
     ("fsdp.py", "FullyShardedDataParallel.register_comm_hook"): ["`register_comm_hook`"],
-    ("fsdp2.py", "_not_built.method"): ["FSDP2's `set_custom_all_gather` and kin"],
-    ("fsdp2.py", "FSDPModule.set_reshard_after_forward"): ["`set_reshard_after_forward` with an int"],
-    ("fsdp2_checks.py", "check_no_all_gather_extension"): [
+    ("fsdp2/frontend.py", "_not_built.method"): ["FSDP2's `set_custom_all_gather` and kin"],
+    ("fsdp2/frontend.py", "FSDPModule.set_reshard_after_forward"): ["`set_reshard_after_forward` with an int"],
+    ("fsdp2/checks.py", "check_no_all_gather_extension"): [
         "an all-gather extension set on the local tensor of a plain parameter after `fully_shard`"
     ],
-    ("fsdp2_extensions.py", "SelfGathered._pre_all_gather"): [
+    ("fsdp2/extensions.py", "SelfGathered._pre_all_gather"): [
         "a tensor subclass parameter without `fsdp_pre_all_gather`"
     ],
-    ("fsdp2_extensions.py", "attach"): [
+    ("fsdp2/extensions.py", "attach"): [
         "`shard_placement_fn` returning other than `Shard(0)` for them",
         "on a 2-D mesh without dim names",
         "such parameters under `CPUOffloadPolicy`",
     ],
-    ("fsdp2_tp.py", "tensor_parallel_params"): ["DTensor parameters of a tensor-parallel mesh of more than one dim"],
-    ("fsdp2_checks.py", "shard_dims"): ["`shard_placement_fn` returning a `ShardPlacementResult`"],
-    ("fsdp2.py", "fully_shard"): ["`dp_mesh_dims`"],
+    ("fsdp2/tensor_parallel.py", "tensor_parallel_params"): [
+        "DTensor parameters of a tensor-parallel mesh of more than one dim"
+    ],
+    ("fsdp2/checks.py", "shard_dims"): ["`shard_placement_fn` returning a `ShardPlacementResult`"],
+    ("fsdp2/frontend.py", "fully_shard"): ["`dp_mesh_dims`"],
     ("interop.py", "_mixed_precision"): ["`MixedPrecision(_module_classes_to_ignore=...)`"],
-    ("runtime/build.py", "become_root"): ["units under one root with different process groups"],
-    ("runtime/build.py", "owner_ranks"): [
+    ("runtime/build/units.py", "become_root"): ["units under one root with different process groups"],
+    ("runtime/build/units.py", "owner_ranks"): [
         'with `shard_boundaries` other than `"flat"`, `cpu_offload`, `compress_inter_node`'
     ],
-    ("runtime/compress.py", "check"): ['`compress_inter_node="int8"` off gloo\'s CPU exchanges', "8 or more replicas"],
-    ("runtime/optim_check.py", "_before_step"): ["optimizers that read whole tensors"],
+    ("runtime/comm/int8.py", "check"): ['`compress_inter_node="int8"` off gloo\'s CPU exchanges', "8 or more replicas"],
+    ("runtime/build/optim_check.py", "_before_step"): ["optimizers that read whole tensors"],
     ("state/model_view.py", "model_view"): ["flatshard's state dicts and `flatshard.checkpoint` on `fully_shard`"],
     ("wrap.py", "CustomPolicy.__call__"): ["`CustomPolicy` returning per-module keyword overrides"],
 }

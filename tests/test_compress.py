@@ -1,4 +1,4 @@
-"""compress_inter_node="int8" ([Note: inter-node compression], runtime/compress.py).
+"""compress_inter_node="int8" ([Note: inter-node compression], runtime/comm/int8.py).
 
 The codec on its own (error within half a step of each block's scale, the message size, non-finite
 blocks); then four ranks as two "nodes" of two (``ranks_per_node=2``): HYBRID_SHARD's replicate
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from flatshard.runtime import compress
+from flatshard.runtime.comm import int8
 from tests.dist import run_distributed
 from tests.models import Block, TinyGPT
 
@@ -30,14 +30,14 @@ def test_codec_error_is_within_half_a_step(numel):
         torch.randn(numel, generator=torch.Generator().manual_seed(numel))
         * torch.logspace(-3, 2, max(numel, 1))[:numel]
     )
-    packed = compress.quantize(x)
-    assert packed.dtype == torch.uint8 and packed.numel() == compress.packed_nbytes(numel)
-    assert compress.packed_nbytes(numel) == 4 * -(-numel // compress.BLOCK) + numel
-    back = compress.dequantize(packed, numel)
+    packed = int8.quantize(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == int8.packed_nbytes(numel)
+    assert int8.packed_nbytes(numel) == 4 * -(-numel // int8.BLOCK) + numel
+    back = int8.dequantize(packed, numel)
     assert back.dtype == torch.float32 and back.shape == x.shape
-    pad = -numel % compress.BLOCK
-    blocks = F.pad(x, (0, pad)).view(-1, compress.BLOCK) if numel else x.view(0, compress.BLOCK)
-    step = (blocks.abs().amax(dim=1) / 127).repeat_interleave(compress.BLOCK)[:numel]
+    pad = -numel % int8.BLOCK
+    blocks = F.pad(x, (0, pad)).view(-1, int8.BLOCK) if numel else x.view(0, int8.BLOCK)
+    step = (blocks.abs().amax(dim=1) / 127).repeat_interleave(int8.BLOCK)[:numel]
     err = (back - x).abs()
     assert torch.all(err <= step / 2 * (1 + 1e-5) + 1e-30), (err - step / 2).max()
     if numel > 1:
@@ -48,14 +48,14 @@ def test_codec_error_is_within_half_a_step(numel):
 
 def test_codec_zeros_and_non_finite_blocks():
     zeros = torch.zeros(300)
-    assert torch.equal(compress.dequantize(compress.quantize(zeros), 300), zeros)
+    assert torch.equal(int8.dequantize(int8.quantize(zeros), 300), zeros)
     x = torch.ones(600)
     x[10], x[300] = float("inf"), float("nan")
-    back = compress.dequantize(compress.quantize(x), 600)
+    back = int8.dequantize(int8.quantize(x), 600)
     assert back[:256].isnan().all() and back[256:512].isnan().all(), "a block with inf or NaN reads as NaN"
     assert torch.equal(back[512:], x[512:]), "the other blocks are untouched"
     half = torch.full((5,), 0.5, dtype=torch.bfloat16)
-    assert torch.equal(compress.dequantize(compress.quantize(half), 5), half.float())
+    assert torch.equal(int8.dequantize(int8.quantize(half), 5), half.float())
 
 
 # ---- four ranks, two nodes ----------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def hybrid_worker(rank: int, world: int) -> dict:
     """Each step: every replicate all-reduce's input captured, the exact sum of the two replicas'
     inputs (divided by W) beside the compressed gradient, and the bound from both inputs' block scales."""
     from flatshard import units
-    from flatshard.runtime import collectives
+    from flatshard.runtime.comm import collectives
 
     exact = _model("HYBRID_SHARD", sharding_factor=2)
     packed = _model("HYBRID_SHARD", sharding_factor=2, compress_inter_node="int8")
@@ -106,7 +106,7 @@ def hybrid_worker(rank: int, world: int) -> dict:
         with mock.patch.object(collectives, "all_reduce", capture), packed.record_comms() as rec:
             _backward(packed, x)
         wire.append(rec.wire_bytes(kind="all_reduce", group="replicate"))
-        expected_wire.append(sum(compress.packed_nbytes(u.shard_numel) for u in units(packed)))  # R - 1 = 1
+        expected_wire.append(sum(int8.packed_nbytes(u.shard_numel) for u in units(packed)))  # R - 1 = 1
         # the replica with the same shard rank (rank ± 2) issued the same all-reduces in the same order
         partner = [torch.empty_like(t) for _, t in inputs]
         for (_, mine), theirs in zip(inputs, partner):
@@ -140,8 +140,8 @@ def _grad_shards(model) -> list[torch.Tensor]:
 def _half_steps(t: torch.Tensor) -> torch.Tensor:
     """Half of each element's quantisation step (its block's max |value| / 127)."""
     n = t.numel()
-    blocks = F.pad(t.float(), (0, -n % compress.BLOCK)).view(-1, compress.BLOCK)
-    return (blocks.abs().amax(dim=1) / 254).repeat_interleave(compress.BLOCK)[:n]
+    blocks = F.pad(t.float(), (0, -n % int8.BLOCK)).view(-1, int8.BLOCK)
+    return (blocks.abs().amax(dim=1) / 254).repeat_interleave(int8.BLOCK)[:n]
 
 
 def test_hybrid_replicate_all_reduce_in_int8():
@@ -184,7 +184,7 @@ def test_full_shard_gathers_and_reductions_across_nodes_in_int8():
     """W = 4, nodes {0, 1} and {2, 3}: each message to the same node's other rank is the shard in fp32,
     each of the two to the other node is int8 with its scales."""
     for r in run_distributed(full_shard_worker, 4, timeout=120):
-        per_unit = [4 * s + 2 * compress.packed_nbytes(s) for s in r["shards"]]
+        per_unit = [4 * s + 2 * int8.packed_nbytes(s) for s in r["shards"]]
         root, others = per_unit[0], per_unit[1:]
         # the root gathers once (it stays gathered); every other unit in forward and again in backward
         assert r["gathers"] == 1 + 2 * len(others)

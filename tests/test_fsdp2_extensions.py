@@ -1,5 +1,5 @@
 """FSDP2's all-gather extensions on ``flatshard.fully_shard`` ([Note: parameters that gather themselves],
-fsdp2_extensions.py): parameters of a tensor subclass whose ``fsdp_pre_all_gather`` /
+fsdp2/extensions.py): parameters of a tensor subclass whose ``fsdp_pre_all_gather`` /
 ``fsdp_post_all_gather`` say how they are gathered, trained side by side with PyTorch's FSDP2 on the same
 data, every step; the collectives they add, counted against the formula; and the mistakes, raised on
 every rank."""

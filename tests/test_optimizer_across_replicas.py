@@ -1,4 +1,4 @@
-"""shard_optimizer_across_replicas=True ([Note: optimizer state across replicas], runtime/pieces.py) at
+"""shard_optimizer_across_replicas=True ([Note: optimizer state across replicas], runtime/across_replicas.py) at
 W = 4 as 2 shard groups of F = 2: parity with the single-process reference every step (SGD-momentum and
 AdamW; HYBRID_SHARD and _HYBRID_SHARD_ZERO2; odd shapes, ties, a frozen unit); bytes per group and phase
 against the formulas (the replicate reduce-scatter and the pieces' all-gather move together what

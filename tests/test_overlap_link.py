@@ -51,7 +51,8 @@ def _build(strategy: str, **kw):
 
 def _traced_backward(model, rank: int) -> tuple[list[str], list[torch.Tensor]]:
     """One forward and backward, logging every replicate all-reduce issued and every wait on one."""
-    from flatshard.runtime import collectives, schedule
+    from flatshard.runtime import schedule
+    from flatshard.runtime.comm import collectives
 
     log: list[str] = []
     real_all_reduce, real_end = collectives.all_reduce, schedule.RunContext.end_of_backward

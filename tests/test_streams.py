@@ -1,4 +1,4 @@
-"""The accelerator's stream discipline ([Note: stream discipline], runtime/streams.py), checked on CPU: a
+"""The accelerator's stream discipline ([Note: stream discipline], runtime/comm/streams.py), checked on CPU: a
 full training step of each front end runs against a recording stand-in for the device's streams, which
 logs every event recorded, every wait and every buffer allocated, written, read or freed, on the lane
 (compute, gather, reduce) a device would run it on; ``check_schedule`` then checks the happens-before
@@ -105,7 +105,7 @@ CASES = [
 
 
 def schedule_worker(rank: int, world: int) -> list:
-    from flatshard.runtime.streams import Lane, check_schedule
+    from flatshard.runtime.comm.streams import Lane, check_schedule
 
     out = []
     for case in CASES:
@@ -129,7 +129,7 @@ class Sabotaged:
     """A recording stand-in that drops the first wait of one kind: ``lane`` waiting for an event of ``on``."""
 
     def __new__(cls, lane, on):
-        from flatshard.runtime.streams import RecordingStreams
+        from flatshard.runtime.comm.streams import RecordingStreams
 
         class Streams(RecordingStreams):
             def __init__(self):
@@ -152,7 +152,7 @@ class Sabotaged:
 
 
 def sabotage_worker(rank: int, world: int) -> dict:
-    from flatshard.runtime.streams import Lane, check_schedule
+    from flatshard.runtime.comm.streams import Lane, check_schedule
 
     out = {}
     for lane, on in (

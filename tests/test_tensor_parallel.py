@@ -1,5 +1,5 @@
 """``fully_shard`` over tensor-parallel parameters ([Note: FSDP over tensor-parallel parameters],
-fsdp2_tp.py): ``parallelize_module`` on the TP mesh first, then ``fully_shard`` on the data-parallel mesh,
+fsdp2/tensor_parallel.py): ``parallelize_module`` on the TP mesh first, then ``fully_shard`` on the data-parallel mesh,
 as FSDP2 users write FSDP + TP. At W = 4 (2 data-parallel × 2 tensor-parallel; and HSDP + TP, 2 × 1 × 2
 and 1 × 2 × 2) and W = 2 (1 × 2), on MLPs
 of even and odd widths, against PyTorch's FSDP2 given the same model and calls: the sharded parameters'

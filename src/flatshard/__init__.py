@@ -5,7 +5,7 @@ The public names mirror ``torch.distributed.fsdp``; change the imports of a PyTo
 below it; tests/test_layering.py holds it so):
 
   fsdp.py      front end 1: FullyShardedDataParallel, FSDP1's API, translated onto the engine
-  fsdp2.py     front end 2: fully_shard, FSDP2's API (DTensor parameters) on the same engine
+  fsdp2/frontend.py     front end 2: fully_shard, FSDP2's API (DTensor parameters) on the same engine
   checkpoint/  files on disk: save, load, consolidate, inspect
   state/       in-memory state dicts (FULL, LOCAL, SHARDED; optimizer), torch.distributed.checkpoint
   runtime/     the engine: units, layout, collectives, hooks, construction (its docstring: one step of one unit)

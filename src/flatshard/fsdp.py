@@ -1,7 +1,7 @@
 """``FullyShardedDataParallel``: front end 1, PyTorch FSDP1's constructor keywords and methods.
 
 A translator: it checks FSDP1's keywords, turns them into the engine's ``BuildOptions``, lets the
-engine build the units (runtime/build.py), and runs its unit's forward through the hooks
+engine build the units (runtime/build/units.py), and runs its unit's forward through the hooks
 (runtime/hooks.py). Every method is FSDP1's name delegating to the engine (summon, clip, no_sync,
 recorders) or to the state package (state dicts); the wrapper owns nothing but its module and unit.
 """
@@ -17,7 +17,7 @@ from torch import nn
 
 from flatshard import interop
 from flatshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.runtime import build, grad, hooks, recording, summon
+from flatshard.runtime import build, grad_utils, hooks, recording, summon
 from flatshard.runtime.instrument import CommRecorder, MemoryRecorder
 from flatshard.runtime.schedule import RunContext, ScheduleConfig
 from flatshard.runtime.tree import WRAPPED, UnitHost, clean_name, unit_hosts, units_under
@@ -328,14 +328,14 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         would on the unwrapped model. Returns the total norm (before clipping), the same on every rank,
         NaN if any rank's gradients hold a NaN. One all-reduce."""
         ctx = self._require_root("clip_grad_norm_")
-        return grad.clip_grad_norm_(ctx, list(self._ignored_params), max_norm, norm_type, error_if_nonfinite)
+        return grad_utils.clip_grad_norm_(ctx, list(self._ignored_params), max_norm, norm_type, error_if_nonfinite)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (full size, unreduced) across backward passes; the first
         backward after leaving the context reduces the sum."""
         ctx = self._require_root("no_sync")
-        with grad.no_sync(ctx):
+        with grad_utils.no_sync(ctx):
             yield
 
     @staticmethod

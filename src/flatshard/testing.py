@@ -20,9 +20,9 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flatshard.runtime import build
-from flatshard.runtime.mesh import group_timeout
-from flatshard.runtime.streams import RecordingStreams
+from flatshard.runtime.build import units as construction
+from flatshard.runtime.comm.mesh import group_timeout
+from flatshard.runtime.comm.streams import RecordingStreams
 from flatshard.runtime.tree import unit_hosts, units_under
 
 
@@ -102,7 +102,7 @@ def set_overlap_reductions(model: nn.Module, overlap: bool) -> None:
 def offload_on_cpu() -> Iterator[None]:
     """Let ``CPUOffload(offload_params=True)`` run with CPU as the compute device (a machine without an
     accelerator): the flat shards are then separate CPU tensors copied before every gather."""
-    with mock.patch.object(build, "offload_compute_device", build._offload_device):
+    with mock.patch.object(construction, "offload_compute_device", construction._offload_device):
         yield
 
 

@@ -22,7 +22,7 @@ from flatshard.api import CheckpointError, StateDictType
 from flatshard.checkpoint.directory import locate, manifest_in
 from flatshard.checkpoint.format import ShardReader, shard_file
 from flatshard.checkpoint.save import peer_errors, wait_pending
-from flatshard.runtime.agree import gather_json, rank_in, run_agreed, world_of
+from flatshard.runtime.comm.agree import gather_json, rank_in, run_agreed, world_of
 from flatshard.runtime.hooks import traced
 from flatshard.runtime.schedule import Phase
 from flatshard.state.model_view import EntryKind, ModelView, dtype_from, model_view

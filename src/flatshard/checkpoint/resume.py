@@ -36,7 +36,7 @@ from flatshard.api import CheckpointError
 from flatshard.checkpoint.directory import latest, read_manifest, step_path
 from flatshard.checkpoint.load import load
 from flatshard.checkpoint.save import AsyncSave, save
-from flatshard.runtime.agree import gather_json, world_of
+from flatshard.runtime.comm.agree import gather_json, world_of
 from flatshard.state.model_view import model_view
 
 logger = logging.getLogger("flatshard")

@@ -52,9 +52,9 @@ from flatshard.checkpoint.format import (
     shard_file,
     write_json_atomic,
 )
-from flatshard.runtime.agree import agree, gather_json, rank_in, run_agreed, world_of
+from flatshard.runtime.comm.agree import agree, gather_json, rank_in, run_agreed, world_of
+from flatshard.runtime.comm.mesh import group_timeout
 from flatshard.runtime.hooks import traced
-from flatshard.runtime.mesh import group_timeout
 from flatshard.runtime.schedule import Phase
 from flatshard.runtime.tree import UnitHost
 from flatshard.state.model_view import EntryKind, ModelView, dtype_name, model_view

@@ -6,7 +6,7 @@ Per-rank bytes are ring volumes (what one rank sends; it receives as much):
     reduce-scatter of unit u over F ranks: (F - 1) * S_u * reduce bytes
     all-reduce of n elements over R ranks: 2 * (R - 1) / R * n * reduce bytes
         (exact rationals; a figure that is not a whole number of bytes is reported as a float)
-These are the engine's ``Collective.wire_bytes`` (collectives.py), so recorded and predicted bytes
+These are the engine's ``Collective.wire_bytes`` (comm/collectives.py), so recorded and predicted bytes
 compare directly. Under ``shard_boundaries`` "rows" and "params" the shards of a unit differ and S_u
 is the largest, max_k s_{k,u} ([Note: planner memory model]): every rank receives every shard, so a
 unit's all-gather takes as long as its largest shard's sends, and its reduce-scatter as long as the
@@ -48,7 +48,7 @@ per node the sends and ring hops that leave it), chunk c = S_u bytes:
       (n-1) alpha + max(V / intra_bw if g > 1, V / inter_bw, h V / node_bw)
   Every byte of a ring that spans nodes counts as inter-node per rank (its slowest hop's class); the
   node's link carries h V.
-* ``exchange="direct"`` (flatshard's all-gather and reduce-scatter on gloo, runtime/gloo_exchange.py:
+* ``exchange="direct"`` (flatshard's all-gather and reduce-scatter on gloo, runtime/comm/gloo_exchange.py:
   one point-to-point message per peer): of a rank's n - 1 chunks only the n - g to other nodes cross,
   and a node's link carries all its ranks' crossing chunks, s = sum over its ranks of (n - g) c:
       (n-1) alpha + (g-1) c / intra_bw + max((n-g) c / inter_bw, s / node_bw)

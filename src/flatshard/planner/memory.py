@@ -43,7 +43,7 @@ figure leaves out the unit's unsharded gradient, which exists in backward alongs
 parameters, so the real peak of that case is 16P/N + 8P/M (fp32).
 
 Optimizer state across replicas (``optimizer_across_replicas``: the engine's
-``shard_optimizer_across_replicas=True``, [Note: optimizer state across replicas] in runtime/pieces.py;
+``shard_optimizer_across_replicas=True``, [Note: optimizer state across replicas] in runtime/across_replicas.py;
 the hybrids at 1 < F < W, "flat" only; R = W / F): a unit is cut as the "flat" layout over W ranks, pieces
 P_u = ceil(T_u / W), and a flat shard is R of them: S_u = R * P_u (more than ceil(T_u / F) when W does not
 divide T_u well), N_u = W * P_u. Owner rank v = shard rank * R + replicate rank holds

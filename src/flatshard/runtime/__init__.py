@@ -4,16 +4,18 @@
 One step of one unit (FULL_SHARD), each step as file:function
 -------------------------------------------------------------
 Construction (once)
-  build.py:build_units          ignored states, devices, wrap policy (wrap.py:select_units), placement
-                                (placement.py:Placement), sharding factor (autoshard.py), groups (mesh.py)
-  build.py:build_unit           flatten (layout.py:FlatLayout.flatten), keep the flat shard (unit.py:Unit)
+  build/units.py:build_units    ignored states, devices, wrap policy (wrap.py:select_units), placement
+                                (build/placement.py:Placement), sharding factor (build/autoshard.py),
+                                groups (comm/mesh.py)
+  build/units.py:build_unit           flatten (layout.py:FlatLayout.flatten), keep the flat shard (unit.py:Unit)
   hooks.py:register_post_backward   the unsharded flat's post-accumulate-grad hook
-  build.py:become_root          one run context (schedule.py:RunContext) for every unit under the root
+  build/units.py:become_root          one run context (schedule.py:RunContext) for every unit under the root
 Forward
   hooks.py:forward              the front end's forward: cast inputs, RunContext.begin_forward (root)
                                 (fully_shard: the same steps as module hooks, forward_pre_hook/forward_post_hook)
-  hooks.py:pre_forward          unit.py:Unit.unshard -> gather.py:issue -> collectives.py:all_gather
-                                (gloo_exchange.py on CPU; on the gather stream, streams.py), gather.py:consume;
+  hooks.py:pre_forward          unit.py:Unit.unshard -> gather.py:issue -> comm/collectives.py:all_gather
+                                (comm/gloo_exchange.py on CPU; on the gather stream, comm/streams.py),
+                                gather.py:consume;
                                 Unit.use_compute_views (layout.py:make_compute_views, set_views_on_modules);
                                 RunContext.record_forward, RunContext.prefetch_forward
   hooks.py:post_forward         Unit.use_shard_views; Unit.reshard unless the root (or SHARD_GRAD_OP)
@@ -23,14 +25,14 @@ Backward
                                 RunContext.prefetch_backward (BACKWARD_PRE)
   hooks.py:_on_split_backward   Unit.reshard before the flat gradient is joined
   hooks.py:post_backward        RunContext.settle_reductions; Unit.start_reduction -> reduce.py:start ->
-                                collectives.py:reduce_scatter; Unit.reshard; RunContext.settle ->
+                                comm/collectives.py:reduce_scatter; Unit.reshard; RunContext.settle ->
                                 Unit.finish_reduction -> reduce.py:finish (all-reduce across replicas,
                                 divide) -> Unit._expose_grads (exposure.py); across nodes Unit.advance_reduction ->
-                                reduce.py:advance leaves the all-reduce in flight (compress.py: int8)
+                                reduce.py:advance leaves the all-reduce in flight (comm/int8.py)
   hooks.py:end_of_backward      RunContext.end_of_backward: reductions in flight, Unit.finish_backward
 Between steps
-  the optimizer steps the shard views locally; grad.py:clip_grad_norm_ (one all-reduce), grad.py:no_sync;
-  summon.py:summon (Unit.gather_full); agree.py (checks every rank ends alike)
+  the optimizer steps the shard views locally; grad_utils.py:clip_grad_norm_ (one all-reduce), grad_utils.py:no_sync;
+  summon.py:summon (Unit.gather_full); comm/agree.py (checks every rank ends alike)
 
 Index of every [Note: ...] in the package
 -----------------------------------------
@@ -42,30 +44,30 @@ Index of every [Note: ...] in the package
   precision of a unit's tensors ... runtime/precision.py
   reductions in flight ............ runtime/schedule.py
   prefetch ........................ runtime/schedule.py
-  stream discipline ............... runtime/streams.py
+  stream discipline ............... runtime/comm/streams.py
   a step that raised .............. runtime/schedule.py
   a forward with no backward after it .. runtime/schedule.py
   an open accumulation window .... runtime/exposure.py
-  exchange tags ................... runtime/gloo_exchange.py
-  inter-node compression .......... runtime/compress.py
-  optimizer state across replicas .. runtime/pieces.py
+  exchange tags ................... runtime/comm/gloo_exchange.py
+  inter-node compression .......... runtime/comm/int8.py
+  optimizer state across replicas .. runtime/across_replicas.py
   forward inside summon_full_params .. runtime/summon.py
   recomputation in backward ....... runtime/hooks.py
   free before the flat gradient ... runtime/hooks.py
   hooks hold units weakly ......... runtime/hooks.py
   hooks under compile ............. runtime/hooks.py
-  deferred initialisation ......... runtime/deferred.py
-  meta parameters left to the user . runtime/deferred.py
-  equal errors .................... runtime/agree.py
-  model fingerprint ............... runtime/fingerprint.py
-  order checks .................... runtime/order.py
-  optimizers on shard views ....... runtime/optim_check.py
+  deferred initialisation ......... runtime/build/deferred.py
+  meta parameters left to the user . runtime/build/deferred.py
+  equal errors .................... runtime/comm/agree.py
+  model fingerprint ............... runtime/build/fingerprint.py
+  order checks .................... runtime/consistency.py
+  optimizers on shard views ....... runtime/build/optim_check.py
   bounded recorders ............... runtime/instrument.py
   nested wrappers ................. fsdp.py
   get_state_dict on the wrapper ... fsdp.py
-  a group of modules .............. fsdp2.py
-  FSDP over tensor-parallel parameters .. fsdp2_tp.py
-  parameters that gather themselves .... fsdp2_extensions.py
+  a group of modules .............. fsdp2/frontend.py
+  FSDP over tensor-parallel parameters .. fsdp2/tensor_parallel.py
+  parameters that gather themselves .... fsdp2/extensions.py
   flat ranges as boxes ............ state/sharded_tensors.py
   loading through a plain parent .. state/module.py
   crash-safe commit ............... checkpoint/directory.py

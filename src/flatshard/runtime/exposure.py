@@ -100,7 +100,7 @@ def _set_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
 # flat parameter whose ``.grad`` is the accumulation (or, with use_orig_params, from finding every original
 # parameter's ``.grad`` None); PyTorch FSDP2 shows ``None`` mid-window and keeps the window through
 # ``zero_grad()`` until ``reset_iter_state()`` -- a difference README's "Differences from PyTorch FSDP" lists.
-# flatshard's clip_grad_norm_ inside an open window raises (runtime/grad.py): nothing there is reduced
+# flatshard's clip_grad_norm_ inside an open window raises (runtime/grad_utils.py): nothing there is reduced
 # yet, and a broadcast zero cannot be scaled in place. Not seen: a foreach or fused optimizer's
 # ``zero_grad(set_to_none=False)`` under fully_shard, whose ``torch._foreach_zero_`` of DTensor gradients
 # bumps no version counter (``grad_version``).

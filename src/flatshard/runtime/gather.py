@@ -1,5 +1,5 @@
 """A unit's all-gather into its unsharded flat, issued on the gather stream and consumed on compute
-([Note: stream discipline], streams.py). ``Unit.unshard`` decides whether to gather; this file gathers.
+([Note: stream discipline], comm/streams.py). ``Unit.unshard`` decides whether to gather; this file gathers.
 
 Buffers are allocated by compute before the gather stream is ordered after it, written by the gather,
 and read (the copy-out of a rank-major gather, the forward and backward) only after compute waited for
@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from flatshard.runtime import collectives, order
-from flatshard.runtime.streams import Lane
+from flatshard.runtime import consistency
+from flatshard.runtime.comm import collectives
+from flatshard.runtime.comm.streams import Lane
 
 if TYPE_CHECKING:
     from flatshard.runtime.unit import Unit
@@ -60,7 +61,7 @@ def issue(unit: Unit, wait: bool) -> None:
         unit.gather_in_flight = InFlight(None, None, temporaries=temporaries)
         consume(unit)
         return
-    unit.ctx.checker.check(order.GATHER, unit, unit.ctx.phase)
+    unit.ctx.checker.check(consistency.GATHER, unit, unit.ctx.phase)
     group, tag = unit.groups.shard_group, unit.ctx.next_tag(unit)
     target, then, staging = unit._gather_target, None, None
     if rank_major:  # [Note: chunked layout]: gather rank after rank, then copy out
@@ -94,7 +95,7 @@ def issue_from(unit: Unit, piece: torch.Tensor, wait: bool) -> None:
     """All-gather the unsharded flat from the pieces the post-forward group kept."""
     streams, group = unit.ctx.streams, unit.post_forward
     unit.allocate(prefetch=not wait)
-    unit.ctx.checker.check(order.GATHER, unit, unit.ctx.phase)
+    unit.ctx.checker.check(consistency.GATHER, unit, unit.ctx.phase)
     tag = unit.ctx.next_tag(unit)
     streams.order(COMPUTE, GATHER)
     with streams.on(GATHER), torch.profiler.record_function(f"flatshard::all_gather ({unit.name})"):

@@ -69,7 +69,7 @@ class FlatLayout:
     Shards of ``"rows"`` and ``"params"`` differ in size (``shard_numel_of``); nothing is padded, and
     the unsharded flat is still the parameters in layout order, so compute views stay zero-copy
     splits. On gloo the point-to-point exchanges move ragged shards as they are; other backends need
-    equal sizes, paid as padding and one copy per collective (collectives.py).
+    equal sizes, paid as padding and one copy per collective (comm/collectives.py).
     """
 
     def __init__(
@@ -83,7 +83,7 @@ class FlatLayout:
         """``loads``: elements each shard rank holds of the units laid out before this one (``"params"``
         deals against them and adds this unit's shards to them). ``replicas`` R > 1 (``"flat"`` only):
         each shard is R equal pieces, the "flat" shards over F·R ranks ([Note: optimizer state across
-        replicas], pieces.py)."""
+        replicas], across_replicas.py)."""
         self.boundaries = boundaries
         self.shard_size = shard_size  # F
         loads = loads if loads is not None else [0] * shard_size

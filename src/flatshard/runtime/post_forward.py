@@ -8,7 +8,7 @@ r keeps piece r mod g of it (pieces of ceil(T / g) elements, the last shorter); 
 ragged all-gather of those pieces straight into the unsharded flat. If the flat shard changed in
 between (the parameters were written), the piece is stale and the unit gathers from the flat shards.
 The groups of g ranks are made once per mesh and g, and shared by every unit of that mesh and g
-(fsdp2.py): one set per ``fully_shard`` call would leave a model of L blocks with L·W/g groups.
+(fsdp2/frontend.py): one set per ``fully_shard`` call would leave a model of L blocks with L·W/g groups.
 """
 
 from __future__ import annotations

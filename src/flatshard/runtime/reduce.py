@@ -7,7 +7,7 @@ group); ``advance`` waits for the reduce-scatter and, when there are replicas to
 all-reduce of the shard across them; ``finish`` waits for whatever is left, divides by the
 data-parallel size and casts to the master dtype. The full-size gradient is released as soon as the
 reduce-scatter is done. With ``ReduceSpec.inter_node`` compressing, what crosses nodes goes as int8
-([Note: inter-node compression], compress.py).
+([Note: inter-node compression], comm/int8.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 import torch
 
-from flatshard.runtime import collectives, compress
-from flatshard.runtime.mesh import ShardGroups
-from flatshard.runtime.streams import Lane, Streams
+from flatshard.runtime.comm import collectives, nodes
+from flatshard.runtime.comm.mesh import ShardGroups
+from flatshard.runtime.comm.streams import Lane, Streams
 
 COMPUTE, REDUCE = Lane.COMPUTE, Lane.REDUCE
 NO_STREAMS = Streams()
@@ -35,10 +35,10 @@ class ReduceSpec:
     reduce_dtype: torch.dtype
     label: str  # the unit's name, for profiler labels
     divide_factor: Optional[float] = None  # what the summed gradient is divided by (None: the data-parallel size)
-    inter_node: compress.InterNode = compress.LOCAL  # which peers are on other nodes; int8 across them
-    # across replicas a reduce-scatter, not an all-reduce ([Note: optimizer state across replicas], pieces.py)
+    inter_node: nodes.InterNode = nodes.LOCAL  # which peers are on other nodes; int8 across them
+    # across replicas a reduce-scatter, not an all-reduce ([Note: optimizer state across replicas], across_replicas.py)
     scatter_replicas: bool = False
-    streams: Streams = NO_STREAMS  # the run context's ([Note: stream discipline], streams.py)
+    streams: Streams = NO_STREAMS  # the run context's ([Note: stream discipline], comm/streams.py)
 
     @property
     def divide_factors(self) -> tuple[float, float]:
@@ -84,7 +84,7 @@ Record = Callable[[collectives.CollectiveResult, str], None]
 def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: bool, tag: int = 0) -> PendingReduction:
     """Issue the reduction of ``grad``, already in ``spec.reduce_dtype``: the unit makes it so (a cast, or the
     rank-major copy) and releases its own gradient before the collective starts (Unit._take_gradient).
-    On the reduce stream, after compute's event ([Note: stream discipline], streams.py)."""
+    On the reduce stream, after compute's event ([Note: stream discipline], comm/streams.py)."""
     groups, inter, streams = spec.groups, spec.inter_node, spec.streams
     full = grad
     before, _after = spec.divide_factors
@@ -140,7 +140,7 @@ def advance(pending: PendingReduction, spec: ReduceSpec, record: Record, *, asyn
     pending.all_reduce_after = False
     groups, inter = spec.groups, spec.inter_node
     async_op = async_op and streams.host_ordered
-    if spec.scatter_replicas:  # [Note: optimizer state across replicas] (pieces.py): S elements to this piece
+    if spec.scatter_replicas:  # [Note: optimizer state across replicas] (across_replicas.py): S elements to this piece
         shard, r = pending.out, groups.replicate_size
         pending.source, pending.out = shard, torch.empty(shard.numel() // r, dtype=shard.dtype, device=shard.device)
         streams.use(COMPUTE, pending.out, "alloc", f"reduced piece {spec.label}")

@@ -2,7 +2,7 @@
 
 Every unit has a ``RunContext`` from the moment it is built (never a global): the units one
 constructor call builds share one, and a later call that wraps them (manual nesting) hands its own
-to every unit under it (build.py, ``adopt_units``). It holds the phase (for the recorders), whether
+to every unit under it (build/units.py, ``adopt_units``). It holds the phase (for the recorders), whether
 this backward synchronises gradients (``no_sync``), the recorded forward execution order, the
 prefetch schedule and rate limiter, the reductions in flight, and the attached recorders. The hooks
 that drive it live in hooks.py.
@@ -22,12 +22,13 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from flatshard.api import BackwardPrefetch
-from flatshard.runtime import agree, collectives, exposure, precision
-from flatshard.runtime.collectives import CollectiveResult
+from flatshard.runtime import exposure, precision
+from flatshard.runtime.comm import agree, collectives
+from flatshard.runtime.comm.collectives import CollectiveResult
+from flatshard.runtime.comm.streams import Lane, Streams
+from flatshard.runtime.comm.streams import for_device as streams_for
+from flatshard.runtime.consistency import END_BACKWARD, END_FORWARD, Checker, exchange_tag
 from flatshard.runtime.instrument import CommEvent, CommRecorder, MemoryRecorder
-from flatshard.runtime.order import END_BACKWARD, END_FORWARD, Checker, exchange_tag
-from flatshard.runtime.streams import Lane, Streams
-from flatshard.runtime.streams import for_device as streams_for
 
 if TYPE_CHECKING:
     from flatshard.runtime.unit import Unit
@@ -61,7 +62,7 @@ class ScheduleConfig:
     # On an accelerator a reduction left in flight overlaps the next unit's backward at the cost of
     # one full-size gradient held a little longer. On CPU (gloo) the collective's threads share the
     # cores with compute, so nothing is hidden while the memory is still paid: there each reduction
-    # finishes before the next unit computes (build.py, ``schedule_config``).
+    # finishes before the next unit computes (build/units.py, ``schedule_config``).
     # Across nodes it is the link, not the cores, that a collective waits on (docs/multi_node.md
     # measures it), so ``inter_node_in_flight`` leaves what crosses in flight, on CPU too:
     # * the all-reduce across replicas (hybrid, NO_SHARD) when its replicate group spans nodes: issued
@@ -73,7 +74,7 @@ class ScheduleConfig:
     #   full-size gradient in flight, not more.
     # Where nothing crosses a node the setting changes nothing, so on by default is right in every case:
     # one node keeps the CPU rule above; several nodes measured faster with it (docs/multi_node.md).
-    # Which ranks share a node: compress.py, ``Nodes``. The results are the same bits either way.
+    # Which ranks share a node: comm/nodes.py, ``Nodes``. The results are the same bits either way.
     overlap_reductions: bool = False
     inter_node_in_flight: bool = True
 
@@ -95,7 +96,7 @@ class RunContext:
         self.cross_node_reductions: list[Unit] = []  # all-reduces across nodes, finished at the end of backward
         self.buffer_cast: Optional[tuple[nn.Module, torch.dtype]] = None  # MixedPrecision.buffer_dtype
         self.started = False
-        # [Note: order checks] (order.py)
+        # [Note: order checks] (consistency.py)
         self.checker = Checker(units, root.groups.process_group, lambda r: self.record(r, "world", "<order check>"))
         self.passes = 0  # forward passes the root has begun
         self.backward_since_forward = False  # [Note: a forward with no backward after it]
@@ -103,12 +104,12 @@ class RunContext:
             True  # fully_shard's set_is_last_backward (changes nothing: reductions end each backward)
         )
         self._order_changed_warned = False
-        self._exchanges = 0  # tags for point-to-point exchanges ([Note: exchange tags], gloo_exchange.py)
+        self._exchanges = 0  # tags for point-to-point exchanges ([Note: exchange tags], comm/gloo_exchange.py)
         self._streams: Optional[Streams] = None
 
     @property
     def streams(self) -> Streams:
-        """The device's streams ([Note: stream discipline], streams.py), made at first use."""
+        """The device's streams ([Note: stream discipline], comm/streams.py), made at first use."""
         if self._streams is None:
             self._streams = streams_for(self.root.compute_device)
         return self._streams
@@ -162,7 +163,7 @@ class RunContext:
 
     def sync_pieces(self) -> None:
         """Pieces that changed travel while the first units compute ([Note: optimizer state across
-        replicas], pieces.py): every unit after a synchronised backward; otherwise those whose piece
+        replicas], across_replicas.py): every unit after a synchronised backward; otherwise those whose piece
         changed on any rank, agreed by one all-reduce of a flag per unit."""
         units = [u for u in self.units if u.pieces is not None and u.pieces.pending is None]
         unsure = [u for u in units if not u.pieces.dirty]
@@ -216,7 +217,7 @@ class RunContext:
             for unit in crossing:
                 unit.finish_reduction()
             for unit in self.units:
-                if unit.side is not None:  # [Note: parameters that gather themselves] (fsdp2_extensions.py)
+                if unit.side is not None:  # [Note: parameters that gather themselves] (fsdp2/extensions.py)
                     unit.side.reduce(unit)
                 unit.finish_backward()
                 if exposure.window_open(unit):
@@ -357,7 +358,7 @@ class RunContext:
             unit.finish_reduction()
 
     def next_tag(self, unit: Unit) -> int:
-        """The tag of ``unit``'s next point-to-point exchange ([Note: order checks], order.py)."""
+        """The tag of ``unit``'s next point-to-point exchange ([Note: order checks], consistency.py)."""
         self._exchanges = (self._exchanges + 1) % (1 << 16)
         return exchange_tag(self._exchanges, self.checker.index.get(id(unit), 0xFFF))
 

@@ -24,15 +24,16 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from flatshard.api import MixedPrecision, ShardingStrategy
-from flatshard.runtime import collectives, compress, exposure, gather, order, reduce
+from flatshard.runtime import consistency, exposure, gather, reduce
+from flatshard.runtime.across_replicas import Pieces, fingerprint
+from flatshard.runtime.comm import collectives, nodes
+from flatshard.runtime.comm.mesh import ShardGroups
+from flatshard.runtime.comm.streams import Lane
 from flatshard.runtime.exposure import local
 from flatshard.runtime.layout import FlatLayout, make_compute_views, make_shard_views, set_views_on_modules
-from flatshard.runtime.mesh import ShardGroups
-from flatshard.runtime.pieces import Pieces, fingerprint
 from flatshard.runtime.post_forward import PostForwardGroup
 from flatshard.runtime.precision import UnitPrecision
 from flatshard.runtime.schedule import RunContext, ScheduleConfig
-from flatshard.runtime.streams import Lane
 
 
 class UnitState(enum.Enum):
@@ -71,10 +72,10 @@ class Unit:
         the optimizer's state, live in CPU memory (pinned when computing on CUDA): each gather copies
         the shard to the compute device first, and each reduced gradient shard is copied back. With
         ``pieces`` the shard views own only a piece of the flat shard ([Note: optimizer state across
-        replicas], pieces.py).
+        replicas], across_replicas.py).
 
         The unit starts with a run context of its own; the root that builds or adopts it hands it the
-        root's (build.py)."""
+        root's (build/units.py)."""
         self.name = name or "<root>"
         self.layout = layout
         self.groups = groups
@@ -113,7 +114,7 @@ class Unit:
         self._grad_shard: Optional[weakref.ref] = None
         self.trainable = tuple(i.requires_grad for i in layout.infos)  # as the shard views say, last forward
         self.post_backward_hook: Optional[Any] = None  # the unsharded flat's post-accumulate-grad hook (hooks.py)
-        self.originals: dict[int, weakref.ref] = {}  # id -> the parameters flattened here (placement.py)
+        self.originals: dict[int, weakref.ref] = {}  # id -> the parameters flattened here (build/placement.py)
         # per-unit settings of the fully_shard front end (FSDP2's set_* methods); FSDP1 leaves the defaults
         self.requires_gradient_sync = True  # False: this unit's gradients accumulate unreduced (no_sync)
         self.unsynced_in_reduce_dtype = False  # fully_shard: accumulate unreduced in the reduce dtype, as FSDP2
@@ -128,12 +129,12 @@ class Unit:
         self.grad_as: Optional[Any] = None  # fully_shard: (index, local gradient) -> its DTensor gradient
         self.compute_as: Optional[list] = None  # fully_shard + TP: per parameter, compute view -> its DTensor
         self.post_forward: Optional[PostForwardGroup] = None  # fully_shard's reshard_after_forward=int
-        self.inter_node = compress.LOCAL  # which of its peers are on other nodes; int8 across them (build.py)
+        self.inter_node = nodes.LOCAL  # which of its peers are on other nodes; int8 across them (build/units.py)
         self._partial: Optional[tuple[torch.Tensor, int]] = None  # (this rank's piece, flat shard version)
         self.strategy: Optional[ShardingStrategy] = None  # what the wrap call asked for (checkpoint manifests)
         self.mixed_precision: Optional[MixedPrecision] = None  # the policy ``precision`` was resolved from
         # fully_shard: parameters kept out of the flat shard that gather themselves ([Note: parameters that
-        # gather themselves], fsdp2_extensions.py); it gathers beside the compute views, frees beside reshard
+        # gather themselves], fsdp2/extensions.py); it gathers beside the compute views, frees beside reshard
         self.side: Optional[Any] = None
         set_views_on_modules(layout, self.shard_views, as_params=True)
 
@@ -274,7 +275,7 @@ class Unit:
         original is released then, so the two never wait out the collective together."""
         spec = self._reduce_spec()
         if self.groups.shard_size > 1 or self.groups.replicate_size > 1:
-            self.ctx.checker.check(order.REDUCE, self, self.ctx.phase)
+            self.ctx.checker.check(consistency.REDUCE, self, self.ctx.phase)
         grad = self._take_gradient(unsharded, spec.reduce_dtype)
         with self._errors(self._reduction_kind()):
             self.reduction = reduce.start(grad, spec, self.record, async_op=async_op, tag=self.ctx.next_tag(self))
@@ -406,7 +407,7 @@ class Unit:
 
     # ---- accounting ------------------------------------------------------------------------
     def _errors(self, collective: str):
-        return order.collective_errors(self, collective)
+        return consistency.collective_errors(self, collective)
 
     def _reduce_spec(self) -> reduce.ReduceSpec:
         return reduce.ReduceSpec(
@@ -454,7 +455,7 @@ class Unit:
             "optimizer": 0,
             "gathered": gathered,
         }
-        if self.side is not None:  # parameters that gather themselves (fsdp2_extensions.py)
+        if self.side is not None:  # parameters that gather themselves (fsdp2/extensions.py)
             for kind, nbytes in self.side.memory_bytes().items():
                 held[kind] += nbytes
         return held

@@ -4,7 +4,7 @@
 removed: each original parameter of a unit as a ``LocalParam`` (which elements of it this rank holds,
 and where they sit in its unit's flat shard), parameters no unit manages (ignored ones), buffers and
 extra state. Every state-dict, optimizer state-dict and checkpoint path starts here. Its collectives
-go through collectives.py and are recorded with the root's run context, under the entry point's phase.
+go through comm/collectives.py and are recorded with the root's run context, under the entry point's phase.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from flatshard.api import NotBuiltError
-from flatshard.runtime import agree
-from flatshard.runtime.collectives import CollectiveResult
+from flatshard.runtime.comm import agree
+from flatshard.runtime.comm.collectives import CollectiveResult
 from flatshard.runtime.layout import ParamInfo
 from flatshard.runtime.schedule import Phase, RunContext
 from flatshard.runtime.tree import HOPS, UnitHost, unit_hosts
@@ -108,7 +108,7 @@ def model_view(module: nn.Module, prefix: str = "") -> ModelView:
     owners = {}
     for h in hosts:
         unit = h._unit
-        rank = unit.owner_rank  # the shard views' cut: the shard group's, or pieces over all ranks (pieces.py)
+        rank = unit.owner_rank  # the shard views' cut: the shard group's, or pieces over all ranks (across_replicas.py)
         layout = unit.owner_layout
         for info, view, rng, loc in zip(
             layout.infos, unit.shard_views, layout.param_ranges(rank), layout.local_slices(rank)

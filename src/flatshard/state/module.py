@@ -15,7 +15,7 @@ optim.py, the settings in settings.py, the files on disk in the checkpoint packa
 
 Names never contain wrapper prefixes. Buffers, ignored parameters and extra state appear as full
 tensors (every rank holds them whole) in every type. Load errors are raised on every rank alike
-([Note: equal errors], runtime/agree.py). Collectives are recorded under the ``state_dict`` phase.
+([Note: equal errors], runtime/comm/agree.py). Collectives are recorded under the ``state_dict`` phase.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from flatshard.api import (
     StateDictConfig,
     StateDictType,
 )
-from flatshard.runtime import agree
+from flatshard.runtime.comm import agree
 from flatshard.runtime.hooks import traced
 from flatshard.runtime.schedule import Phase
 from flatshard.runtime.tree import WRAPPED, UnitHost, unit_hosts

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from flatshard.api import CheckpointError, StateDictType
-from flatshard.runtime import agree, collectives
+from flatshard.runtime.comm import agree, collectives
 from flatshard.runtime.hooks import traced
 from flatshard.runtime.schedule import Phase
 from flatshard.state.model_view import (

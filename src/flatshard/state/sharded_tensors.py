@@ -20,8 +20,8 @@ from torch.distributed._shard.sharded_tensor import (
     TensorProperties,
 )
 
-from flatshard.runtime import collectives
-from flatshard.runtime.agree import Record, collective_device
+from flatshard.runtime.comm import collectives
+from flatshard.runtime.comm.agree import Record, collective_device
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def box_flat_range(offsets, sizes, shape) -> Optional[tuple[int, int]]:
 
 def _shard_ranks(unit) -> tuple[Any, list[int]]:
     """(the ShardedTensor's process group, the global rank of each owner rank: each shard rank, or each
-    piece's owner when the optimizer state is split over the replicas, pieces.py)."""
+    piece's owner when the optimizer state is split over the replicas, across_replicas.py)."""
     groups = unit.groups
     if unit.pieces is not None:
         return groups.process_group, list(unit.pieces.global_ranks)

@@ -10,7 +10,7 @@ accelerator's free memory. Activations are not known at wrap time and are not co
 With ``link_figures`` (a ``flatshard.planner.Links``: the links within and between nodes) the
 planner chooses by time instead: among the F that fit, the one whose step it predicts fastest
 ([Note: planner step schedule] in planner/steptime.py), for the topology the engine resolves (ranks
-per node: ``ranks_per_node`` or LOCAL_WORLD_SIZE, as compress.py's ``Nodes``) and the collectives it
+per node: ``ranks_per_node`` or LOCAL_WORLD_SIZE, as comm/nodes.py's ``Nodes``) and the collectives it
 will run (flatshard's point-to-point exchange on gloo, the backend's ring otherwise). Compute and the
 optimizer step are not known at wrap time either: the times compared are communication only, which
 is what differs between the F (compute is the same for every F); what they leave out, the ``why``
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from flatshard.api import ShardingStrategy
 from flatshard.planner import Links, PlanInputs, choose_sharding_factor
-from flatshard.runtime.compress import Nodes
+from flatshard.runtime.comm.nodes import Nodes
 
 logger = logging.getLogger("flatshard")
 
@@ -91,7 +91,7 @@ def auto_sharding_factor(
 
 def _exchange(device: torch.device, group: Any) -> str:
     """How the engine will move all-gathers and reduce-scatters: point-to-point on gloo (CPU tensors,
-    collectives.py), the backend's ring otherwise."""
+    comm/collectives.py), the backend's ring otherwise."""
     backend = str(dist.get_backend(group if group is not None else dist.group.WORLD))
     return "direct" if device.type == "cpu" and "gloo" in backend else "ring"
 

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from flatshard.runtime import collectives, exposure, order
+from flatshard.runtime import consistency, exposure
+from flatshard.runtime.comm import collectives
 from flatshard.runtime.hooks import traced
 from flatshard.runtime.schedule import Phase, RunContext
 
@@ -24,7 +25,7 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """The global gradient norm, computed from this rank's gradient shards with one all-reduce over the
     shard group (replicas hold identical shards, so each element is counted once; when the optimizer state
-    is split over the replicas, pieces.py, a second over the replicate group), then every gradient
+    is split over the replicas, across_replicas.py, a second over the replicate group), then every gradient
     scaled by ``min(1, max_norm / (norm + 1e-6))``. Parameters flatshard does not manage (ignored
     modules) are left whole with gradients it does not reduce: their share is its mean over the ranks,
     added once (one more all-reduce, only when there are such parameters).
@@ -87,7 +88,7 @@ def _clip(ctx: RunContext, unmanaged, max_norm: float, norm_type: float, error_i
 
 def _reduce(ctx: RunContext, value: torch.Tensor, group, name: str, norm_type: float) -> torch.Tensor:
     """``value`` (max |g|, or sum |g|^p) combined over ``group``: one all-reduce."""
-    errors = order.collective_errors(ctx.root, "clip_grad_norm_ all_reduce")  # a timeout names rank and phase
+    errors = consistency.collective_errors(ctx.root, "clip_grad_norm_ all_reduce")  # a timeout names rank and phase
     if math.isinf(norm_type):  # [max, NaN seen]: MAX of both; a NaN never rides the maximum itself
         pair = torch.stack([torch.nan_to_num(value, nan=0.0), torch.isnan(value).float()])
         with errors:

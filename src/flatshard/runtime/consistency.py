@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from flatshard.runtime import agree, collectives
-from flatshard.runtime.collectives import CollectiveResult
+from flatshard.runtime.comm import agree, collectives
+from flatshard.runtime.comm.collectives import CollectiveResult
 
 if TYPE_CHECKING:
     from flatshard.runtime.unit import Unit

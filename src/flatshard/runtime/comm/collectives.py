@@ -6,11 +6,11 @@ run context's communication recorder (``RunContext.record``). Tests may patch th
 
 Byte figures are per rank and follow the ring algorithm: all-gather and reduce-scatter move
 (n-1)·(shard bytes); all-reduce moves 2·(n-1)/n·(tensor bytes); broadcast counts the tensor once.
-On gloo (CPU tensors) all-gather and reduce-scatter are point-to-point exchanges (gloo_exchange.py)
+On gloo (CPU tensors) all-gather and reduce-scatter are point-to-point exchanges (comm/gloo_exchange.py)
 that send exactly those bytes; NCCL and other backends use their own collectives.
 
 ``remote`` (all-gather, reduce-scatter) and ``compressed`` (all-reduce) send what crosses the node
-boundary as int8 ([Note: inter-node compression], compress.py); the bytes recorded are then those
+boundary as int8 ([Note: inter-node compression], int8.py); the bytes recorded are then those
 sent: each message's int8 values and its blocks' fp32 scales.
 """
 
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from flatshard.runtime import compress, gloo_exchange
-from flatshard.runtime.gloo_exchange import Remote
+from flatshard.runtime.comm import gloo_exchange, int8
+from flatshard.runtime.comm.gloo_exchange import Remote
 
 
 class CollectiveResult(NamedTuple):
@@ -96,7 +96,7 @@ def reduce_scatter(
 def _message_bytes(numel: int, element_size: int, remote: Remote, peer: int) -> int:
     """Bytes of one message of ``numel`` elements to ``peer``: int8 and scales when it crosses nodes."""
     if remote is not None and remote[peer]:
-        return compress.packed_nbytes(numel)
+        return int8.packed_nbytes(numel)
     return numel * element_size
 
 
@@ -150,7 +150,7 @@ def all_reduce(
             raise RuntimeError("flatshard internal error: an int8 all-reduce sums; it has no other op")
         work = gloo_exchange.all_reduce_int8(tensor, group, n, tag, async_op)
         return CollectiveResult(
-            "all_reduce", n, _nbytes(tensor), float((n - 1) * compress.packed_nbytes(tensor.numel())), work
+            "all_reduce", n, _nbytes(tensor), float((n - 1) * int8.packed_nbytes(tensor.numel())), work
         )
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return CollectiveResult("all_reduce", n, _nbytes(tensor), 2.0 * (n - 1) / n * _nbytes(tensor), work)

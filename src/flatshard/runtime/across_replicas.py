@@ -45,9 +45,9 @@ from typing import Any, Optional
 
 import torch
 
-from flatshard.runtime import collectives
+from flatshard.runtime.comm import collectives
+from flatshard.runtime.comm.streams import Lane, Streams
 from flatshard.runtime.layout import FlatLayout
-from flatshard.runtime.streams import Lane, Streams
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Pieces:
 
     def start_sync(self, flat_shard: torch.Tensor, tag: int, record: Callable, errors, streams: Streams) -> None:
         """Issue the all-gather of the pieces into ``flat_shard``, on the gather stream after compute's event
-        ([Note: stream discipline], streams.py). Written through ``.data``, so no autograd view of the flat
+        ([Note: stream discipline], comm/streams.py). Written through ``.data``, so no autograd view of the flat
         shard is disturbed; the piece's fingerprint is taken while the pieces travel."""
         target = flat_shard.data
         source = self.piece(target)

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from flatshard.runtime import agree
+from flatshard.runtime.comm import agree
 
 
 def entries(options_line: str, units: list[tuple[str, list]]) -> list[str]:

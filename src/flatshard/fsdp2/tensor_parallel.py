@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
 from flatshard.api import NotBuiltError
-from flatshard.fsdp2_checks import call_parameters
+from flatshard.fsdp2.checks import call_parameters
 
 
 @dataclass

@@ -1,5 +1,4 @@
-"""``fully_shard``: front end 2, PyTorch FSDP2's API on flatshard's engine. (The file is fsdp2.py, not
-fully_shard.py: a submodule named like the function would replace it as ``flatshard.fully_shard``.)
+"""``fully_shard``: front end 2, PyTorch FSDP2's API on flatshard's engine.
 
     from flatshard import fully_shard, MixedPrecisionPolicy      # was: from torch.distributed.fsdp import ...
     for block in model.blocks:
@@ -7,7 +6,7 @@ fully_shard.py: a submodule named like the function would replace it as ``flatsh
     fully_shard(model)
 
 Each call makes the module's parameters not already under an inner ``fully_shard`` one unit (the engine's,
-runtime/build.py) in FSDP2's layout ([Note: chunked layout], runtime/chunked.py), registers them on the
+runtime/build/units.py) in FSDP2's layout ([Note: chunked layout], runtime/chunked.py), registers them on the
 module as DTensors (``Shard(0)`` over the shard mesh dim, ``Replicate()`` over the replicate dim), swaps
 the module's class for one that also is an ``FSDPModule`` (as FSDP2 does) and hooks its forward. The
 outermost call is the root: it hands one run context to every unit under it. DTensor parameters are
@@ -28,11 +27,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from flatshard import fsdp2_checks, fsdp2_extensions, fsdp2_tp, interop
+from flatshard import interop
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.runtime import build, deferred, hooks, precision, recording
+from flatshard.fsdp2 import checks, extensions, tensor_parallel
+from flatshard.runtime import build, hooks, precision, recording
+from flatshard.runtime.build import deferred
+from flatshard.runtime.comm.mesh import group_timeout
 from flatshard.runtime.layout import set_views_on_modules
-from flatshard.runtime.mesh import group_timeout
 from flatshard.runtime.post_forward import PostForwardGroup
 from flatshard.runtime.tree import UnitHost, units_under
 from flatshard.runtime.unit import Unit
@@ -96,7 +97,7 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         return self
 
     def __deepcopy__(self, memo):
-        raise fsdp2_checks.FullyShardUsageError(
+        raise checks.FullyShardUsageError(
             f"FSDP does not support deepcopy of a module fully_shard was applied to ({type(self).__name__}): its "
             "parameters are shards over a process group. Copy the model before calling fully_shard, or build a "
             "second one and load the first one's state dict into it."
@@ -181,8 +182,8 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
-    set_custom_all_gather = _not_built("set_custom_all_gather", "flatshard's collectives are runtime/collectives.py")
-    set_custom_reduce_scatter = _not_built("set_custom_reduce_scatter", "see runtime/collectives.py")
+    set_custom_all_gather = _not_built("set_custom_all_gather", "see runtime/comm/collectives.py")
+    set_custom_reduce_scatter = _not_built("set_custom_reduce_scatter", "see runtime/comm/collectives.py")
     set_all_reduce_hook = _not_built("set_all_reduce_hook", "use MixedPrecisionPolicy(reduce_dtype=...)")
     set_requires_all_reduce = _not_built("set_requires_all_reduce", "use set_requires_gradient_sync(False)")
     set_force_sum_reduction_for_comms = _not_built(
@@ -235,7 +236,7 @@ def fully_shard(
     if not modules:
         raise ValueError("fully_shard got an empty list of modules: pass a module, or a list of them (one group)")
     for m in modules:
-        fsdp2_checks.check_module(m)
+        checks.check_module(m)
     if dp_mesh_dims is not None:
         raise NotBuiltError("fully_shard(dp_mesh_dims=...) is not built: pass the data-parallel mesh as mesh=")
     # [Note: a group of modules]
@@ -245,16 +246,14 @@ def fully_shard(
     # module run alone (a loss head called chunk by chunk) works as a module run twice in one forward.
     # Tied parameters must be in one group; the root adopts the unit once (runtime/tree.py, units_under).
     target = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
-    fsdp2_checks.check_not_flattened(target)
+    checks.check_not_flattened(target)
     mesh, placements = _mesh(mesh, target)
-    # [Note: parameters that gather themselves] (fsdp2_extensions.py): kept out of the flat shard
-    self_gathered = [
-        (n, p) for n, p in fsdp2_checks.call_parameters(target, ignored_params) if fsdp2_extensions.gathers_itself(p)
-    ]
-    tp_specs = fsdp2_tp.tensor_parallel_params(target, ignored_params, mesh)
-    dims = fsdp2_checks.shard_dims(target, shard_placement_fn, ignored_params) if shard_placement_fn else None
-    # [Note: FSDP over tensor-parallel parameters] (fsdp2_tp.py): the unit is built on their local tensors
-    tp_uses, dims = fsdp2_tp.localize(target, tp_specs, dims)
+    # [Note: parameters that gather themselves] (extensions.py): kept out of the flat shard
+    self_gathered = [(n, p) for n, p in checks.call_parameters(target, ignored_params) if extensions.gathers_itself(p)]
+    tp_specs = tensor_parallel.tensor_parallel_params(target, ignored_params, mesh)
+    dims = checks.shard_dims(target, shard_placement_fn, ignored_params) if shard_placement_fn else None
+    # [Note: FSDP over tensor-parallel parameters] (tensor_parallel.py): the unit is built on their local tensors
+    tp_uses, dims = tensor_parallel.localize(target, tp_specs, dims)
     shard_size = mesh.size(mesh.ndim - 1)
     reshard, post_forward_size = _reshard_after_forward(reshard_after_forward, shard_size)
     mp, output_dtype = _precision(mp_policy)
@@ -262,22 +261,22 @@ def fully_shard(
         strategy=_strategy(mesh, reshard),
         process_group=mesh.get_group() if mesh.ndim == 1 else None,
         device_mesh=mesh if mesh.ndim == 2 else None,
-        ignored_states=fsdp2_checks.ignored_here(target, ignored_params, [p for _, p in self_gathered]),
+        ignored_states=checks.ignored_here(target, ignored_params, [p for _, p in self_gathered]),
         mixed_precision=mp,
         # CPUOffloadPolicy on a CPU mesh: the parameters already live in CPU memory, as FSDP2 leaves them
         offload_params=_offload(offload_policy) and mesh.device_type != "cpu",
         shard_boundaries="chunks",
-        keep_meta=True,  # [Note: meta parameters left to the user] (runtime/deferred.py)
+        keep_meta=True,  # [Note: meta parameters left to the user] (runtime/build/deferred.py)
         shard_dims=dims,  # [Note: sharded along another dim] (runtime/chunked.py)
     )
     built = build.build_units(target, options, _no_nested)
     unit = built.root
-    fsdp2_checks.remember_flattened(unit)
+    checks.remember_flattened(unit)
     unit.unsynced_in_reduce_dtype = True  # FSDP2 accumulates unsynced gradients in the reduce dtype
     if post_forward_size:
         unit.post_forward = _post_forward_group(mesh, post_forward_size, unit.layout.padded)
     _as_dtensors(unit, mesh, placements, tp_uses)
-    fsdp2_extensions.attach(unit, target, self_gathered, mesh, placements, mp_policy, mp, dims)
+    extensions.attach(unit, target, self_gathered, mesh, placements, mp_policy, mp, dims)
     if unit.flat_shard.is_meta:
         _ON_META.add(unit)
     for m in modules:
@@ -331,7 +330,7 @@ _ROOTS_CHECKED: weakref.WeakSet = weakref.WeakSet()  # roots whose first forward
 
 def _adopt_materialized(module: nn.Module, _args) -> None:
     """Before the hooks of a forward: wait for the optimizer's ``set_post_optim_event``; at the first forward
-    after the user materialised a meta model ([Note: meta parameters left to the user], runtime/deferred.py),
+    after the user materialised a meta model ([Note: meta parameters left to the user], runtime/build/deferred.py),
     every unit under ``module`` built on meta takes its parameters back."""
     event = module.post_optim_event
     if event is not None:  # set_post_optim_event: the optimizer step's work is done before any gather
@@ -342,7 +341,7 @@ def _adopt_materialized(module: nn.Module, _args) -> None:
     if module._unit.is_root and module not in _ROOTS_CHECKED:  # a local tensor given an extension after the call
         own = {i for u in units_under(module) if u.side is not None for i in u.side.params}
         named = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor) and id(p) not in own]
-        fsdp2_checks.check_no_all_gather_extension([(n, p._local_tensor) for n, p in named])
+        checks.check_no_all_gather_extension([(n, p._local_tensor) for n, p in named])
         _ROOTS_CHECKED.add(module)
     pending = [u for u in units_under(module) if u in _ON_META or _moved(u)]
     if pending:
@@ -456,27 +455,27 @@ def _offload(policy) -> bool:
 def _as_dtensors(unit: Unit, mesh, placements, tp_uses: dict) -> None:
     """The unit's shard views become DTensor parameters over the same storage (no copy); its reduced
     gradients become DTensor gradients alike. Tensor-parallel parameters ([Note: FSDP over
-    tensor-parallel parameters], fsdp2_tp.py) are placed over both meshes, and their compute views are
+    tensor-parallel parameters], tensor_parallel.py) are placed over both meshes, and their compute views are
     made DTensors of the TP mesh again."""
     infos = unit.layout.infos
-    specs = [fsdp2_tp.spec_of(info, tp_uses) for info in infos]
+    specs = [tensor_parallel.spec_of(info, tp_uses) for info in infos]
 
     def placed(i: int) -> tuple:
         dim = unit.layout.dims[i]  # [Note: sharded along another dim]
         if specs[i] is None:
             return mesh, (*placements[:-1], Shard(dim)), infos[i].shape
-        return fsdp2_tp.sharded_placement(specs[i], dim, mesh)
+        return tensor_parallel.sharded_placement(specs[i], dim, mesh)
 
     per_param = [placed(i) for i in range(len(infos))]
 
     def dtensor(i: int, local: torch.Tensor) -> DTensor:
         on, where, shape = per_param[i]
         return DTensor.from_local(
-            local, on, where, run_check=False, shape=shape, stride=fsdp2_extensions.contiguous_stride(shape)
+            local, on, where, run_check=False, shape=shape, stride=extensions.contiguous_stride(shape)
         )
 
     if any(specs):
-        unit.compute_as = [fsdp2_tp.compute_wrapper(s) if s is not None else None for s in specs]
+        unit.compute_as = [tensor_parallel.compute_wrapper(s) if s is not None else None for s in specs]
 
     unit.shard_views = [
         nn.Parameter(dtensor(i, v.data), requires_grad=v.requires_grad) for i, v in enumerate(unit.shard_views)

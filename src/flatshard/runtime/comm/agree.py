@@ -7,7 +7,7 @@ fail runs to the end on every rank and yields a message or None; ``agree`` excha
 rank failed, raises the same error (the first failing rank's message, naming that rank) on every
 rank. JSON travels as bytes in a uint8 tensor: nothing is pickled, here or on disk.
 
-Every exchange goes through collectives.py; a caller that wants it recorded passes ``record``.
+Every exchange goes through comm/collectives.py; a caller that wants it recorded passes ``record``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.api import CheckpointError
-from flatshard.runtime import collectives
+from flatshard.runtime.comm import collectives
 
 Record = Optional[Callable[[collectives.CollectiveResult], None]]
 

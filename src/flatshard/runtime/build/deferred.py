@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from flatshard.runtime import hooks
 from flatshard.runtime.layout import set_views_on_modules
-from flatshard.runtime.mesh import device_of
+from flatshard.runtime.comm.mesh import device_of
 from flatshard.runtime.precision import resolve
 from flatshard.runtime.unit import storage_plan
 

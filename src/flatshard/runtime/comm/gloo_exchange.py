@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from flatshard.runtime import compress
+from flatshard.runtime.comm import int8
 
 Target = Union[torch.Tensor, Callable[[int], torch.Tensor]]
 Remote = Optional[Sequence[bool]]  # per group rank: on another node (its messages go as int8)
@@ -104,16 +104,16 @@ def all_gather(
 ) -> Optional[Exchange]:
     """Every rank sends its shard to every other rank; ``sizes``: shards of these sizes, in rank order
     (ragged shards need no padding here: each lands at its own offset). ``remote``: the group ranks on
-    other nodes, which get (and send) the shard as int8 ([Note: inter-node compression], compress.py)."""
+    other nodes, which get (and send) the shard as int8 ([Note: inter-node compression], int8.py)."""
     work = Exchange(group, n, tag)
     chunks = _chunks(output, n, sizes)
     if remote is None:
         work.exchange(shard, lambda k: chunks[k])
     else:
-        packed = work.hold(compress.quantize(shard))
-        inbox = {j: work.buffer(compress.packed_nbytes(chunks[j].numel())) for j in range(n) if remote[j]}
+        packed = work.hold(int8.quantize(shard))
+        inbox = {j: work.buffer(int8.packed_nbytes(chunks[j].numel())) for j in range(n) if remote[j]}
         work.exchange(lambda j: packed if remote[j] else shard, lambda j: inbox[j] if remote[j] else chunks[j])
-        work.then(lambda: [chunks[j].copy_(compress.dequantize(b, chunks[j].numel())) for j, b in inbox.items()])
+        work.then(lambda: [chunks[j].copy_(int8.dequantize(b, chunks[j].numel())) for j, b in inbox.items()])
     chunks[work.rank].copy_(shard)
     return _finish(work, async_op)
 
@@ -138,7 +138,7 @@ def reduce_scatter(
     work = Exchange(group, n, tag)
     chunks = _chunks(full, n, sizes)
     own = chunks[work.rank]
-    packed = {} if remote is None else {j: work.hold(compress.quantize(chunks[j])) for j in range(n) if remote[j]}
+    packed = {} if remote is None else {j: work.hold(int8.quantize(chunks[j])) for j in range(n) if remote[j]}
 
     def send(dst: int) -> torch.Tensor:
         return packed.get(dst, chunks[dst])
@@ -146,8 +146,8 @@ def reduce_scatter(
     def inbox(k: int, plain: Optional[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
         """Where round k's contribution lands (``plain``, unless it comes as int8), and its values."""
         if remote is not None and remote[(work.rank - k) % n]:
-            buf = work.buffer(compress.packed_nbytes(output.numel()))
-            return buf, lambda: compress.dequantize(buf, output.numel())
+            buf = work.buffer(int8.packed_nbytes(output.numel()))
+            return buf, lambda: int8.dequantize(buf, output.numel())
         buf = plain if plain is not None else work.buffer(output.numel(), output.dtype)
         return buf, lambda: buf
 
@@ -183,15 +183,15 @@ def all_reduce_int8(tensor: torch.Tensor, group: ProcessGroup, n: int, tag: int,
     every rank ([Note: inter-node compression])."""
     work = Exchange(group, n, tag)
     numel = tensor.numel()
-    mine = compress.quantize(tensor)
-    inbox = {j: work.buffer(compress.packed_nbytes(numel)) for j in range(n) if j != work.rank}
+    mine = int8.quantize(tensor)
+    inbox = {j: work.buffer(int8.packed_nbytes(numel)) for j in range(n) if j != work.rank}
     inbox[work.rank] = work.hold(mine)
     work.exchange(mine, lambda j: inbox[j])
 
     def total() -> None:
-        tensor.copy_(compress.dequantize(inbox[0], numel))
+        tensor.copy_(int8.dequantize(inbox[0], numel))
         for j in range(1, n):
-            tensor.add_(compress.dequantize(inbox[j], numel))
+            tensor.add_(int8.dequantize(inbox[j], numel))
 
     work.then(total)
     return _finish(work, async_op)

@@ -1,4 +1,4 @@
-"""What ``fully_shard`` (fsdp2.py) checks before it builds anything: the modules it is given, the
+"""What ``fully_shard`` (fsdp2/frontend.py) checks before it builds anything: the modules it is given, the
 placements ``shard_placement_fn`` returns, parameters an earlier call flattened, and which ignored
 parameters are this call's. Each refusal says what was wrong and how to fix it."""
 
@@ -59,7 +59,7 @@ def check_no_all_gather_extension(named: list) -> None:
     """An all-gather extension (``fsdp_pre_all_gather``) set on the local tensor of a plain parameter after
     ``fully_shard``: that parameter lives in the unit's flat shard, gathered as one buffer, and flatshard
     would never call it. A parameter whose class defines it, or any tensor subclass, gathers itself
-    ([Note: parameters that gather themselves], fsdp2_extensions.py). ``named``: (name, local tensor) pairs."""
+    ([Note: parameters that gather themselves], fsdp2/extensions.py). ``named``: (name, local tensor) pairs."""
     for name, tensor in named:
         if hasattr(tensor, "fsdp_pre_all_gather"):
             raise NotBuiltError(

@@ -2,7 +2,7 @@
 
 [Note: parameters that gather themselves]
 A parameter whose class is a tensor subclass (``TwoTensor``, a float8 weight, any ``torch.Tensor``
-subclass but DTensor, which is tensor parallelism: fsdp2_tp.py) cannot live in a unit's flat shard: the
+subclass but DTensor, which is tensor parallelism: fsdp2/tensor_parallel.py) cannot live in a unit's flat shard: the
 flat shard is one plain buffer of one dtype, and such a tensor may hold more than one buffer, or data
 that must not be cast. FSDP2 lets its class say how it is gathered: ``fsdp_pre_all_gather`` on this
 rank's local shard returns the tensors to all-gather (a bf16 or float8 copy, or each inner tensor) and
@@ -48,7 +48,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flatshard.api import NotBuiltError
-from flatshard.runtime import collectives, reduce
+from flatshard.runtime import reduce
+from flatshard.runtime.comm import collectives
 from flatshard.runtime.exposure import grad_cleared, grad_version
 
 _ALIGN = 16  # each packed input starts at a multiple of this many bytes (any dtype views its slice)

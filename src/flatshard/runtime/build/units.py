@@ -1,9 +1,9 @@
 """Construction: from a module and the options of one wrap call to built units.
 
 ``build_units`` runs the pipeline every front end shares: the ignored states, the devices, which
-modules become units (the wrap policy), which unit owns which parameter (placement.py), the sharding
-factor (``"auto"``: autoshard.py), the groups (mesh.py), then one ``Unit`` per chosen module, eagerly
-or interleaved with deferred initialisation (deferred.py). Each nested unit gets a host from the
+modules become units (the wrap policy), which unit owns which parameter (build/placement.py), the sharding
+factor (``"auto"``: build/autoshard.py), the groups (comm/mesh.py), then one ``Unit`` per chosen module, eagerly
+or interleaved with deferred initialisation (build/deferred.py). Each nested unit gets a host from the
 front end's ``make_host`` and takes its module's place in its parents. ``become_root`` then hands one
 run context to every unit under the front end's root host (including units wrapped earlier by hand)
 and names them by their path. Nothing here imports a front end.
@@ -21,13 +21,16 @@ import torch
 from torch import nn
 
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.runtime import agree, collectives, compress, deferred, fingerprint, hooks, optim_check, precision
-from flatshard.runtime.autoshard import auto_sharding_factor
+from flatshard.runtime.comm import agree, collectives
+from flatshard.runtime import hooks, precision
+from flatshard.runtime.comm import int8, nodes
+from flatshard.runtime.build import deferred, fingerprint, optim_check
+from flatshard.runtime.build.autoshard import auto_sharding_factor
 from flatshard.runtime.chunked import ChunkedLayout
 from flatshard.runtime.layout import BOUNDARIES, FlatLayout, ParamInfo
-from flatshard.runtime.mesh import ShardGroups, device_of, require_initialized, resolve_groups
-from flatshard.runtime.pieces import Pieces
-from flatshard.runtime.placement import Placement, check_no_tie_into_wrapped
+from flatshard.runtime.comm.mesh import ShardGroups, device_of, require_initialized, resolve_groups
+from flatshard.runtime.across_replicas import Pieces
+from flatshard.runtime.build.placement import Placement, check_no_tie_into_wrapped
 from flatshard.runtime.schedule import RunContext, ScheduleConfig
 from flatshard.runtime.tree import UnitHost, clean_name, unit_hosts, units_under
 from flatshard.runtime.unit import Unit
@@ -56,11 +59,11 @@ class BuildOptions:
     # "flat" | "rows" | "params" ([Note: shard boundaries], layout.py); "chunks" ([Note: chunked layout])
     shard_boundaries: str = "flat"
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    ranks_per_node: Optional[int] = None  # which ranks share a node (None: LOCAL_WORLD_SIZE; compress.py, Nodes)
-    compress_inter_node: Optional[str] = None  # "int8": [Note: inter-node compression] (compress.py)
-    link_figures: Any = None  # sharding_factor="auto" by time: a flatshard.planner.Links (autoshard.py)
-    shard_optimizer_across_replicas: bool = False  # [Note: optimizer state across replicas] (pieces.py)
-    keep_meta: bool = False  # fully_shard: [Note: meta parameters left to the user] (deferred.py)
+    ranks_per_node: Optional[int] = None  # which ranks share a node (None: LOCAL_WORLD_SIZE; comm/nodes.py, Nodes)
+    compress_inter_node: Optional[str] = None  # "int8": [Note: inter-node compression] (comm/int8.py)
+    link_figures: Any = None  # sharding_factor="auto" by time: a flatshard.planner.Links (build/autoshard.py)
+    shard_optimizer_across_replicas: bool = False  # [Note: optimizer state across replicas] (across_replicas.py)
+    keep_meta: bool = False  # fully_shard: [Note: meta parameters left to the user] (build/deferred.py)
     shard_dims: Optional[dict] = None  # "chunks": id(param) -> the dim it is cut along (default 0; chunked.py)
 
 
@@ -142,7 +145,7 @@ def build_unit(
     owners: Optional[tuple[int, ...]] = None,
 ) -> Unit:
     """Flatten ``params`` (layout info, original parameter) into one unit on this rank. ``owners``: the
-    global rank of every owner rank, when the optimizer state is split over the replicas (pieces.py)."""
+    global rank of every owner rank, when the optimizer state is split over the replicas (across_replicas.py)."""
     infos = [info for info, _ in params]
     originals = [p for _, p in params]
     dtypes = {p.dtype for p in originals}
@@ -164,7 +167,7 @@ def build_unit(
     if options.shard_boundaries == "chunks":  # fully_shard: FSDP2's dim-0 chunks ([Note: chunked layout])
         dims = options.shard_dims or {}
         layout = ChunkedLayout(infos, groups.shard_size, [dims.get(id(p), 0) for _, p in params])
-    elif owners is not None:  # [Note: optimizer state across replicas] (pieces.py)
+    elif owners is not None:  # [Note: optimizer state across replicas] (across_replicas.py)
         layout = FlatLayout(infos, groups.shard_size, "flat", replicas=groups.replicate_size)
         owner = FlatLayout(layout.infos, groups.shard_size * groups.replicate_size, "flat")
         v = groups.shard_rank * groups.replicate_size + groups.replicate_rank
@@ -184,11 +187,11 @@ def build_unit(
         offload=options.offload_params,
         pieces=pieces,
     )
-    nodes = compress.Nodes.resolve(options.ranks_per_node)
-    unit.inter_node = compress.inter_node(
-        groups.shard_group, groups.replicate_group, nodes, options.compress_inter_node
+    on_nodes = nodes.Nodes.resolve(options.ranks_per_node)
+    unit.inter_node = nodes.inter_node(
+        groups.shard_group, groups.replicate_group, on_nodes, options.compress_inter_node
     )
-    compress.check(options.compress_inter_node, unit.inter_node, nodes, groups.replicate_size, device)
+    int8.check(options.compress_inter_node, unit.inter_node, on_nodes, groups.replicate_size, device)
     unit.originals = {id(p): weakref.ref(p) for p in originals}
     unit.strategy = options.strategy
     unit.mixed_precision = options.mixed_precision
@@ -272,7 +275,7 @@ def _offload_device(module: nn.Module, device_id) -> torch.device:
 
 
 def place_on_device(module: nn.Module, device_id, ignored_params: set) -> None:
-    """Move real parameters and buffers to ``device_id``; meta ones are materialised there later (deferred.py)."""
+    """Move real parameters and buffers to ``device_id``; meta ones are materialised there later (build/deferred.py)."""
     if device_id is None:
         return
     device = device_of(device_id)
@@ -308,7 +311,7 @@ def _auto_factor(options: BuildOptions, module, chosen, by_unit) -> tuple[int, s
 
 
 def _check_same_model(options: BuildOptions, module, chosen, by_unit, paths) -> None:
-    """[Note: model fingerprint] (fingerprint.py), over the process group the model will train on."""
+    """[Note: model fingerprint] (build/fingerprint.py), over the process group the model will train on."""
     require_initialized()
     group = options.process_group
     if isinstance(group, tuple) or group is None:
@@ -333,7 +336,7 @@ def _check_same_model(options: BuildOptions, module, chosen, by_unit, paths) -> 
 
 
 def owner_ranks(options: BuildOptions, groups: ShardGroups) -> tuple[int, ...]:
-    """[Note: optimizer state across replicas] (pieces.py): check that the wrap call can split its
+    """[Note: optimizer state across replicas] (across_replicas.py): check that the wrap call can split its
     optimizer state over the replicas, and return the global rank of every owner rank (one small
     all-gather over the model's group, at wrap time)."""
     if not options.strategy.is_hybrid or groups.shard_size == 1 or groups.replicate_size == 1:
@@ -363,7 +366,7 @@ def owner_ranks(options: BuildOptions, groups: ShardGroups) -> tuple[int, ...]:
 
 
 def _ranks_per_node(given: Optional[int]) -> object:
-    """What compress.Nodes.resolve will use, without raising (its errors come after the fingerprint)."""
+    """What nodes.Nodes.resolve will use, without raising (its errors come after the fingerprint)."""
     if given is not None:
         return given
     local = os.environ.get("LOCAL_WORLD_SIZE")

@@ -1,0 +1,34 @@
+"""Front end 2: ``fully_shard``, PyTorch FSDP2's API (DTensor parameters) on flatshard's engine.
+
+    from flatshard import fully_shard, MixedPrecisionPolicy      # was: from torch.distributed.fsdp import ...
+
+  frontend.py         fully_shard(), FSDPModule and its set_* methods, the policies, DTensor views
+  checks.py           what fully_shard refuses before it builds anything
+  tensor_parallel.py  FSDP over tensor-parallel DTensor parameters (a 2-D mesh: TP inside, FSDP across)
+  extensions.py       parameters that gather themselves (FSDP2's fsdp_pre/post_all_gather)
+
+(The function's file is frontend.py, not fully_shard.py: a submodule named like the function would
+replace it as ``flatshard.fsdp2.fully_shard``.)
+"""
+
+from flatshard.fsdp2.checks import FullyShardUsageError
+from flatshard.fsdp2.frontend import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "FullyShardUsageError",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]
