@@ -23,8 +23,8 @@ from flatshard.checkpoint.directory import locate, manifest_in
 from flatshard.checkpoint.format import ShardReader, shard_file
 from flatshard.checkpoint.save import peer_errors, wait_pending
 from flatshard.runtime.comm.agree import gather_json, rank_in, run_agreed, world_of
-from flatshard.runtime.hooks import traced
-from flatshard.runtime.schedule import Phase
+from flatshard.runtime.consistency import Phase
+from flatshard.runtime.instrument import label
 from flatshard.state.model_view import EntryKind, ModelView, dtype_from, model_view
 from flatshard.state.module import copy_into_model
 from flatshard.state.optim import check, groups_to_load, param_names, scalar_tensor
@@ -43,7 +43,7 @@ def load(path, model, optimizer=None, *, strict: bool = True, rng: bool = True, 
     saved under ``name``; it needs the world size saved (resume.py: "The loop's own state")."""
     path = os.path.abspath(os.fspath(path))
     view = model_view(model)
-    with traced("checkpoint.load"), view.phase(Phase.CHECKPOINT):
+    with label("checkpoint.load"), view.phase(Phase.CHECKPOINT):
         with peer_errors(f"the load of {path}"):
             wait_pending(view, "load")
             manifest, staged = _stage(path, view, optimizer, strict, rng, state)

@@ -54,8 +54,8 @@ from flatshard.checkpoint.format import (
 )
 from flatshard.runtime.comm.agree import agree, gather_json, rank_in, run_agreed, world_of
 from flatshard.runtime.comm.mesh import group_timeout
-from flatshard.runtime.hooks import traced
-from flatshard.runtime.schedule import Phase
+from flatshard.runtime.consistency import Phase
+from flatshard.runtime.instrument import label
 from flatshard.runtime.tree import UnitHost
 from flatshard.state.model_view import EntryKind, ModelView, dtype_name, model_view
 from flatshard.state.optim import local_state, merged_meta
@@ -175,7 +175,7 @@ def save(
     committed. A later ``save`` or ``load`` of the same model waits for it first."""
     path = os.path.abspath(os.fspath(path))
     view = model_view(model)
-    with traced("checkpoint.save"), view.phase(Phase.CHECKPOINT), peer_errors(f"the save to {path}"):
+    with label("checkpoint.save"), view.phase(Phase.CHECKPOINT), peer_errors(f"the save to {path}"):
         wait_pending(view, "save")
         return _save(path, view, optimizer, step, extra, async_save, keep_last, state)
 

@@ -17,6 +17,7 @@ defences, cheapest first:
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,24 @@ _WHAT = {
     END_BACKWARD: "end of backward",
 }
 _CHECK_TAG = 1 << 30  # check exchanges: a tag space of their own, above every exchange_tag
-_PHASES = ("idle", "forward", "backward", "optimizer", "summon", "state_dict", "checkpoint")
+
+
+class Phase(str, enum.Enum):
+    """Where a root is in its step; recorded with every collective (a ``str``, so ``"forward"`` matches)."""
+
+    IDLE = "idle"  # before the first forward, and between a forward and its backward
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"  # after a backward: optimizer.step(), clip_grad_norm_
+    SUMMON = "summon"  # summon_full_params
+    STATE_DICT = "state_dict"  # model and optimizer state dicts
+    CHECKPOINT = "checkpoint"  # flatshard.checkpoint save and load
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_PHASES = tuple(p.value for p in Phase)  # a phase travels as its position here
 
 
 def exchange_tag(seq: int, unit_index: int) -> int:

@@ -12,8 +12,9 @@ from torch.distributed import ReduceOp
 
 from flatshard.runtime import consistency, exposure
 from flatshard.runtime.comm import collectives
-from flatshard.runtime.hooks import traced
-from flatshard.runtime.schedule import Phase, RunContext
+from flatshard.runtime.consistency import Phase
+from flatshard.runtime.instrument import label
+from flatshard.runtime.schedule import RunContext
 
 
 def clip_grad_norm_(
@@ -34,7 +35,7 @@ def clip_grad_norm_(
     (for the inf-norm the all-reduce carries a NaN flag beside the maximum: a MAX reduction may drop a
     NaN); with ``error_if_nonfinite`` every rank then raises, as ``torch.nn.utils.clip_grad_norm_`` does.
     Every rank returns the same norm, so ``if not torch.isfinite(norm): skip the step`` decides alike."""
-    with traced("clip_grad_norm_"):
+    with label("clip_grad_norm_"):
         total = _clip(ctx, unmanaged, max_norm, float(norm_type), error_if_nonfinite)
     return total
 

@@ -3,7 +3,7 @@
 Each runs under ``torch.profiler.record_function("flatshard::<hook> (<unit>)")``, the unit named
 by its fully qualified module name (``blocks.3``; ``<root>`` for the root), as FSDP2 labels
 ``FSDP::pre_forward (layers.3)``. The public entry points that communicate (clip_grad_norm_,
-summon_full_params, state dicts, checkpoints) run under ``flatshard::<entry point>`` (``traced``).
+summon_full_params, state dicts, checkpoints) run under ``flatshard::<entry point>`` (instrument.py, ``label``).
 
   pre_forward     the front end's forward (FSDP1: the wrapper's ``forward``; fully_shard: a
                   forward pre-hook): gather, set compute views, record the order, prefetch the next
@@ -25,23 +25,16 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from flatshard.runtime import precision
+from flatshard.runtime.instrument import label
 from flatshard.runtime.schedule import RunContext
 from flatshard.runtime.unit import Unit
-
-
-def label(hook: str, unit: Optional[Unit] = None) -> torch.profiler.record_function:
-    """The profiler range of one hook (or entry point) for one unit."""
-    return torch.profiler.record_function(f"flatshard::{hook}" + (f" ({unit.name})" if unit is not None else ""))
-
-
-traced = label  # entry points: ``with hooks.traced("clip_grad_norm_"):``
 
 
 # ---- forward ----------------------------------------------------------------------------------
@@ -140,7 +133,7 @@ def forward_post_hook(unit: Unit, output_dtype, _module: torch.nn.Module, _args:
 
 
 def pre_forward(unit: Unit) -> None:
-    with label("pre_forward", unit):
+    with label("pre_forward", unit.name):
         if unit.refresh_requires_grad():  # requires_grad changed on a shard view since the last forward
             register_post_backward(unit)
         unit.unshard()
@@ -161,7 +154,7 @@ def pre_forward(unit: Unit) -> None:
 # its post-backward; so a forward that runs in the backward phase neither reshards nor puts the
 # shard views back, and pre-backward sets compute views too.
 def post_forward(unit: Unit) -> None:
-    with label("post_forward", unit):
+    with label("post_forward", unit.name):
         if unit.ctx.in_backward:
             return
         unit.use_shard_views()
@@ -187,7 +180,7 @@ def _use_compute_views(unit: Unit) -> None:
 # (reentrant, where the unit then reshards in post-backward). A split made before the last backward
 # ended (counts reset there) leaves the count off zero: the unit then reshards in post-backward.
 def _on_split_backward(unit: Unit, grad_outputs) -> None:
-    with label("split_backward", unit):
+    with label("split_backward", unit.name):
         unit.open_splits -= 1
         # The unit's backward peak: its parameters and every per-parameter gradient, about to be joined.
         unit.view_grad_bytes = sum(g.untyped_storage().nbytes() for g in grad_outputs if g is not None)
@@ -214,7 +207,7 @@ def register_pre_backward(output: Any, unit: Unit) -> None:
 
 
 def pre_backward(unit: Unit) -> None:
-    with label("pre_backward", unit):
+    with label("pre_backward", unit.name):
         begin_backward(unit.ctx)
         unit.unshard()
         if not unit.compute_views_set:
@@ -252,7 +245,7 @@ def register_post_backward(unit: Unit) -> None:
 
 def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:
     """The unsharded flat's gradient is complete: start reducing it to this rank's shard, reshard."""
-    with label("post_backward", unit):
+    with label("post_backward", unit.name):
         ctx = unit.ctx
         unit.view_grad_bytes = 0  # joined into the flat gradient by now
         begin_backward(ctx)
@@ -269,7 +262,7 @@ def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:
             return
         ctx.prefetch_backward(unit, pre=False)  # BACKWARD_POST: the next gather goes before this reduction
         in_flight = ctx.reduction_in_flight(unit)  # [Note: reductions in flight] (schedule.py)
-        with label("post_backward_reduce", unit):
+        with label("post_backward_reduce", unit.name):
             unit.start_reduction(unsharded, async_op=in_flight)  # takes the flat gradient off ``unsharded``
         if unit.reshard_after_backward:
             unit.reshard()

@@ -34,6 +34,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def label(what: str, unit: Optional[str] = None) -> torch.profiler.record_function:
+    """The profiler range of one hook or entry point, named ``flatshard::<what> (<unit>)`` as FSDP2 labels
+    ``FSDP::pre_forward (layers.3)``: hooks.py's hooks, and the public entry points that communicate
+    (clip_grad_norm_, summon_full_params, state dicts, checkpoints) under the entry point's name."""
+    return torch.profiler.record_function(f"flatshard::{what}" + (f" ({unit})" if unit is not None else ""))
+
+
 @dataclass(frozen=True)
 class CommEvent:
     kind: str

@@ -11,7 +11,6 @@ that drive it live in hooks.py.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,28 +26,13 @@ from flatshard.runtime.comm import agree, collectives
 from flatshard.runtime.comm.collectives import CollectiveResult
 from flatshard.runtime.comm.streams import Lane, Streams
 from flatshard.runtime.comm.streams import for_device as streams_for
-from flatshard.runtime.consistency import END_BACKWARD, END_FORWARD, Checker, exchange_tag
+from flatshard.runtime.consistency import END_BACKWARD, END_FORWARD, Checker, Phase, exchange_tag
 from flatshard.runtime.instrument import CommEvent, CommRecorder, MemoryRecorder
 
 if TYPE_CHECKING:
     from flatshard.runtime.unit import Unit
 
 logger = logging.getLogger("flatshard")
-
-
-class Phase(str, enum.Enum):
-    """Where a root is in its step; recorded with every collective (a ``str``, so ``"forward"`` matches)."""
-
-    IDLE = "idle"  # before the first forward, and between a forward and its backward
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    OPTIMIZER = "optimizer"  # after a backward: optimizer.step(), clip_grad_norm_
-    SUMMON = "summon"  # summon_full_params
-    STATE_DICT = "state_dict"  # model and optimizer state dicts
-    CHECKPOINT = "checkpoint"  # flatshard.checkpoint save and load
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.runtime.hooks import traced
+from flatshard.runtime.consistency import Phase
+from flatshard.runtime.instrument import label
 from flatshard.runtime.layout import make_compute_views, set_views_on_modules
-from flatshard.runtime.schedule import Phase
 from flatshard.runtime.unit import Unit, local
 
 
@@ -58,7 +58,7 @@ def summon(
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     phase = units[0].ctx.phase_scope(Phase.SUMMON) if units else contextlib.nullcontext()
     held: list[Optional[torch.Tensor]] = []
-    with traced("summon_full_params"), phase:
+    with label("summon_full_params"), phase:
         for unit in units:
             full = unit.gather_owned(unit.owned)
             grads = unit.gather_owned(_grad_shard(unit)) if with_grads else None

@@ -21,8 +21,9 @@ from torch import nn
 from flatshard.api import NotBuiltError
 from flatshard.runtime.comm import agree
 from flatshard.runtime.comm.collectives import CollectiveResult
+from flatshard.runtime.consistency import Phase
 from flatshard.runtime.layout import ParamInfo
-from flatshard.runtime.schedule import Phase, RunContext
+from flatshard.runtime.schedule import RunContext
 from flatshard.runtime.tree import HOPS, UnitHost, unit_hosts
 from flatshard.runtime.unit import Unit
 from flatshard.state.sharded_tensors import ShardedPiece

@@ -35,8 +35,8 @@ from flatshard.api import (
     StateDictType,
 )
 from flatshard.runtime.comm import agree
-from flatshard.runtime.hooks import traced
-from flatshard.runtime.schedule import Phase
+from flatshard.runtime.consistency import Phase
+from flatshard.runtime.instrument import label
 from flatshard.runtime.tree import WRAPPED, UnitHost, unit_hosts
 from flatshard.state.model_view import EntryKind, ModelView, exchange, gather_to, layout_fingerprint, model_view
 from flatshard.state.settings import settings_of
@@ -58,7 +58,7 @@ def module_state_dict(module, *args, destination=None, prefix: str = "", keep_va
     settings = settings_of(module)
     view = model_view(module, prefix)
     kind = settings.state_dict_type
-    with traced("state_dict"), view.phase(Phase.STATE_DICT):
+    with label("state_dict"), view.phase(Phase.STATE_DICT):
         if kind is StateDictType.FULL_STATE_DICT:
             _full(view, destination, settings.state_dict_config)
         elif kind is StateDictType.LOCAL_STATE_DICT:
@@ -116,7 +116,7 @@ def _sharded(view: ModelView, destination: dict, config: ShardedStateDictConfig)
 # ---- loading --------------------------------------------------------------------------------
 def load_module_state_dict(module, state_dict, *, strict: bool = True, assign: bool = False):
     view = model_view(module)
-    with traced("load_state_dict"), view.phase(Phase.STATE_DICT):
+    with label("load_state_dict"), view.phase(Phase.STATE_DICT):
         return _load(module, view, state_dict, strict, assign)
 
 

@@ -24,8 +24,8 @@ import torch
 
 from flatshard.api import CheckpointError, StateDictType
 from flatshard.runtime.comm import agree, collectives
-from flatshard.runtime.hooks import traced
-from flatshard.runtime.schedule import Phase
+from flatshard.runtime.consistency import Phase
+from flatshard.runtime.instrument import label
 from flatshard.state.model_view import (
     EntryKind,
     LocalParam,
@@ -152,7 +152,7 @@ def optim_state_dict(model, optim, osd=None, group=None) -> dict:  # noqa: ARG00
     """FullyShardedDataParallel.optim_state_dict: this optimizer's state of the type ``state_dict_type`` sets.
     ``group`` is accepted for PyTorch's signature; the model's own process group is the one used."""
     view = model_view(model)
-    with traced("optim_state_dict"), view.phase(Phase.STATE_DICT):
+    with label("optim_state_dict"), view.phase(Phase.STATE_DICT):
         return _optim_state_dict(model, optim, osd, view)
 
 
@@ -245,7 +245,7 @@ def optim_state_dict_to_load(  # group: PyTorch's signature; the model's own gro
     """What ``optim.load_state_dict`` takes on this rank, from a FULL, SHARDED or LOCAL optimizer state dict
     (loaded into ``optim`` too with ``load_directly``)."""
     view = model_view(model)
-    with traced("optim_state_dict_to_load"), view.phase(Phase.STATE_DICT):
+    with label("optim_state_dict_to_load"), view.phase(Phase.STATE_DICT):
         packed = _to_load(model, optim, osd, view)
     if load_directly:
         optim.load_state_dict(packed)
