@@ -134,7 +134,7 @@ def hybrid_worker(rank: int, world: int) -> dict:
 def _grad_shards(model) -> list[torch.Tensor]:
     from flatshard import testing
 
-    return [u.grad_shard for u in testing.engine_units(model)]
+    return [u.flat_group.grad_shard for u in testing.engine_units(model)]
 
 
 def _half_steps(t: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,7 @@ def test_readme_figures_are_the_committed_fuzz_run():
 # (here in a hook on the root's head, the first thing backward meets) in the middle of a gradient
 # accumulation window. No hook of flatshard's runs, and the loop's optimizer.zero_grad() did not clear
 # the window's earlier micro-batches, accumulated unreduced inside the units. Fixed by [Note: an open
-# accumulation window] (exposure.py); tests/test_loops.py holds the smaller cases.
+# accumulation window] (grad_state.py); tests/test_loops.py holds the smaller cases.
 def test_a_backward_raising_before_any_unit_mid_window_matches_the_reference():
     _rerun(1, [157, 174])
 

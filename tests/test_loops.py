@@ -650,7 +650,7 @@ def abandoned_window_worker(rank: int, world: int, front: str) -> list[str]:
 
 @pytest.mark.parametrize("front", ["fsdp1", "fully_shard"])
 def test_a_window_given_up_before_any_unit_follows_the_loops_zero_grad(front):
-    """[Note: an open accumulation window] (exposure.py): the loop's zero_grad drops what the window
+    """[Note: an open accumulation window] (grad_state.py): the loop's zero_grad drops what the window
     accumulated inside the units, as it drops an unwrapped model's ``.grad``; without it the window goes on."""
     done = run_distributed(abandoned_window_worker, 2, front, timeout=300)
     assert done[0] == done[1] and len(done[0]) == 5, done

@@ -34,9 +34,11 @@ def offload_worker(rank: int, world: int) -> dict:
                 )
             units = testing.engine_units(model)
             if offload:  # the shard is its own tensor, never the memory the unit computes with
-                assert all(u.offload and not u.plan.aliased for u in units)
+                assert all(u.flat_group.offload and not u.flat_group.storage.aliased for u in units)
                 assert all(
-                    u.flat_shard.untyped_storage().data_ptr() != u.unsharded.untyped_storage().data_ptr() for u in units
+                    u.flat_group.flat_shard.untyped_storage().data_ptr()
+                    != u.flat_group.unsharded.untyped_storage().data_ptr()
+                    for u in units
                 )
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             g = torch.Generator().manual_seed(rank)

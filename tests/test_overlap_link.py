@@ -94,7 +94,7 @@ def schedule_worker(rank: int, world: int) -> dict:
     }.items():
         model = _build("HYBRID_SHARD", **kw)
         log, grads = _traced_backward(model, rank)
-        crosses = [u.inter_node.replicate_spans for u in testing.engine_units(model)]
+        crosses = [u.flat_group.inter_node.replicate_spans for u in testing.engine_units(model)]
         out[name] = (log, grads, crosses)
     return out
 

@@ -4,14 +4,20 @@ The public names mirror ``torch.distributed.fsdp``; change the imports of a PyTo
 ``flatshard`` and it runs (on CPU with gloo too). The package, by layer (each imports only those
 below it; tests/test_layering.py holds it so):
 
+  __init__.py, __main__.py, cli.py   the lazy public names; the ``flatshard`` command (plan, consolidate,
+               inspect, env); envreport.py, what ``flatshard env`` prints for a bug report
   fsdp.py      front end 1: FullyShardedDataParallel, FSDP1's API, translated onto the engine
-  fsdp2/frontend.py     front end 2: fully_shard, FSDP2's API (DTensor parameters) on the same engine
-  checkpoint/  files on disk: save, load, consolidate, inspect
+  fsdp2/       front end 2: fully_shard, FSDP2's API (DTensor parameters) on the same engine: frontend.py,
+               checks.py, tensor_parallel.py, extensions.py (its __init__ says what each holds)
+  ft.py        replica groups that drop out and rejoin, on torchft (an add-on beside the front ends)
+  testing.py   what flatshard's own tests read of the engine, in one documented place
+  checkpoint/  files on disk: save, load, consolidate, inspect, resume
   state/       in-memory state dicts (FULL, LOCAL, SHARDED; optimizer), torch.distributed.checkpoint
-  runtime/     the engine: units, layout, collectives, hooks, construction (its docstring: one step of one unit)
+  runtime/     the engine: units and their flat groups, hooks, schedule; comm/ (bytes between ranks) and
+               build/ (construction) below and beside it (its docstring: one step of one unit)
   api.py, wrap.py, weight_decay.py, interop.py   enums and configs, wrap policies, parameter groups,
                PyTorch FSDP's own enums and configs accepted
-  planner/     the cost model (pure; imports no torch), cli.py the ``flatshard`` command
+  planner/     the cost model (pure; imports no torch)
 
 Names load on first use, so ``flatshard plan`` (pure arithmetic) starts without importing torch.
 """

@@ -137,7 +137,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         self._ignored_params = built.ignored_params
         self.sharding_decision: Optional[tuple[int, str]] = built.sharding_decision
         config = build.schedule_config(
-            built.root.compute_device,
+            built.root.flat_group.compute_device,
             backward_prefetch=backward_prefetch,
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
@@ -283,20 +283,20 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
     # ---- attributes PyTorch FSDP exposes --------------------------------------------------------
     @property
     def sharding_strategy(self) -> ShardingStrategy:
-        return self._unit.strategy
+        return self._unit.settings.strategy
 
     @property
     def mixed_precision(self) -> MixedPrecision:
-        return self._unit.mixed_precision or MixedPrecision()
+        return self._unit.settings.mixed_precision or MixedPrecision()
 
     @property
     def cpu_offload(self) -> CPUOffload:
-        return CPUOffload(offload_params=self._unit.offload)
+        return CPUOffload(offload_params=self._unit.flat_group.offload)
 
     @property
     def process_group(self):
         """Every rank that trains this model (the shard group and, hybrid, the replicas)."""
-        return self._unit.groups.process_group
+        return self._unit.flat_group.groups.process_group
 
     @property
     def rank(self) -> int:
@@ -308,7 +308,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
 
     @property
     def compute_device(self) -> torch.device:
-        return self._unit.compute_device
+        return self._unit.flat_group.compute_device
 
     def check_is_root(self) -> bool:
         """Whether this wrapper is the root (the outermost one, which runs the schedule)."""
@@ -405,7 +405,8 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
 
     def extra_repr(self) -> str:
         u = self._unit
-        return f"unit={u.name!r}, numel={u.layout.total}, shard={u.layout.shard_numel}, strategy={u.strategy.name}"
+        layout = u.flat_group.layout
+        return f"unit={u.name!r}, numel={layout.total}, shard={layout.shard_numel}, strategy={u.settings.strategy.name}"
 
 
 def _check_types(strategy, backward_prefetch, mixed_precision, cpu_offload) -> None:

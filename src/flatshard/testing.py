@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from flatshard.runtime.build import units as construction
 from flatshard.runtime.comm.mesh import group_timeout
 from flatshard.runtime.comm.streams import RecordingStreams
+from flatshard.runtime.schedule import run_context
 from flatshard.runtime.tree import unit_hosts, units_under
 
 
@@ -31,18 +32,23 @@ def engine_units(model: nn.Module) -> list:
     return units_under(model)
 
 
+def flat_groups(model: nn.Module) -> list:
+    """Every unit's flat groups (runtime/flat_group.py) under ``model``, in unit order."""
+    return [g for u in units_under(model) for g in u.flat_groups]
+
+
 def shard_ranges(model: nn.Module) -> dict[int, tuple[int, int]]:
     """id(shard view) -> [start, end) of the flattened original parameter that this rank holds."""
     out = {}
-    for unit in units_under(model):
-        for view, rng in zip(unit.shard_views, unit.owner_layout.param_ranges(unit.owner_rank)):
+    for group in flat_groups(model):
+        for view, rng in zip(group.shard_views, group.owner_layout.param_ranges(group.owner_rank)):
             out[id(view)] = rng
     return out
 
 
 def gathered_bytes(model: nn.Module) -> list[int]:
-    """Bytes each unit's unsharded flat holds now (0 once resharded), in unit order."""
-    return [u.unsharded.untyped_storage().nbytes() for u in units_under(model)]
+    """Bytes each flat group's unsharded flat holds now (0 once resharded), in unit order."""
+    return [g.unsharded.untyped_storage().nbytes() for g in flat_groups(model)]
 
 
 def is_gathered(module: nn.Module) -> bool:
@@ -51,8 +57,8 @@ def is_gathered(module: nn.Module) -> bool:
 
 
 def flat_shards(model: nn.Module) -> list[torch.Tensor]:
-    """Each unit's flat shard (the tensor itself, not a copy), in unit order."""
-    return [u.flat_shard for u in units_under(model)]
+    """Each flat group's flat shard (the tensor itself, not a copy), in unit order."""
+    return [g.flat_shard for g in flat_groups(model)]
 
 
 def gathered_count(model: nn.Module) -> int:
@@ -68,7 +74,7 @@ def on_transition(model: nn.Module, fn: Callable[[], None]) -> Iterator[None]:
         def sample(self) -> None:
             fn()
 
-    ctx = unit_hosts(model)[0]._unit.ctx
+    ctx = run_context(unit_hosts(model)[0]._unit)
     sampler = _Sampler()
     ctx.memory_recorders.append(sampler)
     try:
@@ -83,7 +89,7 @@ def record_streams(model: nn.Module, streams=None) -> Iterator:
     ``runtime.streams.RecordingStreams``, or ``streams``): every record, wait and buffer access it would
     issue on an accelerator is logged ([Note: stream discipline]); ``runtime.streams.check_schedule``
     checks the log."""
-    ctx = unit_hosts(model)[0]._unit.ctx
+    ctx = run_context(unit_hosts(model)[0]._unit)
     recording = streams if streams is not None else RecordingStreams()
     before, ctx.streams = ctx.streams, recording
     try:
@@ -94,7 +100,7 @@ def record_streams(model: nn.Module, streams=None) -> Iterator:
 
 def set_overlap_reductions(model: nn.Module, overlap: bool) -> None:
     """Leave each reduction in flight while the next unit computes, or not ([Note: reductions in flight])."""
-    ctx = unit_hosts(model)[0]._unit.ctx
+    ctx = run_context(unit_hosts(model)[0]._unit)
     ctx.config = dataclasses.replace(ctx.config, overlap_reductions=overlap)
 
 
@@ -108,12 +114,12 @@ def offload_on_cpu() -> Iterator[None]:
 
 def units_keeping_full_grads(model: nn.Module) -> list[str]:
     """Names of the units whose unsharded flat still holds a full-size gradient."""
-    return [u.name for u in units_under(model) if u.unsharded.grad is not None]
+    return [u.name for u in units_under(model) if any(g.unsharded.grad is not None for g in u.flat_groups)]
 
 
 def group_timeouts(model: nn.Module) -> list:
     """The timeouts of the root unit's shard and replicate groups (those that exist), in that order."""
-    groups = units_under(model)[0].groups
+    groups = units_under(model)[0].flat_group.groups
     return [group_timeout(g) for g in (groups.shard_group, groups.replicate_group) if g is not None]
 
 

@@ -256,7 +256,8 @@ def _prepare(path: str, view: ModelView, optimizer, step, extra, keep_last, stat
     _json_check(step, "step")
     _json_check(extra, "extra")
     unit = view.units[0] if view.units else None  # replicas that own the same elements: the first one writes
-    replica0 = unit is None or not unit.owners_replicated or dist.get_rank(unit.groups.replicate_group) == 0
+    group = unit.flat_group if unit is not None else None
+    replica0 = group is None or not group.owners_replicated or dist.get_rank(group.groups.replicate_group) == 0
     tensor_of, extra_state = {}, {}
     for p in view.params:
         if replica0 and p.end > p.start:
@@ -341,8 +342,8 @@ def _json_check(value: Any, what: str) -> Any:
 
 def _layout(view: ModelView) -> dict:
     units = view.units
-    g = units[0].groups if units else None
-    strategy = units[0].strategy if units else None
+    g = units[0].flat_group.groups if units else None
+    strategy = units[0].settings.strategy if units else None
     return {
         "strategy": strategy.name if strategy is not None else None,
         "shard_size": g.shard_size if g else 1,
@@ -350,9 +351,9 @@ def _layout(view: ModelView) -> dict:
         "units": [
             {
                 "name": u.name,
-                "total": u.layout.total,
-                "shard_numel": u.layout.shard_numel,
-                "params": [i.name for i in u.layout.infos],
+                "total": u.flat_group.layout.total,
+                "shard_numel": u.flat_group.layout.shard_numel,
+                "params": [i.name for i in u.flat_group.layout.infos],
             }
             for u in units
         ],

@@ -113,4 +113,5 @@ def check_module(module: nn.Module) -> None:
 
 def remember_flattened(unit) -> None:
     """The parameters ``unit`` flattened (id -> weakref, as the unit keeps them), for ``check_not_flattened``."""
-    _FLATTENED.update(unit.originals)
+    for group in unit.flat_groups:
+        _FLATTENED.update(group.originals)

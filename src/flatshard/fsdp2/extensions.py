@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -50,7 +49,10 @@ from torch.distributed.tensor import DTensor
 from flatshard.api import NotBuiltError
 from flatshard.runtime import reduce
 from flatshard.runtime.comm import collectives
-from flatshard.runtime.exposure import grad_cleared, grad_version
+from flatshard.runtime.comm.mesh import ShardGroups
+from flatshard.runtime.context import Link, UnitSettings
+from flatshard.runtime.grad_state import WindowMarks
+from flatshard.runtime.unit import Unit
 
 _ALIGN = 16  # each packed input starts at a multiple of this many bytes (any dtype views its slice)
 
@@ -112,7 +114,6 @@ class Member:
     freed: list[torch.Tensor] = field(default_factory=list)  # what fsdp_post_all_gather said to free
     unsharded: Optional[nn.Parameter] = None  # what the module computes with
     unsynced: Optional[torch.Tensor] = None  # gradient accumulated unreduced (set_requires_gradient_sync(False))
-    mark: Optional[tuple] = None  # (weakref to .grad, its version, flatshard made it) while a window is open
 
     @property
     def local(self) -> torch.Tensor:
@@ -142,19 +143,36 @@ def shard(param: torch.Tensor, shard_size: int, rank: int) -> tuple[torch.Tensor
 
 
 class SelfGathered:
-    """A unit's parameters that gather themselves, and the unit-side steps the engine calls
-    (runtime/unit.py, ``Unit.side``): ``use_compute`` / ``use_sharded`` beside the compute and shard
-    views, ``free`` when the unit reshards, ``reduce`` at the end of backward, ``abandon`` after a step
-    that raised."""
+    """A unit's parameters that gather themselves: the engine's ``runtime.unit.SidePath`` (``use_compute`` /
+    ``use_sharded`` beside the compute and shard views, ``free`` when the unit reshards, ``reduce`` at the
+    end of backward, ``drop_cleared`` before the next forward, ``abandon`` after a step that raised).
+    ``link``, ``settings``, ``groups`` and ``reduce_dtype`` are the unit's (its flat group's groups)."""
 
-    def __init__(self, members: list[Member], shard_mesh, mp_policy, param_dtype: Optional[torch.dtype]):
+    def __init__(
+        self,
+        members: list[Member],
+        shard_mesh,
+        mp_policy,
+        param_dtype: Optional[torch.dtype],
+        *,
+        link: Link,
+        settings: UnitSettings,
+        groups: ShardGroups,
+        reduce_dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.members = members
         self.shard_mesh = shard_mesh  # what fsdp_pre_all_gather is given: the 1-D shard mesh
         self.mp_policy = mp_policy
         self.param_dtype = param_dtype
+        self.link, self.settings, self.groups = link, settings, groups
+        self.reduce_dtype = reduce_dtype
+        self.device = device  # where the packed gather goes when no input says
         self.gathered = False
         self.set_on_modules = False
         self.params = {id(m.param) for m in members}
+        # [Note: an open accumulation window] (runtime/grad_state.py), for these parameters
+        self.marks = WindowMarks(lambda i, t: members[i].as_dtensor(t))
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes these parameters hold now on this rank: their local shards, their sharded gradients, and
@@ -178,11 +196,11 @@ class SelfGathered:
         return {kind: sum(v for ptr, v in storages.items() if ptr) for kind, storages in held.items()}
 
     # ---- gather ----------------------------------------------------------------------------------
-    def use_compute(self, unit) -> None:
+    def use_compute(self) -> None:
         """Gather (unless gathered since the last ``free``) and set the unsharded parameters on the modules."""
         if not self.gathered:
             with torch.no_grad():  # pre-backward sets compute views with grad on ([Note: recomputation in backward])
-                self._gather(unit)
+                self._gather()
             self.gathered = True
         for m in self.members:
             m.unsharded.requires_grad_(m.param.requires_grad)
@@ -234,11 +252,11 @@ class SelfGathered:
             inputs = (inputs,)
         return tuple(inputs), metadata
 
-    def _gather(self, unit) -> None:
+    def _gather(self) -> None:
         """One all-gather of every member's inputs, packed per rank: [status | inputs...], each input at an
         aligned offset. A rank whose inputs break FSDP2's padding rule sends zeros and a status, so every
         rank raises together after the collective."""
-        world = unit.groups.shard_size
+        world, link = self.groups.shard_size, self.link
         calls, layout, status, bad = [], [], 0, None
         offset = _ALIGN  # the status word
         for i, m in enumerate(self.members):
@@ -253,7 +271,7 @@ class SelfGathered:
                 offset += _aligned(math.prod(size) * t.element_size())
             calls.append((inputs, metadata))
             layout.append(sizes)
-        device = next((t.device for inputs, _ in calls for t in inputs), unit.compute_device)
+        device = next((t.device for inputs, _ in calls for t in inputs), self.device)
         send = torch.zeros(offset, dtype=torch.uint8, device=device)
         send[:8].view(torch.int64)[0] = status
         if not status:
@@ -264,9 +282,9 @@ class SelfGathered:
         received = send
         if world > 1:
             received = torch.empty(world * offset, dtype=torch.uint8, device=device)
-            with unit._errors("all_gather"):
-                result = collectives.all_gather(received, send, unit.groups.shard_group, tag=unit.ctx.next_tag(unit))
-            unit.record(result, "shard")
+            with link.errors("all_gather"):
+                result = collectives.all_gather(received, send, self.groups.shard_group, tag=link.next_tag())
+            link.record(result, "shard")
         rows = received.view(world, offset)
         statuses = [int(s) for s in rows[:, :8].contiguous().view(torch.int64).view(-1).tolist()]
         flagged = [r for r, s in enumerate(statuses) if s]
@@ -316,26 +334,26 @@ class SelfGathered:
         m.unsharded = nn.Parameter(view, requires_grad=m.param.requires_grad)
 
     # ---- gradients -------------------------------------------------------------------------------
-    def reduce(self, unit) -> None:
+    def reduce(self, sync: bool) -> None:
         """End of backward: take each member's gradient off its unsharded parameter; under
-        set_requires_gradient_sync(False) keep it unreduced, else reduce every member's at once."""
-        reduce_dtype = unit.precision.reduce
-        taken = []
+        set_requires_gradient_sync(False) (not ``sync``) keep it unreduced, else reduce every member's at once."""
+        reduce_dtype, link = self.reduce_dtype, self.link
         for m in self.members:
             grad = None if m.unsharded is None else m.unsharded.grad
             if m.unsharded is not None:
                 m.unsharded.grad = None
             if grad is not None:
                 m.unsynced = grad.to(reduce_dtype) if m.unsynced is None else m.unsynced.add_(grad)
-            taken.append(m)
-        if not unit.sync:
-            self._mark_window()
+        params = [m.param for m in self.members]
+        if not sync:
+            marked = [i for i, m in enumerate(self.members) if m.unsynced is not None and m.param.requires_grad]
+            self.marks.mark(params, marked)
             return
-        self._unmark()
-        ready = [m for m in taken if m.unsynced is not None]
+        self.marks.unmark(params)
+        ready = [m for m in self.members if m.unsynced is not None]
         if not ready:
             return
-        world = unit.groups.shard_size
+        world = self.groups.shard_size
         sizes = [m.padded_rows * m.row_numel for m in ready]
         per_rank = sum(sizes)
         full = torch.zeros(world, per_rank, dtype=reduce_dtype, device=ready[0].unsynced.device)
@@ -347,17 +365,17 @@ class SelfGathered:
             m.unsynced = None
             at += n
         spec = reduce.ReduceSpec(
-            unit.groups,
+            self.groups,
             [per_rank] * world,
             reduce_dtype,
-            unit.name,
-            unit.gradient_divide_factor,
-            streams=unit.ctx.streams,
+            link.name,
+            self.settings.gradient_divide_factor,
+            streams=link.run.streams,
         )
         kind = "reduce_scatter" if world > 1 else "all_reduce"
-        with unit._errors(kind):
-            pending = reduce.start(full.view(-1), spec, unit.record, async_op=False, tag=unit.ctx.next_tag(unit))
-            reduced = reduce.finish(pending, spec, reduce_dtype, unit.record, tag=unit.ctx.next_tag(unit))
+        with link.errors(kind):
+            pending = reduce.start(full.view(-1), spec, link.record, async_op=False, tag=link.next_tag())
+            reduced = reduce.finish(pending, spec, reduce_dtype, link.record, tag=link.next_tag())
         at = 0
         for m, n in zip(ready, sizes):
             local = m.local
@@ -370,51 +388,19 @@ class SelfGathered:
             else:
                 m.param.grad._local_tensor.add_(piece)
 
-    # [Note: an open accumulation window] (runtime/exposure.py), for these parameters: while their gradients
+    # [Note: an open accumulation window] (runtime/grad_state.py), for these parameters: while their gradients
     # accumulate unreduced, a parameter with no ``.grad`` gets a zero that allocates nothing (a DTensor of a
-    # broadcast scalar), and the ``.grad`` object and version are remembered; before the root's next forward
-    # a parameter whose ``.grad`` the loop cleared (``zero_grad()``, ``p.grad = None``, an in-place zero) drops
-    # its unreduced part, as on an unwrapped model
-    def _mark_window(self) -> None:
-        for m in self.members:
-            if m.unsynced is None or not m.param.requires_grad:
-                continue
-            if m.mark is not None and not self._cleared(m):
-                continue  # marked by an earlier backward of this window
-            made = m.param.grad is None
-            if made:
-                local = m.local
-                zero = torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape)
-                m.param.grad = m.as_dtensor(zero)
-            m.mark = (weakref.ref(m.param.grad), grad_version(m.param.grad), made)
-
-    @staticmethod
-    def _cleared(m: Member) -> bool:
-        return grad_cleared(m.mark[0], m.mark[1], m.param.grad)
-
+    # broadcast scalar), and the ``.grad`` object and version are remembered (``self.marks``); before the
+    # root's next forward a parameter whose ``.grad`` the loop cleared (``zero_grad()``, ``p.grad = None``, an
+    # in-place zero) drops its unreduced part, as on an unwrapped model
     def drop_cleared(self) -> None:
         """Before the root's next forward: drop the unreduced gradient of each parameter the loop cleared."""
-        for m in self.members:
-            if m.mark is not None and self._cleared(m):
-                m.unsynced = None
-                if m.mark[2] and m.param.grad is m.mark[0]():  # zeroed in place: a zero gradient, as unwrapped
-                    m.param.grad = m.as_dtensor(torch.zeros(m.local.shape, dtype=m.local.dtype, device=m.local.device))
-                self._unmark_one(m)
-
-    def _unmark(self) -> None:
-        """The window closes: a parameter still holding flatshard's mark has no gradient again."""
-        for m in self.members:
-            self._unmark_one(m)
-
-    @staticmethod
-    def _unmark_one(m: Member) -> None:
-        if m.mark is not None and m.mark[2] and m.param.grad is m.mark[0]():
-            m.param.grad = None
-        m.mark = None
+        for i in self.marks.drop_cleared([m.param for m in self.members]):
+            self.members[i].unsynced = None
 
     def abandon(self) -> None:
         """A step that raised: drop what backward had not put on ``.grad``, put the sharded parameters back."""
-        self._unmark()
+        self.marks.unmark([m.param for m in self.members])
         for m in self.members:
             m.unsynced = None
             if m.unsharded is not None:
@@ -423,7 +409,7 @@ class SelfGathered:
         self.free()
 
 
-def attach(unit, target: nn.Module, named: list, mesh, placements, mp_policy, mp, dims: Optional[dict]) -> None:
+def attach(unit: Unit, target: nn.Module, named: list, mesh, placements, mp_policy, mp, dims: Optional[dict]) -> None:
     """Give ``unit`` (built by ``fully_shard`` over ``target`` without them) the parameters of ``named``
     that gather themselves: each becomes a DTensor parameter over this rank's chunk of it, of its own
     class, on every module that holds it. ``dims``: what ``shard_placement_fn`` chose, by ``id``."""
@@ -446,7 +432,8 @@ def attach(unit, target: nn.Module, named: list, mesh, placements, mp_policy, mp
             "the 1-D shard mesh: flatshard cuts it from a 2-D mesh by its dim names. Name the mesh's dims "
             "(init_device_mesh(..., mesh_dim_names=('replicate', 'shard')))"
         )
-    if unit.offload:
+    group = unit.flat_group
+    if group.offload:
         raise NotBuiltError(
             f"{named[0][0]} gathers itself (a tensor subclass, FSDP2's all-gather extension): flatshard does not "
             "offload such parameters to CPU. Drop CPUOffloadPolicy, or shard them in a fully_shard call of their own"
@@ -470,4 +457,14 @@ def attach(unit, target: nn.Module, named: list, mesh, placements, mp_policy, mp
             m._parameters[attr] = sharded
         members.append(Member(name, sharded, uses, shape, padded_rows, as_dtensor))
     param_dtype = mp.param_dtype if mp is not None else None
-    unit.side = SelfGathered(members, shard_mesh, mp_policy, param_dtype)
+    unit.self_gathered = SelfGathered(
+        members,
+        shard_mesh,
+        mp_policy,
+        param_dtype,
+        link=unit.link,
+        settings=unit.settings,
+        groups=group.groups,
+        reduce_dtype=group.precision.reduce,
+        device=group.compute_device,
+    )

@@ -33,8 +33,10 @@ from flatshard.fsdp2 import checks, extensions, tensor_parallel
 from flatshard.runtime import build, hooks, precision, recording
 from flatshard.runtime.build import deferred
 from flatshard.runtime.comm.mesh import group_timeout
+from flatshard.runtime.flat_group import FlatGroup
 from flatshard.runtime.layout import set_views_on_modules
 from flatshard.runtime.post_forward import PostForwardGroup
+from flatshard.runtime.schedule import run_context
 from flatshard.runtime.tree import UnitHost, units_under
 from flatshard.runtime.unit import Unit
 
@@ -120,37 +122,37 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         """False: gradients accumulate unreduced over the following backwards (gradient accumulation);
         the first backward after setting True again reduces the sum."""
         for unit in self._units(recurse):
-            unit.requires_gradient_sync = requires_gradient_sync
+            unit.settings.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise NotBuiltError("set_reshard_after_forward takes True or False in flatshard")
         for unit in self._units(recurse):
-            unit.reshard_after_forward = reshard_after_forward
+            unit.settings.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for unit in self._units(recurse):
-            unit.reshard_after_backward = reshard_after_backward
+            unit.settings.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' parameters as this module's forward begins (instead of the recorded order)."""
-        self._unit.forward_prefetch = [_host_unit(m, "set_modules_to_forward_prefetch") for m in modules]
+        self._unit.settings.forward_prefetch = [_host_unit(m, "set_modules_to_forward_prefetch") for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' parameters as this module's backward begins."""
-        self._unit.backward_prefetch = [_host_unit(m, "set_modules_to_backward_prefetch") for m in modules]
+        self._unit.settings.backward_prefetch = [_host_unit(m, "set_modules_to_backward_prefetch") for m in modules]
 
     # ---- flatshard's recorders, as on FullyShardedDataParallel (the root's) -----------------------------
     def record_comms(self, *, events: bool = False):
         """Count every collective flatshard issues for this model inside the block (the root's run context)."""
-        return recording.record_comms(self._unit.ctx, events=events)
+        return recording.record_comms(run_context(self._unit), events=events)
 
     def record_memory(self, optimizer: Optional[torch.optim.Optimizer] = None, *, timeline: bool = False):
         """Follow the bytes flatshard manages on this rank (and the optimizer's state) and their peak."""
-        return recording.record_memory(self._unit.ctx, optimizer, [], timeline=timeline)
+        return recording.record_memory(run_context(self._unit), optimizer, [], timeline=timeline)
 
     def memory_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
-        return recording.memory_bytes(self._unit.ctx, optimizer, [])
+        return recording.memory_bytes(run_context(self._unit), optimizer, [])
 
     def reset_iter_state(self) -> None:
         """After a forward or backward that raised, put the step's state back now: wait for collectives in
@@ -159,12 +161,11 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         runtime/schedule.py); call it to free the gathered parameters at once. On the root, as FSDP2's."""
         if not self._unit.is_root:
             raise RuntimeError("reset_iter_state must be called on the root module (the outermost fully_shard)")
-        self._unit.ctx.recover(force=True)
+        run_context(self._unit).recover(force=True)
 
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
+    def set_is_last_backward(self, is_last_backward: bool) -> None:  # noqa: ARG002 - accepted, unused
         """Accepted for FSDP2's scripts: flatshard finishes every backward's reductions at its end, so
         whether a backward is the last of an accumulation changes no result and no schedule."""
-        self._unit.ctx.is_last_backward = bool(is_last_backward)
 
     def set_post_optim_event(self, event) -> None:
         """The next forward's all-gathers wait for ``event`` (recorded after ``optimizer.step()``), FSDP2's
@@ -178,7 +179,7 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel size."""
         for unit in self._units(True):
-            unit.gradient_divide_factor = float(factor)
+            unit.settings.gradient_divide_factor = float(factor)
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
@@ -272,12 +273,13 @@ def fully_shard(
     built = build.build_units(target, options, _no_nested)
     unit = built.root
     checks.remember_flattened(unit)
-    unit.unsynced_in_reduce_dtype = True  # FSDP2 accumulates unsynced gradients in the reduce dtype
+    unit.settings.unsynced_in_reduce_dtype = True  # FSDP2 accumulates unsynced gradients in the reduce dtype
+    group = unit.flat_group
     if post_forward_size:
-        unit.post_forward = _post_forward_group(mesh, post_forward_size, unit.layout.padded)
-    _as_dtensors(unit, mesh, placements, tp_uses)
+        group.gather.post_forward = _post_forward_group(mesh, post_forward_size, group.layout.padded)
+    _as_dtensors(group, mesh, placements, tp_uses)
     extensions.attach(unit, target, self_gathered, mesh, placements, mp_policy, mp, dims)
-    if unit.flat_shard.is_meta:
+    if group.flat_shard.is_meta:
         _ON_META.add(unit)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
@@ -288,7 +290,7 @@ def fully_shard(
         if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs and not unit.precision.mixed:
             m.register_forward_pre_hook(functools.partial(_cast_inputs, mp.param_dtype), with_kwargs=True)
         m.register_forward_hook(functools.partial(hooks.forward_post_hook, unit, output_dtype), always_call=True)
-    config = build.schedule_config(unit.compute_device)
+    config = build.schedule_config(group.compute_device)
     build.become_root(modules[0], config, mp)
     return module
 
@@ -339,7 +341,7 @@ def _adopt_materialized(module: nn.Module, _args) -> None:
     if not _ON_META and not module._unit.is_root:
         return
     if module._unit.is_root and module not in _ROOTS_CHECKED:  # a local tensor given an extension after the call
-        own = {i for u in units_under(module) if u.side is not None for i in u.side.params}
+        own = {i for u in units_under(module) if u.self_gathered is not None for i in u.self_gathered.params}
         named = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor) and id(p) not in own]
         checks.check_no_all_gather_extension([(n, p._local_tensor) for n, p in named])
         _ROOTS_CHECKED.add(module)
@@ -353,10 +355,11 @@ def _adopt_materialized(module: nn.Module, _args) -> None:
 
 def _moved(unit: Unit) -> bool:
     """Whether ``model.to(...)`` swapped the unit's DTensor parameters for copies outside its flat shard."""
-    if not unit.shard_views or unit.flat_shard.is_meta:
+    group = unit.flat_group
+    if not group.shard_views or group.flat_shard.is_meta:
         return False
-    local = unit.shard_views[0]._local_tensor
-    return local.untyped_storage().data_ptr() != unit.flat_shard.untyped_storage().data_ptr()
+    local = group.shard_views[0]._local_tensor
+    return local.untyped_storage().data_ptr() != group.flat_shard.untyped_storage().data_ptr()
 
 
 def _no_nested(module: nn.Module, unit: Unit) -> nn.Module:  # noqa: ARG001 - build's host factory
@@ -452,16 +455,16 @@ def _offload(policy) -> bool:
     return isinstance(policy, CPUOffloadPolicy)
 
 
-def _as_dtensors(unit: Unit, mesh, placements, tp_uses: dict) -> None:
-    """The unit's shard views become DTensor parameters over the same storage (no copy); its reduced
+def _as_dtensors(group: FlatGroup, mesh, placements, tp_uses: dict) -> None:
+    """A flat group's shard views become DTensor parameters over the same storage (no copy); its reduced
     gradients become DTensor gradients alike. Tensor-parallel parameters ([Note: FSDP over
     tensor-parallel parameters], tensor_parallel.py) are placed over both meshes, and their compute views are
     made DTensors of the TP mesh again."""
-    infos = unit.layout.infos
+    infos = group.layout.infos
     specs = [tensor_parallel.spec_of(info, tp_uses) for info in infos]
 
     def placed(i: int) -> tuple:
-        dim = unit.layout.dims[i]  # [Note: sharded along another dim]
+        dim = group.layout.dims[i]  # [Note: sharded along another dim]
         if specs[i] is None:
             return mesh, (*placements[:-1], Shard(dim)), infos[i].shape
         return tensor_parallel.sharded_placement(specs[i], dim, mesh)
@@ -475,10 +478,10 @@ def _as_dtensors(unit: Unit, mesh, placements, tp_uses: dict) -> None:
         )
 
     if any(specs):
-        unit.compute_as = [tensor_parallel.compute_wrapper(s) if s is not None else None for s in specs]
+        group.wrap_compute = [tensor_parallel.compute_wrapper(s) if s is not None else None for s in specs]
 
-    unit.shard_views = [
-        nn.Parameter(dtensor(i, v.data), requires_grad=v.requires_grad) for i, v in enumerate(unit.shard_views)
+    group.shard_views = [
+        nn.Parameter(dtensor(i, v.data), requires_grad=v.requires_grad) for i, v in enumerate(group.shard_views)
     ]
-    unit.grad_as = dtensor
-    set_views_on_modules(unit.layout, unit.shard_views, as_params=True)
+    group.wrap_grad = dtensor
+    set_views_on_modules(group.layout, group.shard_views, as_params=True)

@@ -1,5 +1,35 @@
-"""The engine: units, their flat layout, collectives, hooks, construction. Imports nothing above it
+"""The engine: units, their flat groups, collectives, hooks, construction. Imports nothing above it
 (no front end, no state dicts, no checkpoints); tests/test_layering.py holds it to that.
+
+The words (DESIGN.md)
+---------------------
+  unit         one wrapped module, one ``fully_shard`` call: the atom of scheduling. Hooks and the run
+               context speak to units (unit.py: ``Unit``).
+  flat group   what a unit's parameters are stored and communicated as: one flat buffer with its layout,
+               dtype, process groups, gather and reduction (flat_group.py: ``FlatGroup``). The atom of
+               communication: one all-gather per group per pass, one reduce-scatter per group per
+               backward, never one collective per parameter. A unit holds one per (mesh, dtype, layout
+               kind) -- today exactly one; experts on their own mesh, frozen parameters of another dtype
+               and whole-tensor placement each add a group, not a new kind of unit.
+  run context  what spans the units of one root: phase, recorded order, prefetch, reductions in flight
+               (schedule.py: ``RunContext``); a unit and its parts see it through context.py's ``Context``
+               protocol and ``Link``, never by importing schedule.py.
+
+Where things live
+-----------------
+  the step     hooks.py (every hook, in step order) -> schedule.py (RunContext) -> unit.py (Unit: fans out)
+               -> flat_group.py (FlatGroup) -> its parts: gather.py (Gather: the unsharded flat and its
+               all-gather), grad_state.py (GradState, WindowMarks: grad shard, open window), reduce.py
+               (the reduction's three steps), layout.py / chunked.py (layouts and views),
+               precision.py, post_forward.py, across_replicas.py (pieces over the replicas)
+  leaves       consistency.py (Phase, order checks, errors naming the unit), context.py (Context, Link,
+               UnitSettings), instrument.py (recorders, profiler labels)
+  comm/        bytes between ranks: collectives, gloo exchange, mesh, streams, agree, nodes, int8;
+               knows tensors and groups, never units
+  build/       construction, once per wrap: units.py (build_units, build_unit, become_root), placement,
+               deferred init, auto-F, fingerprints, optimizer checks; imported by the front ends only
+  between      tree.py (hosts, names, ``flatshard.units``), summon.py, grad_utils.py (clip_grad_norm_,
+  steps        no_sync), recording.py (recorders on a root)
 
 One step of one unit (FULL_SHARD), each step as file:function
 -------------------------------------------------------------
@@ -7,32 +37,36 @@ Construction (once)
   build/units.py:build_units    ignored states, devices, wrap policy (wrap.py:select_units), placement
                                 (build/placement.py:Placement), sharding factor (build/autoshard.py),
                                 groups (comm/mesh.py)
-  build/units.py:build_unit           flatten (layout.py:FlatLayout.flatten), keep the flat shard (unit.py:Unit)
-  hooks.py:register_post_backward   the unsharded flat's post-accumulate-grad hook
-  build/units.py:become_root          one run context (schedule.py:RunContext) for every unit under the root
+  build/units.py:build_unit     flatten (layout.py:FlatLayout.flatten); flat_group.py:FlatGroup keeps the
+                                flat shard; unit.py:Unit holds the group; a RunContext of its own
+  hooks.py:register_post_backward   each group's unsharded flat's post-accumulate-grad hook
+  build/units.py:become_root    one run context (schedule.py:RunContext) for every unit under the root
 Forward
-  hooks.py:forward              the front end's forward: cast inputs, RunContext.begin_forward (root)
-                                (fully_shard: the same steps as module hooks, forward_pre_hook/forward_post_hook)
-  hooks.py:pre_forward          unit.py:Unit.unshard -> gather.py:issue -> comm/collectives.py:all_gather
-                                (comm/gloo_exchange.py on CPU; on the gather stream, comm/streams.py),
-                                gather.py:consume;
-                                Unit.use_compute_views (layout.py:make_compute_views, set_views_on_modules);
+  hooks.py:forward              the front end's forward: hooks.py:_begin_forward casts the inputs and
+                                begins the pass (root); fully_shard: the same steps as module hooks
+                                (forward_pre_hook / forward_post_hook)
+  hooks.py:pre_forward          Unit.unshard -> FlatGroup.unshard -> gather.py:Gather.unshard ->
+                                comm/collectives.py:all_gather (comm/gloo_exchange.py on CPU; on the
+                                gather stream, comm/streams.py), Gather.consume;
+                                Unit.use_compute_views -> FlatGroup.use_compute_views (layout.py);
                                 RunContext.record_forward, RunContext.prefetch_forward
   hooks.py:post_forward         Unit.use_shard_views; Unit.reshard unless the root (or SHARD_GRAD_OP)
   hooks.py:register_pre_backward  a tensor hook on every output; RunContext.end_forward (root)
 Backward
   hooks.py:pre_backward         hooks.py:begin_backward (queues end_of_backward once); Unit.unshard;
                                 RunContext.prefetch_backward (BACKWARD_PRE)
-  hooks.py:_on_split_backward   Unit.reshard before the flat gradient is joined
-  hooks.py:post_backward        RunContext.settle_reductions; Unit.start_reduction -> reduce.py:start ->
-                                comm/collectives.py:reduce_scatter; Unit.reshard; RunContext.settle ->
-                                Unit.finish_reduction -> reduce.py:finish (all-reduce across replicas,
-                                divide) -> Unit._expose_grads (exposure.py); across nodes Unit.advance_reduction ->
-                                reduce.py:advance leaves the all-reduce in flight (comm/int8.py)
-  hooks.py:end_of_backward      RunContext.end_of_backward: reductions in flight, Unit.finish_backward
+  hooks.py:_on_split_backward   FlatGroup.reshard before the group's flat gradient is joined
+  hooks.py:post_backward        per flat group: RunContext.settle_reductions; FlatGroup.start_reduction ->
+                                reduce.py:start -> comm/collectives.py:reduce_scatter; FlatGroup.reshard;
+                                RunContext.settle -> FlatGroup.finish_reduction -> reduce.py:finish
+                                (all-reduce across replicas, divide) -> grad_state.py:GradState.expose;
+                                across nodes FlatGroup.advance_reduction -> reduce.py:advance leaves the
+                                all-reduce in flight (comm/int8.py)
+  hooks.py:end_of_backward      RunContext.end_of_backward: reductions in flight, Unit.end_backward
+                                (parameters that gather themselves reduce; reshard; mark an open window)
 Between steps
-  the optimizer steps the shard views locally; grad_utils.py:clip_grad_norm_ (one all-reduce), grad_utils.py:no_sync;
-  summon.py:summon (Unit.gather_full); comm/agree.py (checks every rank ends alike)
+  the optimizer steps the shard views locally; grad_utils.py:clip_grad_norm_ (one all-reduce),
+  grad_utils.py:no_sync; summon.py:summon (FlatGroup.gather_owned); comm/agree.py (every rank ends alike)
 
 Index of every [Note: ...] in the package
 -----------------------------------------
@@ -47,7 +81,7 @@ Index of every [Note: ...] in the package
   stream discipline ............... runtime/comm/streams.py
   a step that raised .............. runtime/schedule.py
   a forward with no backward after it .. runtime/schedule.py
-  an open accumulation window .... runtime/exposure.py
+  an open accumulation window .... runtime/grad_state.py
   exchange tags ................... runtime/comm/gloo_exchange.py
   inter-node compression .......... runtime/comm/int8.py
   optimizer state across replicas .. runtime/across_replicas.py

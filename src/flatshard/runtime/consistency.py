@@ -19,16 +19,12 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from flatshard.runtime.comm import agree, collectives
 from flatshard.runtime.comm.collectives import CollectiveResult
-
-if TYPE_CHECKING:
-    from flatshard.runtime.unit import Unit
 
 GATHER, REDUCE, END_FORWARD, END_BACKWARD = 1, 2, 3, 4
 _WHAT = {
@@ -71,12 +67,12 @@ def detail_debug() -> bool:
 
 
 class Checker:
-    """The order check of one root (see the Note): ``active`` for the first step, or always under DETAIL."""
+    """The order check of one root (see the Note): ``active`` for the first step, or always under DETAIL.
+    Units are named by their index in ``names`` (the root's units, root first)."""
 
-    def __init__(self, units: list[Unit], group, record: Callable[[CollectiveResult], None]):
-        self.units = units
+    def __init__(self, names: list[str], group, record: Callable[[CollectiveResult], None]):
+        self.names = names
         self.record = record  # checks are collectives too: recorded as kind "order_check"
-        self.index = {id(u): i for i, u in enumerate(units)}
         self.group = group
         self.detail = detail_debug()
         self.first_step = True
@@ -86,11 +82,11 @@ class Checker:
     def active(self) -> bool:
         return (self.first_step or self.detail) and self.group is not None and dist.get_world_size(self.group) > 1
 
-    def check(self, what: int, unit: Unit | None, phase: str) -> None:
+    def check(self, what: int, index: int, phase: str) -> None:
+        """Compare (``what``, the unit at ``index`` or -1 for none, ``phase``) across the ranks."""
         if not self.active:
             return
         self._seq += 1
-        index = self.index.get(id(unit), -1) if unit is not None else -1
         device = agree.collective_device(self.group)
         code = _PHASES.index(str(phase)) if str(phase) in _PHASES else -1
         mine = torch.tensor([what, index, code], dtype=torch.int64, device=device)
@@ -105,7 +101,7 @@ class Checker:
     def _message(self, rows: list[list[int]]) -> str:
         def said(rank: int) -> str:
             what, index, phase = rows[rank]
-            name = f" {self.units[index].name!r}" if 0 <= index < len(self.units) else ""
+            name = f" {self.names[index]!r}" if 0 <= index < len(self.names) else ""
             where = f" ({_PHASES[phase]})" if 0 <= phase < len(_PHASES) and what in (GATHER, REDUCE) else ""
             return f"rank {rank}: {_WHAT.get(what, '?')}{name}{where}"
 
@@ -124,9 +120,9 @@ class Checker:
 
 
 @contextlib.contextmanager
-def collective_errors(unit: Unit, collective: str) -> Iterator[None]:
-    """A collective of ``unit`` that fails (a timeout above all) raises an error naming the rank, the
-    unit, the phase and the collective, chained to the backend's own."""
+def collective_errors(unit: str, phase: str, collective: str) -> Iterator[None]:
+    """A collective of the unit named ``unit``, in ``phase``, that fails (a timeout above all) raises an error
+    naming the rank, the unit, the phase and the collective, chained to the backend's own."""
     try:
         yield
     except RuntimeError as exc:
@@ -135,7 +131,7 @@ def collective_errors(unit: Unit, collective: str) -> Iterator[None]:
             raise
         rank = dist.get_rank() if dist.is_initialized() else 0
         raise RuntimeError(
-            f"flatshard: rank {rank}: the {collective} of unit {unit.name!r} in {unit.ctx.phase} did not "
+            f"flatshard: rank {rank}: the {collective} of unit {unit!r} in {phase} did not "
             f"complete: {text}. A collective that times out usually means a rank never reached it: every rank "
             "must run the same units in the same order (rank-dependent control flow, a module unused in one "
             "rank's loss), and no peer may have died or stalled. TORCH_DISTRIBUTED_DEBUG=DETAIL checks the "

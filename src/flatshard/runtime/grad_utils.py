@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from flatshard.runtime import consistency, exposure
+from flatshard.runtime import consistency
 from flatshard.runtime.comm import collectives
 from flatshard.runtime.consistency import Phase
 from flatshard.runtime.instrument import label
@@ -42,7 +42,7 @@ def clip_grad_norm_(
 
 def _clip(ctx: RunContext, unmanaged, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
     ctx.recover()  # [Note: a step that raised] (schedule.py)
-    open_window = [unit.name for unit in ctx.units if unit.window_marks and exposure.window_open(unit)]
+    open_window = [u.name for u in ctx.units if any(g.grads.marks and g.window_open for g in u.flat_groups)]
     if open_window:  # every rank runs the same loop, so every rank raises here alike
         raise RuntimeError(
             f"clip_grad_norm_ inside an open gradient accumulation window (units {', '.join(open_window)}): "
@@ -50,13 +50,13 @@ def _clip(ctx: RunContext, unmanaged, max_norm: float, norm_type: float, error_i
             "so there is nothing right to clip yet. Clip after the synchronised backward (the last "
             "micro-batch, outside no_sync / with set_requires_gradient_sync(True)), before optimizer.step()."
         )
-    sharded = [v.grad for unit in ctx.units for v in unit.shard_views if v.grad is not None]
+    sharded = [v.grad for unit in ctx.units for g in unit.flat_groups for v in g.shard_views if v.grad is not None]
     local = [p.grad for p in unmanaged if p.grad is not None]
-    device = ctx.root.compute_device  # where collectives run (gradient shards are on CPU under CPUOffload)
+    device = ctx.root.flat_group.compute_device  # where collectives run (gradient shards are on CPU under CPUOffload)
     total = _partial_norm(sharded, norm_type, device)
-    groups = ctx.root.groups
+    groups = ctx.root.flat_group.groups
     across = [(groups.shard_group, "shard")]
-    if ctx.root.pieces is not None:
+    if ctx.root.flat_group.pieces is not None:
         across.append((groups.replicate_group, "replicate"))
     for group, name in across:
         if group is not None:
@@ -89,7 +89,8 @@ def _clip(ctx: RunContext, unmanaged, max_norm: float, norm_type: float, error_i
 
 def _reduce(ctx: RunContext, value: torch.Tensor, group, name: str, norm_type: float) -> torch.Tensor:
     """``value`` (max |g|, or sum |g|^p) combined over ``group``: one all-reduce."""
-    errors = consistency.collective_errors(ctx.root, "clip_grad_norm_ all_reduce")  # a timeout names rank and phase
+    # a timeout names the rank and the phase
+    errors = consistency.collective_errors(ctx.root.name, str(ctx.phase), "clip_grad_norm_ all_reduce")
     if math.isinf(norm_type):  # [max, NaN seen]: MAX of both; a NaN never rides the maximum itself
         pair = torch.stack([torch.nan_to_num(value, nan=0.0), torch.isnan(value).float()])
         with errors:

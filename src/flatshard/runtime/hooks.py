@@ -32,8 +32,9 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from flatshard.runtime import precision
+from flatshard.runtime.flat_group import FlatGroup
 from flatshard.runtime.instrument import label
-from flatshard.runtime.schedule import RunContext
+from flatshard.runtime.schedule import RunContext, run_context
 from flatshard.runtime.unit import Unit
 
 
@@ -59,20 +60,27 @@ def forward(unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict) -> A
     return _hook_outputs(unit, output)
 
 
-@torch.compiler.disable
-def _enter_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    ctx = unit.ctx
+def _begin_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """What both front ends do as a unit's forward begins: the run starts (buffers cast), the inputs are
+    cast to the compute dtype (MixedPrecision), and the root begins the pass."""
+    ctx = run_context(unit)
     ctx.start()
     p = unit.precision
     if p.mixed and (p.cast_forward_inputs or (unit.is_root and p.cast_root_forward_inputs)):
         args, kwargs = precision.cast_floating((args, kwargs), p.compute)
     if unit.is_root:
         ctx.begin_forward()
+    return args, kwargs
+
+
+@torch.compiler.disable
+def _enter_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    args, kwargs = _begin_forward(unit, args, kwargs)
     try:
         pre_forward(unit)
     except BaseException:
         if unit.is_root:
-            ctx.end_forward(False)
+            run_context(unit).end_forward(False)
         raise
     return args, kwargs
 
@@ -83,7 +91,7 @@ def _leave_forward(unit: Unit, completed: bool) -> None:
         post_forward(unit)
     finally:
         if unit.is_root:
-            unit.ctx.end_forward(completed)
+            run_context(unit).end_forward(completed)
 
 
 @torch.compiler.disable
@@ -99,13 +107,7 @@ def forward_pre_hook(unit: Unit, _module: torch.nn.Module, args: tuple, kwargs: 
     """fully_shard's forward pre-hook: what ``forward`` does before calling the module."""
     if unit.summoned:
         raise RuntimeError("fully_shard modules have no summon_full_params; use FSDPModule.unshard()")
-    ctx = unit.ctx
-    ctx.start()
-    p = unit.precision
-    if p.mixed and (p.cast_forward_inputs or (unit.is_root and p.cast_root_forward_inputs)):
-        args, kwargs = precision.cast_floating((args, kwargs), p.compute)
-    if unit.is_root:
-        ctx.begin_forward()
+    args, kwargs = _begin_forward(unit, args, kwargs)
     unit.forward_entries.append(sys.exc_info()[1])
     pre_forward(unit)
     return args, kwargs
@@ -122,7 +124,7 @@ def forward_post_hook(unit: Unit, output_dtype, _module: torch.nn.Module, _args:
     raised = sys.exc_info()[1] is not entered
     post_forward(unit)
     if unit.is_root:
-        unit.ctx.end_forward(not raised)
+        run_context(unit).end_forward(not raised)
     if raised:
         return None
     if output_dtype is not None:
@@ -134,17 +136,18 @@ def forward_post_hook(unit: Unit, output_dtype, _module: torch.nn.Module, _args:
 
 def pre_forward(unit: Unit) -> None:
     with label("pre_forward", unit.name):
-        if unit.refresh_requires_grad():  # requires_grad changed on a shard view since the last forward
-            register_post_backward(unit)
+        ctx = run_context(unit)
+        for group in unit.refresh_requires_grad():  # requires_grad changed on a shard view since the last forward
+            register_post_backward(unit, group)
         unit.unshard()
         _use_compute_views(unit)
-        if not unit.ctx.in_backward:
-            unit.ctx.record_forward(unit)
-            if unit.forward_prefetch:  # explicit targets (fully_shard's set_modules_to_forward_prefetch)
-                for target in unit.forward_prefetch:
+        if not ctx.in_backward:
+            ctx.record_forward(unit)
+            if unit.settings.forward_prefetch:  # explicit targets (fully_shard's set_modules_to_forward_prefetch)
+                for target in unit.settings.forward_prefetch:
                     target.unshard(wait=False)
             else:
-                unit.ctx.prefetch_forward()
+                ctx.prefetch_forward()
 
 
 # [Note: recomputation in backward]
@@ -158,15 +161,15 @@ def post_forward(unit: Unit) -> None:
         if unit.ctx.in_backward:
             return
         unit.use_shard_views()
-        if (unit.reshard_after_forward and not unit.is_root) or not torch.is_grad_enabled():
+        if (unit.settings.reshard_after_forward and not unit.is_root) or not torch.is_grad_enabled():
             unit.reshard(after_forward=torch.is_grad_enabled())
 
 
 def _use_compute_views(unit: Unit) -> None:
-    split = unit.use_compute_views()
-    if split is not None and not unit.ctx.in_backward:  # its backward will build the flat gradient
-        unit.open_splits += 1
-        split.register_prehook(functools.partial(_on_split_backward, unit))
+    for group, split in unit.use_compute_views():
+        if split is not None and not unit.ctx.in_backward:  # its backward will build the group's flat gradient
+            group.open_splits += 1
+            split.register_prehook(functools.partial(_on_split_backward, unit, group))
 
 
 # [Note: free before the flat gradient]
@@ -179,17 +182,18 @@ def _use_compute_views(unit: Unit) -> None:
 # never runs its backward (non-reentrant) or runs it with the parameters no longer needed after
 # (reentrant, where the unit then reshards in post-backward). A split made before the last backward
 # ended (counts reset there) leaves the count off zero: the unit then reshards in post-backward.
-def _on_split_backward(unit: Unit, grad_outputs) -> None:
+def _on_split_backward(unit: Unit, group: FlatGroup, grad_outputs) -> None:
     with label("split_backward", unit.name):
-        unit.open_splits -= 1
-        # The unit's backward peak: its parameters and every per-parameter gradient, about to be joined.
-        unit.view_grad_bytes = sum(g.untyped_storage().nbytes() for g in grad_outputs if g is not None)
-        unit.ctx.sample_memory()
+        group.open_splits -= 1
+        # The group's backward peak: its parameters and every per-parameter gradient, about to be joined.
+        group.view_grad_bytes = sum(g.untyped_storage().nbytes() for g in grad_outputs if g is not None)
         ctx = unit.ctx
-        early = unit.reshard_after_backward and (unit.sync or unit.reshard_after_forward)
-        if unit.open_splits == 0 and ctx.in_backward and early:
-            unit.use_shard_views()
-            unit.reshard()
+        ctx.sample_memory()
+        settings = unit.settings
+        early = settings.reshard_after_backward and (unit.sync or settings.reshard_after_forward)
+        if group.open_splits == 0 and ctx.in_backward and early:
+            group.use_shard_views()
+            group.reshard()
     return None
 
 
@@ -208,7 +212,8 @@ def register_pre_backward(output: Any, unit: Unit) -> None:
 
 def pre_backward(unit: Unit) -> None:
     with label("pre_backward", unit.name):
-        begin_backward(unit.ctx)
+        ctx = run_context(unit)
+        begin_backward(ctx)
         unit.unshard()
         if not unit.compute_views_set:
             # the autograd engine runs hooks with grad off; a recomputation (activation checkpointing inside
@@ -216,60 +221,62 @@ def pre_backward(unit: Unit) -> None:
             # saves other tensors than forward did ([Note: recomputation in backward])
             with torch.enable_grad():
                 _use_compute_views(unit)
-        if unit.backward_prefetch:  # explicit targets (fully_shard's set_modules_to_backward_prefetch)
-            for target in unit.backward_prefetch:
+        if unit.settings.backward_prefetch:  # explicit targets (fully_shard's set_modules_to_backward_prefetch)
+            for target in unit.settings.backward_prefetch:
                 target.unshard(wait=False)
         else:
-            unit.ctx.prefetch_backward(unit, pre=True)
+            ctx.prefetch_backward(unit, pre=True)
 
 
-def register_post_backward(unit: Unit) -> None:
-    """At construction (and when a parameter is unfrozen later): the unsharded flat's gradient, once
-    complete, starts the unit's reduction. Registered once."""
-    if unit.requires_grad and unit.post_backward_hook is None:
+def register_post_backward(unit: Unit, group: FlatGroup) -> None:
+    """At construction (and when a parameter is unfrozen later): a flat group's unsharded flat's gradient,
+    once complete, starts the group's reduction. Registered once per group."""
+    if group.requires_grad and group.post_backward_hook is None:
         # [Note: hooks hold units weakly]
         # The hook lives in the unsharded flat's C++ autograd metadata, which Python's collector cannot
         # traverse: a hook that held its unit strongly would keep the unit, the wrapped model and its
         # process groups alive until the process exits, and groups destroyed during interpreter
         # finalization can abort the process from a gloo worker thread. Held weakly, a dropped model is
         # freed by one gc.collect(), which destroys its groups while the interpreter is alive.
-        unit_ref = weakref.ref(unit)
+        unit_ref, group_ref = weakref.ref(unit), weakref.ref(group)
 
         def hook(unsharded: torch.Tensor) -> None:
-            alive = unit_ref()
-            if alive is not None:
-                post_backward(alive, unsharded)
+            alive, alive_group = unit_ref(), group_ref()
+            if alive is not None and alive_group is not None:
+                post_backward(alive, alive_group, unsharded)
 
-        unit.post_backward_hook = unit.unsharded.register_post_accumulate_grad_hook(hook)
+        group.post_backward_hook = group.unsharded.register_post_accumulate_grad_hook(hook)
 
 
-def post_backward(unit: Unit, unsharded: torch.Tensor) -> None:
-    """The unsharded flat's gradient is complete: start reducing it to this rank's shard, reshard."""
+def post_backward(unit: Unit, group: FlatGroup, unsharded: torch.Tensor) -> None:
+    """A flat group's unsharded flat's gradient is complete: start reducing it to this rank's shard, and
+    free the group (only this group: another group of the unit may still be in its backward)."""
     with label("post_backward", unit.name):
-        ctx = unit.ctx
-        unit.view_grad_bytes = 0  # joined into the flat gradient by now
+        ctx = run_context(unit)
+        settings = unit.settings
+        group.view_grad_bytes = 0  # joined into the flat gradient by now
         begin_backward(ctx)
         # The reduction left in flight by the previous unit has had this unit's backward to finish:
         # finish it now, so at most one full-size gradient is ever waiting for its reduce-scatter.
         ctx.settle_reductions(keep=0)
-        ctx.finish_in_flight(unit)
+        ctx.finish_in_flight(group)
         ctx.sample_memory()
         unit.use_shard_views()
         if not unit.sync:
-            unit.keep_unsynced_gradient(unsharded)  # no_sync: accumulates unreduced until a synchronised backward
-            if unit.reshard_after_forward and unit.reshard_after_backward:
-                unit.reshard()
+            group.keep_unsynced_gradient(unsharded)  # no_sync: accumulates unreduced until a synchronised backward
+            if settings.reshard_after_forward and settings.reshard_after_backward:
+                group.reshard()
             return
         ctx.prefetch_backward(unit, pre=False)  # BACKWARD_POST: the next gather goes before this reduction
-        in_flight = ctx.reduction_in_flight(unit)  # [Note: reductions in flight] (schedule.py)
+        in_flight = ctx.reduction_in_flight(group)  # [Note: reductions in flight] (schedule.py)
         with label("post_backward_reduce", unit.name):
-            unit.start_reduction(unsharded, async_op=in_flight)  # takes the flat gradient off ``unsharded``
-        if unit.reshard_after_backward:
-            unit.reshard()
+            group.start_reduction(unsharded, async_op=in_flight)  # takes the flat gradient off ``unsharded``
+        if settings.reshard_after_backward:
+            group.reshard()
         if in_flight:
-            ctx.pending_reductions.append(unit)  # finished at the next post-backward or the end of backward
+            ctx.pending_reductions.append(group)  # finished at the next post-backward or the end of backward
         else:
-            ctx.settle(unit)  # finished now, or (across nodes) left in flight until the end of backward
+            ctx.settle(group)  # finished now, or (across nodes) left in flight until the end of backward
 
 
 def begin_backward(ctx: RunContext) -> None:

@@ -216,11 +216,7 @@ class MemoryRecorder:
         """data_ptr of every storage counted in the other categories."""
         tensors: list[torch.Tensor] = []
         for unit in self._units:
-            tensors += [unit.flat_shard, unit.unsharded]
-            if unit.unsharded.grad is not None:
-                tensors.append(unit.unsharded.grad)
-            # (a DTensor gradient of fully_shard: its local tensor is what is stored)
-            tensors += [getattr(v.grad, "_local_tensor", v.grad) for v in unit.shard_views if v.grad is not None]
+            tensors += unit.managed_tensors()
         for p in self._extra:
             tensors += [p] + ([p.grad] if p.grad is not None else [])
         if self.optimizer is not None:

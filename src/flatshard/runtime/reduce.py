@@ -72,11 +72,6 @@ class PendingReduction:
         buffers = self.work.nbytes() if hasattr(self.work, "nbytes") else 0  # a point-to-point exchange's
         return full + buffers, self.out.untyped_storage().nbytes()
 
-    @property
-    def in_replicate_step(self) -> bool:
-        """Whether all that is left is the all-reduce across replicas (the shard group's part is done)."""
-        return self.full is None
-
 
 Record = Callable[[collectives.CollectiveResult, str], None]
 

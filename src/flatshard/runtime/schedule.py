@@ -2,7 +2,9 @@
 
 Every unit has a ``RunContext`` from the moment it is built (never a global): the units one
 constructor call builds share one, and a later call that wraps them (manual nesting) hands its own
-to every unit under it (build/units.py, ``adopt_units``). It holds the phase (for the recorders), whether
+to every unit under it (build/units.py, ``become_root``). A context binds its units' links
+(context.py) when it is made; units see it through the ``Context`` protocol, the layers above as
+``run_context(unit)``. It holds the phase (for the recorders), whether
 this backward synchronises gradients (``no_sync``), the recorded forward execution order, the
 prefetch schedule and rate limiter, the reductions in flight, and the attached recorders. The hooks
 that drive it live in hooks.py.
@@ -14,14 +16,14 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
 from flatshard.api import BackwardPrefetch
-from flatshard.runtime import exposure, precision
+from flatshard.runtime import precision
 from flatshard.runtime.comm import agree, collectives
 from flatshard.runtime.comm.collectives import CollectiveResult
 from flatshard.runtime.comm.streams import Lane, Streams
@@ -30,6 +32,7 @@ from flatshard.runtime.consistency import END_BACKWARD, END_FORWARD, Checker, Ph
 from flatshard.runtime.instrument import CommEvent, CommRecorder, MemoryRecorder
 
 if TYPE_CHECKING:
+    from flatshard.runtime.flat_group import FlatGroup
     from flatshard.runtime.unit import Unit
 
 logger = logging.getLogger("flatshard")
@@ -63,9 +66,15 @@ class ScheduleConfig:
     inter_node_in_flight: bool = True
 
 
+def run_context(unit: Unit) -> RunContext:
+    """The run context ``unit`` is bound to, as this module's class (units see it as ``context.Context``)."""
+    return cast(RunContext, unit.ctx)
+
+
 class RunContext:
     def __init__(self, units: list[Unit], root: Unit, config: ScheduleConfig):
-        self.units = units  # every unit under the root, root first, in module order
+        """``units``: every unit under ``root``, root first, in module order; each is bound to this context."""
+        self.units = units
         self.root = root
         self.config = config
         self.phase = Phase.IDLE
@@ -76,26 +85,26 @@ class RunContext:
         self.raised = False  # a forward raised ([Note: a step that raised])
         self.comm_recorders: list[CommRecorder] = []
         self.memory_recorders: list[MemoryRecorder] = []
-        self.pending_reductions: list[Unit] = []  # reduce-scatters in flight, finished at the next post-backward
-        self.cross_node_reductions: list[Unit] = []  # all-reduces across nodes, finished at the end of backward
+        self.pending_reductions: list[FlatGroup] = []  # reduce-scatters in flight, finished at the next post-backward
+        self.cross_node_reductions: list[FlatGroup] = []  # all-reduces across nodes, finished at the end of backward
         self.buffer_cast: Optional[tuple[nn.Module, torch.dtype]] = None  # MixedPrecision.buffer_dtype
         self.started = False
         # [Note: order checks] (consistency.py)
-        self.checker = Checker(units, root.groups.process_group, lambda r: self.record(r, "world", "<order check>"))
+        group = root.flat_groups[0].groups.process_group if root.flat_groups else None
+        self.checker = Checker([u.name for u in units], group, lambda r: self.record(r, "world", "<order check>"))
         self.passes = 0  # forward passes the root has begun
         self.backward_since_forward = False  # [Note: a forward with no backward after it]
-        self.is_last_backward = (
-            True  # fully_shard's set_is_last_backward (changes nothing: reductions end each backward)
-        )
         self._order_changed_warned = False
         self._exchanges = 0  # tags for point-to-point exchanges ([Note: exchange tags], comm/gloo_exchange.py)
         self._streams: Optional[Streams] = None
+        for index, unit in enumerate(units):
+            unit.link.bind(self, index, unit is root)
 
     @property
     def streams(self) -> Streams:
         """The device's streams ([Note: stream discipline], comm/streams.py), made at first use."""
         if self._streams is None:
-            self._streams = streams_for(self.root.compute_device)
+            self._streams = streams_for(self.root.flat_groups[0].compute_device)
         return self._streams
 
     @streams.setter
@@ -130,9 +139,7 @@ class RunContext:
         self.recover()
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
             for unit in self.units:  # the loop cleared gradients since the last backward: [Note: an open
-                exposure.drop_cleared(unit)  # accumulation window] (exposure.py)
-                if unit.side is not None:
-                    unit.side.drop_cleared()
+                unit.drop_cleared()  # accumulation window] (grad_state.py)
             if self.passes >= 1 and not self.backward_since_forward:
                 self.reshard_kept()
         self.backward_since_forward = False
@@ -142,29 +149,30 @@ class RunContext:
         self.phase = Phase.FORWARD
         self.order_this_pass = []
         for unit in self.units:  # the optimizer (or the user) wrote the flat shards on compute since
-            self.streams.use(Lane.COMPUTE, unit.flat_shard, "write", f"{unit.name} flat shard")
+            for group in unit.flat_groups:
+                self.streams.use(Lane.COMPUTE, group.flat_shard, "write", f"{unit.name} flat shard")
         self.sync_pieces()
 
     def sync_pieces(self) -> None:
         """Pieces that changed travel while the first units compute ([Note: optimizer state across
         replicas], across_replicas.py): every unit after a synchronised backward; otherwise those whose piece
         changed on any rank, agreed by one all-reduce of a flag per unit."""
-        units = [u for u in self.units if u.pieces is not None and u.pieces.pending is None]
-        unsure = [u for u in units if not u.pieces.dirty]
+        groups = [g for u in self.units for g in u.flat_groups if g.pieces is not None and g.pieces.pending is None]
+        unsure = [g for g in groups if not g.pieces.dirty]
         changed = set()
         if unsure:
-            group = self.root.groups.process_group
-            flags = [u.pieces.changed(u.flat_shard) for u in unsure]
+            group = self.root.flat_groups[0].groups.process_group
+            flags = [g.pieces.changed(g.flat_shard) for g in unsure]
             agreed = torch.tensor(flags, dtype=torch.int32, device=agree.collective_device(group))
             self.record(collectives.all_reduce(agreed, group, op=ReduceOp.MAX), "world", "<pieces changed>")
-            changed = {id(u) for u, flag in zip(unsure, agreed.tolist()) if flag}
-        for unit in units:
-            unit.start_piece_sync(changed=id(unit) in changed)
+            changed = {id(g) for g, flag in zip(unsure, agreed.tolist()) if flag}
+        for g in groups:
+            g.start_piece_sync(changed=id(g) in changed)
 
     def end_forward(self, completed: bool = True) -> None:
         """The root's forward returned (``completed``) or raised: record the order, free unused prefetches."""
         if completed:
-            self.checker.check(END_FORWARD, None, self.phase)
+            self.checker.check(END_FORWARD, -1, self.phase)
         else:
             self.raised = True
         self.phase = Phase.IDLE
@@ -173,7 +181,8 @@ class RunContext:
                 self._order_changed_warned = False
             self.forward_order = self.order_this_pass
         for unit in self.units:  # a forward prefetch the pass did not use: free it now
-            if unit.reshard_after_forward and not unit.is_root and unit.gathered and unit not in self.order_this_pass:
+            kept = not unit.settings.reshard_after_forward or unit.is_root or unit in self.order_this_pass
+            if not kept and unit.gathered:
                 unit.reshard()
         if not completed:  # the root too, and what the step held, at once ([Note: a step that raised])
             self.recover()
@@ -193,19 +202,15 @@ class RunContext:
     def end_of_backward(self) -> None:
         """Runs once, when the autograd engine finishes the backward pass (hooks.py queues it)."""
         try:
-            self.checker.check(END_BACKWARD, None, self.phase)
+            self.checker.check(END_BACKWARD, -1, self.phase)
             pending, self.pending_reductions = self.pending_reductions, []
             for unit in pending:  # in the order issued: the same on every rank
                 self.settle(unit)
             crossing, self.cross_node_reductions = self.cross_node_reductions, []
-            for unit in crossing:
-                unit.finish_reduction()
+            for group in crossing:
+                group.finish_reduction()
             for unit in self.units:
-                if unit.side is not None:  # [Note: parameters that gather themselves] (fsdp2/extensions.py)
-                    unit.side.reduce(unit)
-                unit.finish_backward()
-                if exposure.window_open(unit):
-                    exposure.mark_window(unit)
+                unit.end_backward()
             self.sample_memory()
             self.checker.first_step = False
         finally:
@@ -232,7 +237,7 @@ class RunContext:
     # alone leaves its peers in a collective until the group's timeout, whose error names the unit.
     # A backward that raises before it reaches any unit's hook (in a hook on the model's output or the
     # loss) sets neither flag: there is nothing in flight to put back, and an accumulation window it
-    # leaves open follows the loop's zero_grad ([Note: an open accumulation window], exposure.py).
+    # leaves open follows the loop's zero_grad ([Note: an open accumulation window], grad_state.py).
     # [Note: a forward with no backward after it]
     # What a forward leaves gathered (the root; units that do not reshard after forward) is its backward's,
     # which reshards it. A forward whose backward never reaches a unit -- it raised in a hook on the loss,
@@ -260,8 +265,8 @@ class RunContext:
         in_flight, self.pending_reductions = self.pending_reductions, []
         in_flight += self.cross_node_reductions
         self.cross_node_reductions = []
-        for unit in in_flight:
-            unit.abandon_step()
+        for group in in_flight:
+            group.abandon()
         for unit in self.units:
             unit.abandon_step()
         self.raised = self.end_of_backward_queued = False
@@ -319,32 +324,32 @@ class RunContext:
             self.settle(self.pending_reductions.pop(0))
 
     # ---- reductions across nodes ([Note: reductions in flight]) ----------------------------
-    def reduction_in_flight(self, unit: Unit) -> bool:
-        """Whether ``unit``'s reduce-scatter (or F = 1 all-reduce) is left in flight for one unit's backward."""
-        inter = unit.inter_node
-        first_crosses = inter.shard_spans if unit.groups.shard_size > 1 else inter.replicate_spans
+    def reduction_in_flight(self, group: FlatGroup) -> bool:
+        """Whether ``group``'s reduce-scatter (or F = 1 all-reduce) is left in flight for one unit's backward."""
+        inter = group.inter_node
+        first_crosses = inter.shard_spans if group.groups.shard_size > 1 else inter.replicate_spans
         return self.config.overlap_reductions or (self.config.inter_node_in_flight and first_crosses)
 
-    def settle(self, unit: Unit) -> None:
-        """``unit``'s reduction is due: finish it, except an all-reduce across nodes, which is issued and
+    def settle(self, group: FlatGroup) -> None:
+        """``group``'s reduction is due: finish it, except an all-reduce across nodes, which is issued and
         left in flight until the end of backward."""
-        if self.config.inter_node_in_flight and unit.inter_node.replicate_spans:
-            unit.advance_reduction(async_op=True)
-            self.cross_node_reductions.append(unit)
+        if self.config.inter_node_in_flight and group.inter_node.replicate_spans:
+            group.advance_reduction(async_op=True)
+            self.cross_node_reductions.append(group)
         else:
-            unit.finish_reduction()
+            group.finish_reduction()
 
-    def finish_in_flight(self, unit: Unit) -> None:
-        """Before ``unit`` reduces again in this backward (a unit whose gradient arrives twice): finish
+    def finish_in_flight(self, group: FlatGroup) -> None:
+        """Before ``group`` reduces again in this backward (a unit whose gradient arrives twice): finish
         its reduction still in flight, so the two add up."""
-        if unit in self.cross_node_reductions:
-            self.cross_node_reductions.remove(unit)
-            unit.finish_reduction()
+        if group in self.cross_node_reductions:
+            self.cross_node_reductions.remove(group)
+            group.finish_reduction()
 
-    def next_tag(self, unit: Unit) -> int:
-        """The tag of ``unit``'s next point-to-point exchange ([Note: order checks], consistency.py)."""
+    def next_tag(self, index: int) -> int:
+        """The tag of the next point-to-point exchange of the unit at ``index`` ([Note: order checks])."""
         self._exchanges = (self._exchanges + 1) % (1 << 16)
-        return exchange_tag(self._exchanges, self.checker.index.get(id(unit), 0xFFF))
+        return exchange_tag(self._exchanges, index)
 
     # ---- recorders ----------------------------------------------------------------------
     def record(self, result: CollectiveResult, group: str, unit: str, phase: Optional[Phase] = None) -> None:

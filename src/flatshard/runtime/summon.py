@@ -36,9 +36,12 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard.runtime.consistency import Phase
+from flatshard.runtime.flat_group import FlatGroup
+from flatshard.runtime.grad_state import local
 from flatshard.runtime.instrument import label
 from flatshard.runtime.layout import make_compute_views, set_views_on_modules
-from flatshard.runtime.unit import Unit, local
+from flatshard.runtime.schedule import run_context
+from flatshard.runtime.unit import Unit
 
 
 @contextlib.contextmanager
@@ -56,26 +59,28 @@ def summon(
         if unit.ctx.phase in (Phase.FORWARD, Phase.BACKWARD):
             raise RuntimeError("summon_full_params cannot be used during forward or backward; call it between steps")
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    phase = units[0].ctx.phase_scope(Phase.SUMMON) if units else contextlib.nullcontext()
+    phase = run_context(units[0]).phase_scope(Phase.SUMMON) if units else contextlib.nullcontext()
     held: list[Optional[torch.Tensor]] = []
     with label("summon_full_params"), phase:
         for unit in units:
-            full = unit.gather_owned(unit.owned)
-            grads = unit.gather_owned(_grad_shard(unit)) if with_grads else None
+            group = unit.flat_group
+            full = group.gather_owned(group.owned)
+            grads = group.gather_owned(_grad_shard(group)) if with_grads else None
             if offload_to_cpu:
                 full = full.cpu() if full.device.type != "cpu" else full
                 grads = grads.cpu() if grads is not None and grads.device.type != "cpu" else grads
             if not keep:
                 held.append(None)
                 continue
+            layout = group.layout
             params = [
                 nn.Parameter(v, requires_grad=i.requires_grad)
-                for v, i in zip(make_compute_views(unit.layout, full), unit.layout.infos)
+                for v, i in zip(make_compute_views(layout, full), layout.infos)
             ]
             if grads is not None:
-                for p, g, view in zip(params, make_compute_views(unit.layout, grads), unit.shard_views):
+                for p, g, view in zip(params, make_compute_views(layout, grads), group.shard_views):
                     p.grad = g if view.grad is not None else None
-            set_views_on_modules(unit.layout, params, as_params=True)
+            set_views_on_modules(layout, params, as_params=True)
             unit.summoned = True
             held.append(full)
     try:
@@ -85,17 +90,17 @@ def summon(
             if full is None:
                 continue
             unit.summoned = False
-            if writeback and full.untyped_storage().data_ptr() != unit.flat_shard.untyped_storage().data_ptr():
-                rank = unit.groups.shard_rank
+            group = unit.flat_group
+            if writeback and full.untyped_storage().data_ptr() != group.flat_shard.untyped_storage().data_ptr():
                 with torch.no_grad():
-                    unit.flat_shard.copy_(unit.layout.segment(full, rank))
-            set_views_on_modules(unit.layout, unit.shard_views, as_params=True)
+                    group.flat_shard.copy_(group.layout.segment(full, group.groups.shard_rank))
+            set_views_on_modules(group.layout, group.shard_views, as_params=True)
 
 
-def _grad_shard(unit: Unit) -> torch.Tensor:
+def _grad_shard(group: FlatGroup) -> torch.Tensor:
     """This rank's gradient laid out like what its shard views own (zeros where a view has no gradient)."""
-    out = torch.zeros_like(unit.owned)
-    for view, (lo, hi) in zip(unit.shard_views, unit.owner_layout.local_slices(unit.owner_rank)):
+    out = torch.zeros_like(group.owned)
+    for view, (lo, hi) in zip(group.shard_views, group.owner_layout.local_slices(group.owner_rank)):
         if view.grad is not None:
             out[lo:hi].copy_(local(view.grad).reshape(-1))
     return out

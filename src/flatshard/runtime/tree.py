@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from flatshard.runtime.unit import Unit
+from flatshard.runtime.unit import Unit
 
 WRAPPED = "_fsdp_wrapped_module"  # the FSDP1 wrapper's child: its name adds nothing to parameter names
 CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper, stripped as PyTorch FSDP does
@@ -99,8 +98,9 @@ class UnitInfo:
 
 
 def unit_info(unit: Unit) -> UnitInfo:
-    groups, layout = unit.groups, unit.layout
-    local = sum(hi - lo for lo, hi in unit.owner_layout.local_slices(unit.owner_rank))  # what the shard views hold
+    group = unit.flat_group
+    groups, layout = group.groups, group.layout
+    local = sum(hi - lo for lo, hi in group.owner_layout.local_slices(group.owner_rank))  # what the shard views hold
     return UnitInfo(
         name=unit.name,
         param_names=tuple(i.name for i in layout.infos),
@@ -118,7 +118,7 @@ def unit_info(unit: Unit) -> UnitInfo:
         replicate_rank=groups.replicate_rank,
         shard_group_ranks=_ranks(groups.shard_group),
         is_root=unit.is_root,
-        reshard_after_forward=unit.reshard_after_forward,
+        reshard_after_forward=unit.settings.reshard_after_forward,
     )
 
 
@@ -136,9 +136,9 @@ def owned_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Paramete
     step whole tensors locally: ``Muon([p for _, p in owned if p.ndim == 2])`` and ``AdamW`` for the rest.
     Each parameter is owned by exactly one rank of its shard group (every replica has its owner)."""
     units = units_under(module)
-    other = sorted({u.layout.boundaries for u in units} - {"params"})
+    other = sorted({u.flat_group.layout.boundaries for u in units} - {"params"})
     if other:
-        names = [u.name for u in units if u.layout.boundaries != "params"][:5]
+        names = [u.name for u in units if u.flat_group.layout.boundaries != "params"][:5]
         raise ValueError(
             f'owned_named_parameters needs every unit built with shard_boundaries="params"; units {names} use '
             f'{other}. Wrap with FullyShardedDataParallel(..., shard_boundaries="params"): each parameter then '

@@ -23,7 +23,7 @@ from flatshard.runtime.comm import agree
 from flatshard.runtime.comm.collectives import CollectiveResult
 from flatshard.runtime.consistency import Phase
 from flatshard.runtime.layout import ParamInfo
-from flatshard.runtime.schedule import RunContext
+from flatshard.runtime.schedule import RunContext, run_context
 from flatshard.runtime.tree import HOPS, UnitHost, unit_hosts
 from flatshard.runtime.unit import Unit
 from flatshard.state.sharded_tensors import ShardedPiece
@@ -98,7 +98,7 @@ class ModelView:
 
 def model_view(module: nn.Module, prefix: str = "") -> ModelView:
     hosts = unit_hosts(module)
-    if any(h._unit.grad_as is not None for h in hosts):
+    if any(h._unit.flat_group.wrap_grad is not None for h in hosts):
         raise NotBuiltError(
             "flatshard's state dicts and checkpoints read FullyShardedDataParallel models; fully_shard's parameters "
             "are DTensors: save and load them with torch.distributed.checkpoint (get_model_state_dict / "
@@ -109,14 +109,16 @@ def model_view(module: nn.Module, prefix: str = "") -> ModelView:
     owners = {}
     for h in hosts:
         unit = h._unit
-        rank = unit.owner_rank  # the shard views' cut: the shard group's, or pieces over all ranks (across_replicas.py)
-        layout = unit.owner_layout
+        group = unit.flat_group
+        rank = group.owner_rank  # the shard views' cut: the shard group's, or pieces over all ranks
+        layout = group.owner_layout
         for info, view, rng, loc in zip(
-            layout.infos, unit.shard_views, layout.param_ranges(rank), layout.local_slices(rank)
+            layout.infos, group.shard_views, layout.param_ranges(rank), layout.local_slices(rank)
         ):
             owners[id(view)] = (unit, info, view, rng, loc)
     out = ModelView(
-        group=hosts[0]._unit.groups.process_group if hosts else None, ctx=hosts[0]._unit.ctx if hosts else None
+        group=hosts[0]._unit.flat_group.groups.process_group if hosts else None,
+        ctx=run_context(hosts[0]._unit) if hosts else None,
     )
     _walk(module, prefix, out, owners, {})
     return out
@@ -149,12 +151,12 @@ def _walk(module: nn.Module, prefix: str, out: ModelView, owners: dict, seen: di
 
 def layout_fingerprint(unit: Unit) -> torch.Tensor:
     """What must match for a LOCAL state dict to load: F, shard rank, sizes and every name and shape."""
-    layout = unit.owner_layout
+    layout = unit.flat_group.owner_layout
     text = ";".join(f"{i.name}:{tuple(i.shape)}" for i in layout.infos)
     return torch.tensor(
         [
             layout.shard_size,
-            unit.owner_rank,
+            unit.flat_group.owner_rank,
             layout.total,
             zlib.crc32(layout.signature.encode()),
             zlib.crc32(text.encode()),
@@ -164,9 +166,9 @@ def layout_fingerprint(unit: Unit) -> torch.Tensor:
 
 
 def gather_to(unit: Unit, owned: torch.Tensor) -> torch.Tensor:
-    """``unit.gather_owned(owned)`` (a tensor laid out like ``unit.owned``: the flat shard, or its piece)
-    returned where ``owned`` lives (CPU under CPUOffload)."""
-    return unit.gather_owned(owned).to(owned.device)
+    """``FlatGroup.gather_owned(owned)`` of the unit's flat group (a tensor laid out like its ``owned``: the
+    flat shard, or its piece) returned where ``owned`` lives (CPU under CPUOffload)."""
+    return unit.flat_group.gather_owned(owned).to(owned.device)
 
 
 # ---- moving flat pieces between ranks -----------------------------------------------------------

@@ -76,7 +76,7 @@ def _full(view: ModelView, destination: dict, config: FullStateDictConfig) -> No
     keep = not config.rank0_only or agree.rank_in(view.group) == 0
     values: dict[int, torch.Tensor] = {}
     for unit in view.units:  # one unit gathered at a time
-        full = gather_to(unit, unit.owned.detach())
+        full = gather_to(unit, unit.flat_group.owned.detach())
         if keep:
             for param in view.params_of(unit):
                 i = param.info
@@ -95,7 +95,7 @@ def _plain_value(kind: EntryKind, obj, config: StateDictConfig):
 
 def _local(view: ModelView, destination: dict, config: LocalStateDictConfig) -> None:
     for prefix, host in view.hosts:
-        destination[prefix + LOCAL_SUFFIX] = _to(host._unit.owned, config)
+        destination[prefix + LOCAL_SUFFIX] = _to(host._unit.flat_group.owned, config)
         destination[prefix + LAYOUT_SUFFIX] = layout_fingerprint(host._unit)
     for kind, name, obj in view.entries:
         if kind is not EntryKind.PARAM:
@@ -242,7 +242,7 @@ def copy_into_model(view: ModelView, staged: dict[int, torch.Tensor], sd: dict) 
     for param in view.params:
         value = staged.get(id(param))
         if value is not None:
-            param.unit.owned[param.lo : param.hi].copy_(value.reshape(-1))
+            param.unit.flat_group.owned[param.lo : param.hi].copy_(value.reshape(-1))
     for kind, name, obj in view.entries:
         if kind is EntryKind.PARAM or name not in sd:
             continue

@@ -186,7 +186,7 @@ def _sharded(meta: dict, local: LocalOptimState, move, view: ModelView) -> dict:
             if d["kind"] == "piece":
                 v = mine.get(k)
                 if v is None:
-                    device = slot.unit.owned.device
+                    device = slot.unit.flat_group.owned.device
                     v = torch.zeros(slot.end - slot.start, dtype=dtype_from(d["dtype"]), device=device)
                 out[k] = sharded_tensor(slot, move(v), view.record)
             elif k in mine:
@@ -205,8 +205,8 @@ def _full(view: ModelView, local: LocalOptimState, meta: dict, keep: bool, move)
         unit_slots = [s for s in view.params_of(unit) if s.fqn in meta]
         keys = sorted({(k, d["dtype"]) for s in unit_slots for k, d in meta[s.fqn].items() if d["kind"] == "piece"})
         for key, dtype in keys:
-            size = unit.owner_layout.shard_numel_of(unit.owner_rank)
-            flat = torch.zeros(size, dtype=dtype_from(dtype), device=unit.owned.device)
+            size = unit.flat_group.owner_layout.shard_numel_of(unit.flat_group.owner_rank)
+            flat = torch.zeros(size, dtype=dtype_from(dtype), device=unit.flat_group.owned.device)
             for s in unit_slots:
                 v = local.values.get(s.fqn, {}).get(key)
                 if v is not None:

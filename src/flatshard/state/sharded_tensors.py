@@ -85,9 +85,9 @@ def box_flat_range(offsets, sizes, shape) -> Optional[tuple[int, int]]:
 def _shard_ranks(unit) -> tuple[Any, list[int]]:
     """(the ShardedTensor's process group, the global rank of each owner rank: each shard rank, or each
     piece's owner when the optimizer state is split over the replicas, across_replicas.py)."""
-    groups = unit.groups
-    if unit.pieces is not None:
-        return groups.process_group, list(unit.pieces.global_ranks)
+    groups = unit.flat_group.groups
+    if unit.flat_group.pieces is not None:
+        return groups.process_group, list(unit.flat_group.pieces.global_ranks)
     if groups.shard_size == 1:
         return groups.process_group, [dist.get_rank()]
     return groups.shard_group, dist.get_process_group_ranks(groups.shard_group)
@@ -113,7 +113,7 @@ def sharded_tensor(param: Any, flat: torch.Tensor, record: Record = None) -> Uni
     shards; so it is a whole 0-D tensor on every rank, broadcast from the rank that holds it (DCP
     writes a tensor that every rank holds once)."""
     flat = flat.reshape(-1)  # a shard view of "rows" or "params" has the parameter's ndim; its data is one run
-    shape, layout, info = list(param.info.shape), param.unit.owner_layout, param.info
+    shape, layout, info = list(param.info.shape), param.unit.flat_group.owner_layout, param.info
     index = next(i for i, x in enumerate(layout.infos) if x is info)
     group, ranks = _shard_ranks(param.unit)
     if not shape:
@@ -126,7 +126,7 @@ def sharded_tensor(param: Any, flat: torch.Tensor, record: Record = None) -> Uni
         for offsets, sizes in flat_range_boxes(start, end, shape) or _empty_box(shape):
             meta = ShardMetadata(offsets, sizes, f"rank:{global_rank}/{device}")
             metas.append(meta)
-            if shard_rank == param.unit.owner_rank:
+            if shard_rank == param.unit.flat_group.owner_rank:
                 a, b = box_flat_range(offsets, sizes, shape) if math.prod(sizes) else (param.start, param.start)
                 local.append(Shard(flat[a - param.start : b - param.start].view(sizes), meta))
     properties = TensorProperties(dtype=flat.dtype, requires_grad=False, pin_memory=flat.is_pinned())
@@ -135,7 +135,7 @@ def sharded_tensor(param: Any, flat: torch.Tensor, record: Record = None) -> Uni
 
 
 def _whole_scalar(param: Any, flat: torch.Tensor, group, ranks: list[int], record: Record) -> torch.Tensor:
-    layout = param.unit.owner_layout  # the owner rank holding the element
+    layout = param.unit.flat_group.owner_layout  # the owner rank holding the element
     index = next(i for i, x in enumerate(layout.infos) if x is param.info)
     owner = next(r for r in range(layout.shard_size) if layout.param_ranges(r)[index][1] > 0)
     if len(ranks) == 1:

@@ -37,10 +37,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flatshard.runtime import hooks
-from flatshard.runtime.layout import set_views_on_modules
 from flatshard.runtime.comm.mesh import device_of
 from flatshard.runtime.precision import resolve
-from flatshard.runtime.unit import storage_plan
+from flatshard.runtime.unit import Unit
 
 
 def has_meta_states(module: nn.Module, skip: set[nn.Module]) -> bool:
@@ -221,10 +220,11 @@ def _fresh(unit: nn.Module, by_unit: dict[nn.Module, list], real: dict[int, tupl
 # dtype.
 
 
-def adopt_materialized(unit, fqns: dict[int, str]) -> None:
+def adopt_materialized(unit: Unit, fqns: dict[int, str]) -> None:
     """Rebuild ``unit``'s storage from the parameters its modules hold now ([Note: meta parameters left
     to the user]). ``fqns``: id of a registered parameter -> its name from the root, for the error."""
-    layout, rank = unit.owner_layout, unit.owner_rank
+    group = unit.flat_group
+    layout, rank = group.owner_layout, group.owner_rank
     current = [getattr(info.uses[0][0], info.uses[0][1]) for info in layout.infos]
     still_meta = [fqns.get(id(p), info.name) for info, p in zip(layout.infos, current) if p.is_meta]
     if still_meta:
@@ -234,12 +234,8 @@ def adopt_materialized(unit, fqns: dict[int, str]) -> None:
             "(reset_parameters(), or load a state dict with assign=True) before the first forward"
         )
     device = current[0].device if current else torch.device("cpu")
-    dtype = current[0].dtype if current else unit.flat_shard.dtype
-    if dtype != unit.flat_shard.dtype:  # the model was cast (model.to(torch.float64)): the unit computes in it
-        unit.precision = resolve(unit.mixed_precision, dtype)
-        unit.plan = storage_plan(unit.groups.shard_size, unit.precision.mixed, unit.offload)
-        unit._grad_shard = None
-    flat = torch.zeros(unit.flat_shard.numel(), dtype=dtype, device=device)
+    dtype = current[0].dtype if current else group.flat_shard.dtype
+    flat = torch.zeros(group.flat_shard.numel(), dtype=dtype, device=device)
     views = []
     dims = getattr(layout, "dims", [0] * len(layout.infos))  # [Note: sharded along another dim] (chunked.py)
     for info, param, dim, (lo, hi) in zip(layout.infos, current, dims, layout.local_slices(rank)):
@@ -254,19 +250,10 @@ def adopt_materialized(unit, fqns: dict[int, str]) -> None:
             param._local_tensor = slot  # the object optimizers hold keeps working
             views.append(param)
         else:
-            old = unit.shard_views[len(views)]
+            old = group.shard_views[len(views)]
             old._local_tensor = slot
             views.append(old)
-    unit.flat_shard = flat
-    unit.compute_device = device
-    unit.unsharded = (
-        flat.data if unit.plan.aliased else torch.empty(layout.padded, dtype=unit.precision.compute, device=device)
-    )
-    if not unit.plan.aliased:
-        unit.unsharded.untyped_storage().resize_(0)
-    unit.unsharded.requires_grad_(unit.requires_grad)
-    unit._gather_target = unit.unsharded.data
-    unit.shard_views = views
-    set_views_on_modules(layout, views, as_params=True)
-    unit.post_backward_hook = None
-    hooks.register_post_backward(unit)
+    # the model was cast (model.to(torch.float64)): the unit computes in the new dtype
+    same = dtype == group.flat_shard.dtype
+    group.replace_storage(flat, views, group.precision if same else resolve(unit.settings.mixed_precision, dtype))
+    hooks.register_post_backward(unit, group)

@@ -87,7 +87,7 @@ class Placement:
 def check_no_tie_into_wrapped(placement: Placement, wrapped: Iterable[nn.Module]) -> None:
     """A parameter that a hand-wrapped unit already flattened must not be used outside that unit."""
     for inner in wrapped:
-        originals = inner._unit.originals  # id(param) -> weakref(param)
+        originals = {k: v for g in inner._unit.flat_groups for k, v in g.originals.items()}  # id -> weakref(param)
         for param, uses in placement.uses.items():
             ref = originals.get(id(param))
             if ref is not None and ref() is param:

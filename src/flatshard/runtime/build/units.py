@@ -21,16 +21,17 @@ import torch
 from torch import nn
 
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.runtime.comm import agree, collectives
 from flatshard.runtime import hooks, precision
-from flatshard.runtime.comm import int8, nodes
+from flatshard.runtime.across_replicas import Pieces
 from flatshard.runtime.build import deferred, fingerprint, optim_check
 from flatshard.runtime.build.autoshard import auto_sharding_factor
-from flatshard.runtime.chunked import ChunkedLayout
-from flatshard.runtime.layout import BOUNDARIES, FlatLayout, ParamInfo
-from flatshard.runtime.comm.mesh import ShardGroups, device_of, require_initialized, resolve_groups
-from flatshard.runtime.across_replicas import Pieces
 from flatshard.runtime.build.placement import Placement, check_no_tie_into_wrapped
+from flatshard.runtime.chunked import ChunkedLayout
+from flatshard.runtime.comm import agree, collectives, int8, nodes
+from flatshard.runtime.comm.mesh import ShardGroups, device_of, require_initialized, resolve_groups
+from flatshard.runtime.context import Link, UnitSettings
+from flatshard.runtime.flat_group import FlatGroup
+from flatshard.runtime.layout import BOUNDARIES, FlatLayout, ParamInfo
 from flatshard.runtime.schedule import RunContext, ScheduleConfig
 from flatshard.runtime.tree import UnitHost, clean_name, unit_hosts, units_under
 from flatshard.runtime.unit import Unit
@@ -163,10 +164,43 @@ def build_unit(
         )
     dtype = dtypes.pop() if dtypes else torch.float32
     device = originals[0].device if originals else torch.device("cpu")
+    layout, pieces = _layout(infos, originals, groups, options, loads, owners)
+    flat = layout.flatten({info.name: p for info, p in params}, dtype=dtype, device=device)
+    if options.sync_module_states and torch.distributed.get_world_size(groups.process_group) > 1:
+        collectives.broadcast(flat, 0, groups.process_group)
+    on_nodes = nodes.Nodes.resolve(options.ranks_per_node)
+    inter = nodes.inter_node(groups.shard_group, groups.replicate_group, on_nodes, options.compress_inter_node)
+    int8.check(options.compress_inter_node, inter, on_nodes, groups.replicate_size, device)
+    link = Link(name or "<root>")
+    settings = UnitSettings(
+        reshard_after_forward=options.strategy.reshard_after_forward,
+        strategy=options.strategy,
+        mixed_precision=options.mixed_precision,
+    )
+    group = FlatGroup(
+        link,
+        settings,
+        layout,
+        flat,
+        groups,
+        precision=precision.resolve(options.mixed_precision, dtype),
+        offload=options.offload_params,
+        pieces=pieces,
+        inter_node=inter,
+    )
+    group.originals = {id(p): weakref.ref(p) for p in originals}
+    unit = Unit(link, settings, [group])
+    RunContext([unit], unit, ScheduleConfig())  # the unit's own, until a root adopts it (become_root)
+    hooks.register_post_backward(unit, group)
+    return unit
+
+
+def _layout(infos, originals, groups: ShardGroups, options: BuildOptions, loads, owners) -> tuple:
+    """The flat layout of one unit's parameters on these groups, and its pieces across replicas (or None)."""
     pieces = None
     if options.shard_boundaries == "chunks":  # fully_shard: FSDP2's dim-0 chunks ([Note: chunked layout])
         dims = options.shard_dims or {}
-        layout = ChunkedLayout(infos, groups.shard_size, [dims.get(id(p), 0) for _, p in params])
+        layout = ChunkedLayout(infos, groups.shard_size, [dims.get(id(p), 0) for p in originals])
     elif owners is not None:  # [Note: optimizer state across replicas] (across_replicas.py)
         layout = FlatLayout(infos, groups.shard_size, "flat", replicas=groups.replicate_size)
         owner = FlatLayout(layout.infos, groups.shard_size * groups.replicate_size, "flat")
@@ -174,48 +208,24 @@ def build_unit(
         pieces = Pieces(owner, v, groups.replicate_rank, groups.replicate_size, groups.replicate_group, list(owners))
     else:
         layout = FlatLayout(infos, groups.shard_size, options.shard_boundaries, loads)
-    flat = layout.flatten({info.name: p for info, p in params}, dtype=dtype, device=device)
-    if options.sync_module_states and torch.distributed.get_world_size(groups.process_group) > 1:
-        collectives.broadcast(flat, 0, groups.process_group)
-    unit = Unit(
-        name,
-        layout,
-        flat,
-        groups,
-        reshard_after_forward=options.strategy.reshard_after_forward,
-        precision=precision.resolve(options.mixed_precision, dtype),
-        offload=options.offload_params,
-        pieces=pieces,
-    )
-    on_nodes = nodes.Nodes.resolve(options.ranks_per_node)
-    unit.inter_node = nodes.inter_node(
-        groups.shard_group, groups.replicate_group, on_nodes, options.compress_inter_node
-    )
-    int8.check(options.compress_inter_node, unit.inter_node, on_nodes, groups.replicate_size, device)
-    unit.originals = {id(p): weakref.ref(p) for p in originals}
-    unit.strategy = options.strategy
-    unit.mixed_precision = options.mixed_precision
-    hooks.register_post_backward(unit)
-    return unit
+    return layout, pieces
 
 
 def become_root(host: nn.Module, config: ScheduleConfig, mixed_precision: Optional[MixedPrecision]) -> RunContext:
     """``host`` (a front end's root, already holding its unit and module) becomes the root of every unit
     under it: one run context, shared, and each unit named by its path in the unwrapped model."""
     hosts = unit_hosts(host)
-    if len({id(h._unit.groups.process_group) for h in hosts}) > 1:
+    if len({id(g.groups.process_group) for h in hosts for g in h._unit.flat_groups}) > 1:
         raise NotBuiltError(
             "units under one root use different process groups; flatshard needs one process group per "
             "root for now. Pass the same process_group to every FullyShardedDataParallel."
         )
-    root = host._unit
-    ctx = RunContext(units_under(host), root, config)
+    for path, m in host.named_modules():  # named before the context is made: its order checks name them
+        if isinstance(m, UnitHost):
+            m._unit.name = clean_name(path) or "<root>"
+    ctx = RunContext(units_under(host), host._unit, config)  # binds every unit under the root to it
     if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
         ctx.buffer_cast = (host, mixed_precision.buffer_dtype)
-    for path, m in host.named_modules():
-        if isinstance(m, UnitHost):
-            m._unit.ctx = ctx
-            m._unit.name = clean_name(path) or "<root>"
     return ctx
 
 
