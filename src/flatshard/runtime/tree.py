@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from flatshard.runtime.unit import Unit
+from flatshard.runtime.unit import Unit
 
 WRAPPED = "_fsdp_wrapped_module"  # the FSDP1 wrapper's child: its name adds nothing to parameter names
 CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper, stripped as PyTorch FSDP does
