@@ -151,8 +151,8 @@ ENGINE, COMM, BUILD = "flatshard.runtime", "flatshard.runtime.comm", "flatshard.
 BUILD_USERS = ("flatshard.fsdp", "flatshard.fsdp2", "flatshard.testing")  # and build/ itself
 # What state/ and checkpoint/ may take from the step's scheduling modules: the hooks nothing (the
 # profiler label is runtime/instrument.py's, Phase runtime/consistency.py's), the schedule the run
-# context a model view records into.
-STATE_MAY_TAKE = {"flatshard.runtime.hooks": set(), "flatshard.runtime.schedule": {"RunContext"}}
+# context a model view records into (the class, and run_context, which reads it off a unit).
+STATE_MAY_TAKE = {"flatshard.runtime.hooks": set(), "flatshard.runtime.schedule": {"RunContext", "run_context"}}
 ALLOWED_LOCAL = {"flatshard", "flatshard.cli"}  # may import the package inside functions (lazy entry points)
 
 
