@@ -47,7 +47,7 @@ conformance: install  # PyTorch's FSDP2 tests on FSDP2 and on flatshard (tests/c
 N ?= 200
 SEED ?= 0
 fuzz: install  # differential fuzzer: N random configurations against the single-process reference and FSDP2 (a bench, not CI)
-	$(PY) bench/fuzz.py -n $(N) --seed $(SEED) --json bench/results/fuzz.json $(ARGS)
+	$(PY) -m bench.fuzz -n $(N) --seed $(SEED) --json bench/results/fuzz.json $(ARGS)
 
 .PHONY: soak
 soak: install  # restart and resume through 24 injected faults at W = 4, checked bitwise against a run without (~15 min)
