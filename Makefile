@@ -51,4 +51,4 @@ fuzz: install  # differential fuzzer: N random configurations against the single
 
 .PHONY: soak
 soak: install  # restart and resume through 24 injected faults at W = 4, checked bitwise against a run without (~15 min)
-	$(PY) bench/soak.py $(ARGS)
+	$(PY) -m bench.faults.soak $(ARGS)
