@@ -6,6 +6,7 @@ losses agree."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -131,3 +132,17 @@ def test_docs_compiled_rows_are_the_committed_run():
         assert r["flatshard/FSDP2"] <= 0.90 and r["fully_shard/FSDP2"] <= 0.90, r
         assert r["flatshard peak/FSDP2"] < 1 and r["flatshard fully_shard peak/FSDP2"] < 1, r
         assert all(a["max_rel_diff"] <= 1e-5 for a in r["agree"].values()), r["agree"]
+
+
+def test_compress_accuracy_steps_the_learning_rate_of_the_example(monkeypatch):
+    """bench/figures/compress_accuracy.py restates examples/train_gpt.py's schedule, which it cannot
+    import (train_gpt.py imports its siblings by file name, as a script does): the two agree."""
+    from bench.figures import compress_accuracy
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    spec = importlib.util.spec_from_file_location("train_gpt_under_test", ROOT / "examples" / "train_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for steps in (1, 2, 19, 40, 200):
+        for step in range(steps):
+            assert compress_accuracy.lr_at(step, steps, 3e-3) == example.lr_at(step, steps, 3e-3), (step, steps)
