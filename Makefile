@@ -34,8 +34,8 @@ clean:
 
 .PHONY: cluster
 cluster: install  # as root: an emulated 2-node cluster; calibration, measured and predicted steps; FSDP2's HSDP as users run it (docs/multi_node.md)
-	$(PY) bench/cluster.py measure $(ARGS)
-	$(PY) bench/cluster_hsdp.py
+	$(PY) -m bench.cluster measure $(ARGS)
+	$(PY) -m bench.cluster.hsdp
 
 .PHONY: conformance
 conformance: install  # PyTorch's FSDP2 tests on FSDP2 and on flatshard (tests/conformance/regenerate.py says where to get them)

@@ -17,7 +17,7 @@ Prints, and writes to ``--out`` (default bench/results/replica_faults.json):
   state (SHA-256 of each, written by every rank when it finishes).
 
 Runs are bounded (``--timeout`` each) and tear themselves down (every process by id; the namespaces by
-bench/cluster_net.py).
+bench/cluster/net.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.cluster_net import Cluster, Topology, free_ports, parse_rate, unavailable
+from bench.cluster.net import Cluster, Topology, free_ports, parse_rate, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = "bench.faults.replica_faults_worker"  # run by torchrun as a module (-m), from ROOT

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import cluster  # source_commit
+from bench.cluster.jobs import source_commit
 from bench.fuzz import config, pool, worker
 
 # words a refusal must name: what the configuration asked for that flatshard does not build
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     if args.json:
         summary = {
             "command": "python -m bench.fuzz " + " ".join(sys.argv[1:] if argv is None else argv),
-            "commit": cluster.source_commit(),
+            "commit": source_commit(),
             "configurations": len(configs),
             "pass": tally["pass"],
             "refused": tally["refused"],
