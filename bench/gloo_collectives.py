@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from flatshard import collectives
+from flatshard.runtime.comm import collectives
 
 
 def main() -> None:
