@@ -27,7 +27,7 @@ lint: install  # ruff: the formatter's check and the linter (configured in pypro
 
 .PHONY: bench
 bench: install  # flatshard vs FSDP2 vs DDP (docs/bench.md); ARGS="--quick" for a short run
-	$(PY) bench/compare.py $(ARGS)
+	$(PY) -m bench.compare $(ARGS)
 
 clean:
 	rm -rf $(VENV) src/*.egg-info

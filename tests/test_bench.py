@@ -1,4 +1,4 @@
-"""The benchmark harness (python bench/compare.py) end to end, small: a tiny GPT at W = 2, two measured
+"""The benchmark harness (python -m bench.compare) end to end, small: a tiny GPT at W = 2, two measured
 steps per system, fp32 and bf16, the compiled rows, and a tiny ablation. Checks the JSON, not the speed: every figure is
 there for every system, the peaks and bytes are positive, flatshard's collectives counted by the
 benchmark's tracker equal its own recorder's, bf16 halves the all-gather bytes, and the three systems'
@@ -32,7 +32,8 @@ def test_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [
         sys.executable,
-        str(ROOT / "bench" / "compare.py"),
+        "-m",
+        "bench.compare",
         "--sizes",
         "tiny",
         "--world",
