@@ -27,15 +27,15 @@ lint: install  # ruff: the formatter's check and the linter (configured in pypro
 
 .PHONY: bench
 bench: install  # flatshard vs FSDP2 vs DDP (docs/bench.md); ARGS="--quick" for a short run
-	$(PY) bench/compare.py $(ARGS)
+	$(PY) -m bench.compare $(ARGS)
 
 clean:
 	rm -rf $(VENV) src/*.egg-info
 
 .PHONY: cluster
 cluster: install  # as root: an emulated 2-node cluster; calibration, measured and predicted steps; FSDP2's HSDP as users run it (docs/multi_node.md)
-	$(PY) bench/cluster.py measure $(ARGS)
-	$(PY) bench/cluster_hsdp.py
+	$(PY) -m bench.cluster measure $(ARGS)
+	$(PY) -m bench.cluster.hsdp
 
 .PHONY: conformance
 conformance: install  # PyTorch's FSDP2 tests on FSDP2 and on flatshard (tests/conformance/regenerate.py says where to get them)
@@ -47,8 +47,8 @@ conformance: install  # PyTorch's FSDP2 tests on FSDP2 and on flatshard (tests/c
 N ?= 200
 SEED ?= 0
 fuzz: install  # differential fuzzer: N random configurations against the single-process reference and FSDP2 (a bench, not CI)
-	$(PY) bench/fuzz.py -n $(N) --seed $(SEED) --json bench/results/fuzz.json $(ARGS)
+	$(PY) -m bench.fuzz -n $(N) --seed $(SEED) --json bench/results/fuzz.json $(ARGS)
 
 .PHONY: soak
 soak: install  # restart and resume through 24 injected faults at W = 4, checked bitwise against a run without (~15 min)
-	$(PY) bench/soak.py $(ARGS)
+	$(PY) -m bench.faults.soak $(ARGS)

@@ -1,8 +1,8 @@
-"""flatshard against PyTorch FSDP2 and DDP, side by side: ``python bench/compare.py`` (``make bench``).
+"""flatshard against PyTorch FSDP2 and DDP, side by side: ``python -m bench.compare`` (``make bench``).
 
-    python bench/compare.py                       # 3M and 30M GPT, W = 2 and 4, fp32 and bf16, + ablation
-    python bench/compare.py --quick               # 3M only, W = 2, fewer steps (about 30 s)
-    python bench/compare.py --sizes 30M --world 2 --dtypes bf16 --steps 12 --no-ablation
+    python -m bench.compare                       # 3M and 30M GPT, W = 2 and 4, fp32 and bf16, + ablation
+    python -m bench.compare --quick               # 3M only, W = 2, fewer steps (about 30 s)
+    python -m bench.compare --sizes 30M --world 2 --dtypes bf16 --steps 12 --no-ablation
 
 For each world size W the command starts W local processes through torchrun's own machinery
 (``torch.distributed.run``, gloo on CPU, every socket on 127.0.0.1), as examples/train_gpt.py does. In the ranks,
@@ -63,7 +63,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: examples/gpt.py is the model measured
-sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "bench")]
 DEFAULT_JSON = ROOT / "bench" / "results" / "bench.json"
 QUICK_JSON = ROOT / "bench" / "results" / "quick.json"
 FP32_RTOL, BF16_RTOL, AUTOCAST_RTOL = 1e-4, 2e-2, 5e-2
@@ -81,7 +80,7 @@ ABLATION = {  # name -> flatshard keywords (FULL_SHARD unless said); the first i
 
 def load_gpt_module():
     """examples/gpt.py, the project's example model (the benchmark builds exactly that GPT)."""
-    import gpt
+    from examples import gpt
 
     return gpt
 
@@ -262,7 +261,7 @@ def build_fully_shard(gpt, cfg, bf16: bool):
 def build_fsdp2(gpt, cfg, bf16: bool):
     # PyTorch's FSDP2 is the reference the benchmark measures flatshard against; the package never
     # imports it: the builder lives in bench/fsdp2_reference.py.
-    import fsdp2_reference
+    from bench import fsdp2_reference
 
     return fsdp2_reference.build(gpt, cfg, bf16)
 
@@ -464,19 +463,20 @@ def worker(args) -> int:
 def launch(world: int, argv: list[str], out: Path) -> list[dict]:
     """Run the worker on ``world`` local ranks through torchrun's machinery, every socket of the job on
     127.0.0.1 (examples/local_launch.py); its results."""
-    from local_launch import run_local
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from examples.local_launch import run_local
 
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
     try:
-        run_local(world, str(Path(__file__).resolve()), [*argv, "--_worker", "--_out", str(out)])
+        run_local(world, "bench.compare", [*argv, "--_worker", "--_out", str(out)], module=True)
     except ChildFailedError as err:
         raise SystemExit(f"the benchmark's ranks failed at W={world} (torchrun printed why above)") from err
     return json.loads(out.read_text())
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m flatshard.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", default=["3M", "30M"], choices=["tiny", "3M", "30M"])
     p.add_argument("--world", nargs="+", type=int, default=[2, 4], help="world sizes W (local processes)")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
@@ -549,7 +549,7 @@ def main(argv=None) -> int:
     out = args.json or (QUICK_JSON if args.quick else DEFAULT_JSON)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
-        "command": "python -m flatshard.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m bench.compare " + " ".join(sys.argv[1:] if argv is None else argv),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "load_average_before": load_before,

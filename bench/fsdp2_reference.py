@@ -1,7 +1,7 @@
 """PyTorch's FSDP2, built the way the benchmark compares it with flatshard.
 
 flatshard implements FSDP and never imports PyTorch's inside its package; the benchmark
-(``python -m flatshard.bench``) loads this file from the repository, as it loads examples/gpt.py.
+(``python -m bench.compare``) and the GPU check import this module, as they import examples/gpt.py.
 """
 
 from __future__ import annotations

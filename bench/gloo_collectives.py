@@ -2,7 +2,7 @@
 reduce-scatter and all-reduce against flatshard's (comm/collectives.py: point-to-point exchanges on gloo,
 the same bytes per rank). Median of 9, rank 0's clock; the results are checked against gloo's.
 
-    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node=2 bench/gloo_collectives.py
+    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node=2 -m bench.gloo_collectives
 """
 
 import statistics
@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from flatshard import collectives
+from flatshard.runtime.comm import collectives
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Where a step's time goes: flatshard FULL_SHARD against flatshard NO_SHARD, FSDP2 and DDP, phase by phase,
 the cost of one unit's collectives alone, and torch.profiler's busiest operators for flatshard FULL_SHARD (rank 0).
 
-    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node=2 bench/profile_step.py [30M|3M] [fp32|bf16]
+    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node=2 -m bench.profile_step [30M|3M] [fp32|bf16]
 
 Each system runs interleaved steps (as the benchmark does); every step is split into forward (to the
 loss), backward and optimizer.step(), each timed on rank 0 after a barrier at the step's start; medians
@@ -16,12 +16,12 @@ import statistics
 import sys
 import time
 
-import compare as bench  # bench/compare.py, beside this file
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import flatshard
+from bench import compare
 from flatshard.runtime.comm import collectives
 
 
@@ -73,15 +73,15 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    gpt, cfg = bench.load_gpt_module(), bench.sizes()[size]
-    data = bench.load_corpus()
-    systems = bench.make_systems(gpt, cfg, bf16, 1337, None)
+    gpt, cfg = compare.load_gpt_module(), compare.sizes()[size]
+    data = compare.load_corpus()
+    systems = compare.make_systems(gpt, cfg, bf16, 1337, None)
     torch.manual_seed(1337)
-    no_shard = bench.build_flatshard(gpt, cfg, bf16, strategy="NO_SHARD")
-    systems.insert(1, bench.System("flatshard NO_SHARD", no_shard, torch.optim.AdamW(no_shard.parameters(), lr=1e-3)))
+    no_shard = compare.build_flatshard(gpt, cfg, bf16, strategy="NO_SHARD")
+    systems.insert(1, compare.System("flatshard NO_SHARD", no_shard, torch.optim.AdamW(no_shard.parameters(), lr=1e-3)))
     steps, warmup = 8, 2
     phases = {s.name: [] for s in systems}
-    for i, (x, y) in enumerate(bench.batches(data, steps, 4, cfg.block_size, rank, world, 1337)):
+    for i, (x, y) in enumerate(compare.batches(data, steps, 4, cfg.block_size, rank, world, 1337)):
         k = i % len(systems)
         for s in systems[k:] + systems[:k]:
             t = timed_step(s, x, y)
@@ -96,7 +96,7 @@ def main() -> None:
 
     collective_costs(systems[0], rank)
     flat = systems[0]
-    x, y = bench.batches(data, 1, 4, cfg.block_size, rank, world, 7)[0]
+    x, y = compare.batches(data, 1, 4, cfg.block_size, rank, world, 7)[0]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         timed_step(flat, x, y)
     if rank == 0:

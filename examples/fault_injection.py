@@ -1,4 +1,4 @@
-"""Fault injection for train_gpt.py's restart tests and bench/soak.py: TEST-ONLY machinery.
+"""Fault injection for train_gpt.py's restart tests and bench/faults/soak.py: TEST-ONLY machinery.
 
 ``--inject-fault ACTION:PHASE:step=N[:rank=R][:attempt=A]`` (repeatable) makes rank R (default 0) of
 restart attempt A (default 0; torchrun's ``TORCHELASTIC_RESTART_COUNT``) kill itself with SIGKILL

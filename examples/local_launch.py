@@ -153,10 +153,12 @@ def _environ(values: dict[str, str]):
                 os.environ[k] = v
 
 
-def run_local(nproc: int, script: str, script_args: list[str], max_restarts: int = 0) -> None:
+def run_local(nproc: int, script: str, script_args: list[str], max_restarts: int = 0, module: bool = False) -> None:
     """Run ``script`` on ``nproc`` local ranks through torchrun's machinery, every socket on loopback.
     After a rank fails, every rank is stopped and all are started again, up to ``max_restarts`` times
-    (torchrun's ``--max-restarts``; the ranks see ``TORCHELASTIC_RESTART_COUNT``).
+    (torchrun's ``--max-restarts``; the ranks see ``TORCHELASTIC_RESTART_COUNT``). With ``module=True``
+    ``script`` is a module name that each rank runs as ``python -m script`` (torchrun's ``--module``),
+    from this process's working directory.
 
     Raises torch's ChildFailedError when a rank fails with no restart left (torchrun has printed which
     and why)."""
@@ -172,6 +174,7 @@ def run_local(nproc: int, script: str, script_args: list[str], max_restarts: int
             "--nnodes=1",
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
+            *(["--module"] if module else []),
             script,
             *script_args,
         ]

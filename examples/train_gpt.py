@@ -31,7 +31,7 @@ writes them). With ``--save-every N`` it saves a checkpoint every N steps into `
 newest one, so under torchrun's ``--max-restarts`` (or this script's) a restarted job goes on by itself
 from the newest complete checkpoint, bitwise as the run without a failure goes (README, "When machines
 fail"). ``--inject-fault`` is test-only machinery (fault_injection.py) for tests/test_restart.py and
-bench/soak.py.
+bench/faults/soak.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The benchmark harness (python bench/compare.py) end to end, small: a tiny GPT at W = 2, two measured
+"""The benchmark harness (python -m bench.compare) end to end, small: a tiny GPT at W = 2, two measured
 steps per system, fp32 and bf16, the compiled rows, and a tiny ablation. Checks the JSON, not the speed: every figure is
 there for every system, the peaks and bytes are positive, flatshard's collectives counted by the
 benchmark's tracker equal its own recorder's, bf16 halves the all-gather bytes, and the three systems'
@@ -6,6 +6,7 @@ losses agree."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ def test_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [
         sys.executable,
-        str(ROOT / "bench" / "compare.py"),
+        "-m",
+        "bench.compare",
         "--sizes",
         "tiny",
         "--world",
@@ -131,3 +133,17 @@ def test_docs_compiled_rows_are_the_committed_run():
         assert r["flatshard/FSDP2"] <= 0.90 and r["fully_shard/FSDP2"] <= 0.90, r
         assert r["flatshard peak/FSDP2"] < 1 and r["flatshard fully_shard peak/FSDP2"] < 1, r
         assert all(a["max_rel_diff"] <= 1e-5 for a in r["agree"].values()), r["agree"]
+
+
+def test_compress_accuracy_steps_the_learning_rate_of_the_example(monkeypatch):
+    """bench/figures/compress_accuracy.py restates examples/train_gpt.py's schedule, which it cannot
+    import (train_gpt.py imports its siblings by file name, as a script does): the two agree."""
+    from bench.figures import compress_accuracy
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    spec = importlib.util.spec_from_file_location("train_gpt_under_test", ROOT / "examples" / "train_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for steps in (1, 2, 19, 40, 200):
+        for step in range(steps):
+            assert compress_accuracy.lr_at(step, steps, 3e-3) == example.lr_at(step, steps, 3e-3), (step, steps)

@@ -1,4 +1,4 @@
-"""The emulated cluster (bench/cluster_net.py): two network namespaces joined by a rate-limited veth pair,
+"""The emulated cluster (bench/cluster/net.py): two network namespaces joined by a rate-limited veth pair,
 one ``torchrun --nnodes=2`` job across them, and the teardown on success, timeout, Ctrl-C and after a
 crashed run. Those need root, ``ip`` and ``tc``; elsewhere they skip and say why. The last test reads the
 recorded measurements (bench/results/cluster_*.json, slow_link_*.json) and runs anywhere."""
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import cluster_net  # noqa: E402
+from bench.cluster import net as cluster_net
+from bench.cluster import predict as cluster_predict
 
+ROOT = Path(__file__).resolve().parents[1]
 WHY_NOT = cluster_net.unavailable()
 needs_cluster = pytest.mark.skipif(WHY_NOT is not None, reason=f"no emulated cluster here: {WHY_NOT}")
-SMOKE = str(ROOT / "bench" / "cluster_smoke.py")
+SMOKE = ["-m", "bench.cluster.smoke"]  # torchrun runs it as a module, from the repository root
 TIMEOUT_S = 120
 
 
@@ -39,7 +39,7 @@ def test_hybrid_job_across_the_link(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     with cluster_net.Cluster(cluster_net.Topology(nodes=2, nproc=2, rate_bits=200 * 10**6)) as cluster:
-        job = cluster.run([SMOKE, "--out", str(out), "--steps", "4"], TIMEOUT_S, tmp_path / "logs")
+        job = cluster.run([*SMOKE, "--out", str(out), "--steps", "4"], TIMEOUT_S, tmp_path / "logs")
         assert job.ok, job.tails()
         qdiscs = cluster.qdiscs()
     assert ours(os.getpid()) == []
@@ -73,7 +73,7 @@ def _mean_losses(ranks: list[dict]) -> list[float]:
 def test_timeout_stops_the_job_and_the_links_go(tmp_path):
     started = time.monotonic()
     with cluster_net.Cluster(cluster_net.Topology(nodes=2, nproc=1, rate_bits=10**9)) as cluster:
-        job = cluster.run([SMOKE, "--sleep", "120"], 3, tmp_path / "logs")
+        job = cluster.run([*SMOKE, "--sleep", "120"], 3, tmp_path / "logs")
         left = [cluster_net._sh("ip", "netns", "pids", ns).stdout.split() for ns in cluster.nodes]
     assert job.timed_out and not job.ok and job.codes == [None, None]
     assert left == [[], []], left  # every process of the job was stopped before the namespaces went
@@ -83,9 +83,9 @@ def test_timeout_stops_the_job_and_the_links_go(tmp_path):
 
 @needs_cluster
 def test_ctrl_c_tears_down(tmp_path):
-    """SIGINT to ``bench/cluster.py run`` while the job runs: it exits, and its namespaces are gone."""
-    cmd = [sys.executable, str(ROOT / "bench" / "cluster.py"), "run", "--nodes", "2", "--nproc", "1"]
-    cmd += ["--log-dir", str(tmp_path), "--", SMOKE, "--sleep", "120"]
+    """SIGINT to ``python -m bench.cluster run`` while the job runs: it exits, and its namespaces are gone."""
+    cmd = [sys.executable, "-m", "bench.cluster", "run", "--nodes", "2", "--nproc", "1"]
+    cmd += ["--log-dir", str(tmp_path), "--", *SMOKE, "--sleep", "120"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -121,8 +121,6 @@ def test_link_model_counts_the_bytes_that_crossed(rate, kind):
     """The planner's bytes crossing a node's link per step (``CommEstimate.node_link``, flatshard's direct
     exchange on gloo) equal what the kernel counted on the link in the recorded runs (for every exact
     system: the payload, plus at most 6% of headers); counted as NCCL's ring crosses, FULL_SHARD's would not."""
-    import cluster_predict
-
     prediction = cluster_predict.committed(rate, kind)
     for name, row in prediction["rows"].items():
         if "int8" in name:

@@ -1,15 +1,14 @@
-"""docs/multi_node.md's "FSDP2's HSDP as a user runs it" against the committed bench/cluster_hsdp.py runs:
+"""docs/multi_node.md's "FSDP2's HSDP as a user runs it" against the committed bench/cluster/hsdp.py runs:
 its tables are the files' tables, and each sentence of "What the figures say" holds for every run."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench.cluster import hsdp as cluster_hsdp
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import cluster_hsdp  # noqa: E402
 
 FILES = ("cluster_hsdp.json", "cluster_hsdp_30M.json")
 HSDP = cluster_hsdp.USER_HSDP

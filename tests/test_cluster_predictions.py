@@ -1,5 +1,5 @@
 """The planner against the committed measurements of the emulated cluster (docs/multi_node.md), offline:
-bench/cluster_predict.py recomputes every prediction from a committed run's calibration with today's
+bench/cluster/predict.py recomputes every prediction from a committed run's calibration with today's
 planner, and the verdicts of issue 15 are asserted here (no root, no network: the figures are in the
 JSONs). cluster_<rate>.json has its own link calibration (the engine as of 1cb07e0, in flight on);
 slow_link_<rate>.json ran in flight off and on, with the links of cluster_<rate>.json and its own compute
@@ -8,13 +8,11 @@ figures."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import cluster_predict  # noqa: E402
+from bench.cluster import predict as cluster_predict
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = [(k, r) for k in ("cluster", "slow_link") for r in ("1gbit", "200mbit")]
@@ -74,7 +72,7 @@ def test_every_prediction_within_25_percent_but_the_known_misses(run):
 
 
 def _counts() -> tuple[int, int]:
-    """(within 25%, judged) over every committed run: what bench/cluster_predict.py's verdicts add up to."""
+    """(within 25%, judged) over every committed run: what bench/cluster/predict.py's verdicts add up to."""
     within = judged = 0
     for kind, rate in RUNS:
         verdict = cluster_predict.committed(rate, kind)["verdicts"]["within_25_percent"]
@@ -151,7 +149,7 @@ def test_the_table_and_summary_print(capsys):
 
 @pytest.mark.parametrize("rate", ["1gbit", "200mbit"])
 def test_the_optimizer_across_replicas_is_predicted_by_its_plan(rate):
-    """bench/slow_link.py's "flatshard HYBRID_SHARD F=2, optimizer across replicas" in the committed runs:
+    """bench/cluster/slow_link.py's "flatshard HYBRID_SHARD F=2, optimizer across replicas" in the committed runs:
     predicted by the planner's "+OptR" plan, judged with flatshard's systems, printed in the table; the same
     bytes cross the link as HYBRID_SHARD's, measured and planned."""
     import json

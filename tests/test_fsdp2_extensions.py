@@ -9,8 +9,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +16,8 @@ from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.testing._internal.two_tensor import TwoTensor
 
+from bench.fuzz.gathers import GathersItself  # the fuzzer's wrapper subclass
 from tests.dist import raised, run_distributed
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from fuzz_gathers import GathersItself  # noqa: E402 - the fuzzer's wrapper subclass
 
 
 # ---- two extensions: each inner tensor gathered (TwoTensor), and a bf16 gather of an fp32 weight --------
@@ -50,7 +46,7 @@ def _two_post(self, outputs, metadata, param_dtype, *, out=None):  # noqa: ARG00
 
 class Bf16Gathered(GathersItself):
     """An fp32 weight that is all-gathered in bf16 and computes in fp32 (what float8 training does with
-    another dtype): bench/fuzz_gathers.py's wrapper subclass, with another gather."""
+    another dtype): bench/fuzz/gathers.py's wrapper subclass, with another gather."""
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # noqa: ARG002
         rows = -(-outer_size[0] // mesh.size())

@@ -1,4 +1,4 @@
-"""The differential fuzzer (bench/fuzz.py, ``make fuzz``) on a fixed handful of its configurations: each
+"""The differential fuzzer (bench/fuzz/, ``make fuzz``) on a fixed handful of its configurations: each
 trains beside the single-process reference on the global batch (and PyTorch's FSDP2 for ``fully_shard``)
 and must match it every step. The configurations are pinned by (master seed, index); the first test
 checks that they still cover what they were chosen for (both front ends, W = 3, a hybrid strategy, an
@@ -15,11 +15,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from bench.fuzz import config as fuzz_config
 from tests.dist import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import fuzz_config  # noqa: E402
 
 SEED = 0
 INDICES = [7, 22, 26, 29, 62, 68, 90, 170]
@@ -41,12 +40,12 @@ def test_the_pinned_configurations_cover_what_they_were_chosen_for():
     assert any(c.get("tp") and c["W"] == 4 for c in configs)  # FSDP over tensor parallelism, 2 x 2
     # a non-finite loss skipped mid-window (no backward, zero_grad): index 62 failed before 6266398/44afb31
     assert any(e["kind"] == "skip" and c["accum"] > 1 for c in configs for e in c["events"])
-    assert any(c.get("gathers_itself") for c in configs)  # FSDP2's all-gather extension (fuzz_gathers.py)
+    assert any(c.get("gathers_itself") for c in configs)  # FSDP2's all-gather extension (bench/fuzz/gathers.py)
 
 
 def test_pinned_configurations_match_the_reference_every_step():
-    cmd = [sys.executable, str(ROOT / "bench" / "fuzz.py"), "--seed", str(SEED), "--index", *map(str, INDICES)]
-    log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/fuzz.py")
+    cmd = [sys.executable, "-m", "bench.fuzz", "--seed", str(SEED), "--index", *map(str, INDICES)]
+    log = run_launcher(cmd, ROOT, TIMEOUT_S, "python -m bench.fuzz")
     assert f"{'configurations':34s} {len(INDICES):6d}" in log, log[-3000:]
     assert f"{'pass':34s} {len(INDICES):6d}" in log, log[-3000:]
 
@@ -110,7 +109,7 @@ def test_a_window_zeroed_in_place_leaves_zero_gradients():
 
 
 def _rerun(seed: int, indices: list[int]) -> None:
-    """``bench/fuzz.py --seed S --index ...`` passes every one of ``indices``."""
-    cmd = [sys.executable, str(ROOT / "bench" / "fuzz.py"), "--seed", str(seed), "--index", *map(str, indices)]
-    log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/fuzz.py")
+    """``python -m bench.fuzz --seed S --index ...`` passes every one of ``indices``."""
+    cmd = [sys.executable, "-m", "bench.fuzz", "--seed", str(seed), "--index", *map(str, indices)]
+    log = run_launcher(cmd, ROOT, TIMEOUT_S, "python -m bench.fuzz")
     assert f"{'pass':34s} {len(indices):6d}" in log, log[-3000:]

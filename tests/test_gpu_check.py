@@ -1,4 +1,4 @@
-"""bench/gpu_check.sh --cpu, the GPU check's dry run: launched as on the GPU machine (torchrun, here 2 gloo
+"""bench/gpu/check.sh --cpu, the GPU check's dry run: launched as on the GPU machine (torchrun, here 2 gloo
 ranks), it passes every check that runs on CPU and reports the CUDA-only ones as not run, never passed."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
     out = tmp_path / "gpu_check.json"
     monkeypatch.setenv("PYTHON", sys.executable)  # the script runs on this interpreter's torch
     # the compiled comparison compiles three systems (about a minute cold): tests/test_compile.py covers it
-    cmd = ["bash", "bench/gpu_check.sh", "--cpu", "--steps", "2", "--sizes-mib", "1,4", "--json", str(out)]
+    cmd = ["bash", "bench/gpu/check.sh", "--cpu", "--steps", "2", "--sizes-mib", "1,4", "--json", str(out)]
     cmd += ["--skip", "fronts_compiled"]
-    log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/gpu_check.sh --cpu")
+    log = run_launcher(cmd, ROOT, TIMEOUT_S, "bench/gpu/check.sh --cpu")
     report = json.loads(out.read_text())
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {

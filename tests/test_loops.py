@@ -511,7 +511,7 @@ def test_fp16_reductions_over_many_ranks_do_not_overflow(front):
     assert run_distributed(fp16_reduce_worker, 4, front, timeout=120) == [True] * 4
 
 
-# ---- found by the fuzzer (bench/fuzz.py) ----------------------------------------------------------------------
+# ---- found by the fuzzer (python -m bench.fuzz) ----------------------------------------------------------------
 class Scale(nn.Module):
     """A gain and a bias read by element-wise products: autograd saves the operands by whether they need a
     gradient, so a recomputation must see the parameters as the forward did."""

@@ -10,9 +10,9 @@ import subprocess
 import sys
 import uuid
 
+from bench.cluster.net import free_ports
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "bench"))
-from cluster_net import free_ports  # noqa: E402
 
 
 def test_two_node_torchrun_hybrid(tmp_path):

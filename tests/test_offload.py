@@ -4,7 +4,7 @@ This machine has no accelerator, so the offload path runs here with CPU as the c
 (``flatshard.testing.offload_on_cpu()``): the flat shards are then separate tensors, copied before every
 gather and copied back after every reduction, exactly as with a CUDA compute device, where they are
 also pinned. Results must be bitwise those of the same run without offload, at F = W and at F = 1
-(where without offload the flat shard is used in place). bench/gpu_check.sh checks the CUDA case."""
+(where without offload the flat shard is used in place). bench/gpu/check.sh checks the CUDA case."""
 
 from __future__ import annotations
 

@@ -942,7 +942,7 @@ def test_params_boundaries_of_a_preset_through_the_cli(capsys):
     params = cli_plan(doc, "FULL_SHARD", 8)
     m, f = params["memory_bytes"], flat["memory_bytes"]
     assert m["steady_min"] < f["steady"] == f["steady_min"] < m["steady"]  # whole matrices: uneven ranks
-    assert m["steady"] / m["steady_min"] == pytest.approx(1.157, abs=1e-3)  # bench/boundaries.py's imbalance
+    assert m["steady"] / m["steady_min"] == pytest.approx(1.157, abs=1e-3)  # bench/figures/boundaries.py's imbalance
     # each layer's largest shard is a whole 11008 x 4096 matrix, more than its flat shard of T/8
     assert params["comm_bytes_per_step"]["all_gather"] > 1.5 * flat["comm_bytes_per_step"]["all_gather"]
     assert plan_main(argv + ["--shard-boundaries", "params"]) == 0

@@ -2,24 +2,20 @@
 localhost, each group its own torchrun job (FULL_SHARD inside it), one rank of group 0 SIGKILLed after
 step 5. Group 1 goes on alone; torchrun restarts group 0, which fetches the parameters and optimizer state
 from group 1 over the network and rejoins at a step boundary; afterwards rank k of both groups holds
-bitwise the same parameters and optimizer state. bench/replica_faults.py runs the same on the emulated
+bitwise the same parameters and optimizer state. bench/faults/replica_faults.py runs the same on the emulated
 cluster for 200 steps with a kill every 20.
 
 Needs torchft (the ``ft`` extra, in the ``test`` extra too); skips and says so without it."""
 
 from __future__ import annotations
 
-import sys
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchft", reason="flatshard.ft needs torchft: pip install 'flatshard[ft]'")
+from bench.faults import replica_faults
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import replica_faults  # noqa: E402
+pytest.importorskip("torchft", reason="flatshard.ft needs torchft: pip install 'flatshard[ft]'")
 
 ARGS = dict(
     groups=2, nproc=2, steps=40, kill_every=5, settle=0, last_kill_margin=0, preset="tiny", batch=4, lr=1e-2,

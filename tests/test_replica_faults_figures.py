@@ -5,12 +5,11 @@ each no-failure control and out of it by less; bitwise-equal replicas at the end
 
 import json
 import re
-import sys
 from pathlib import Path
 
+from bench.faults import replica_faults
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import replica_faults  # noqa: E402
 
 RESULT = json.loads((ROOT / "bench" / "results" / "replica_faults.json").read_text())
 

@@ -11,7 +11,7 @@
    fault, resume each time from the newest committed checkpoint, report every step's loss (recomputed
    steps too) equal to the uninterrupted run's to the bit, end with a final checkpoint whose rank files
    are byte-identical to its, and leave exactly keep_last checkpoints, verified, and no orphan file
-   (bench/soak.py's checks, which the soak runs at W = 4 with many more faults). After the SIGSTOP, rank 0
+   (bench/faults/soak.py's checks, which the soak runs at W = 4 with many more faults). After the SIGSTOP, rank 0
    must fail with an error naming itself, the unit and the phase within the collective timeout (10 s
    here, ``--collective-timeout``) + 30 s; torchrun's agent then waits 30 s for the stopped rank to
    obey SIGTERM before it kills it and restarts both.
@@ -23,13 +23,13 @@ import importlib.util
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from bench.faults import soak
 from tests.dist import run_distributed
 from tests.test_checkpoint import KIND, _error
 from tests.test_parity import build, make_optimizer
@@ -141,15 +141,7 @@ def test_checkpointer_restores_model_optimizer_rngs_and_loader_bitwise(tmp_path)
 
 
 # ---------------------------------------------------------------- 2. train_gpt.py under torchrun restarts
-def _soak():
-    spec = importlib.util.spec_from_file_location("soak_under_test", ROOT / "bench" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
-
-soak = _soak()
 fault_injection = soak.fault_injection
 RUN = {"world": 2, "strategy": "FULL_SHARD", "steps": 14, "save_every": 3, "keep_last": 2, "timeout_s": 10}
 KILLS = [  # one per attempt, at increasing steps; every kind of point but the ones after the commit

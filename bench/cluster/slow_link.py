@@ -1,10 +1,10 @@
 """The slow link kept busy and short: flatshard's settings for traffic between nodes, measured on the
-emulated cluster (2 nodes x 2 ranks, as root; bench/cluster_net.py).
+emulated cluster (2 nodes x 2 ranks, as root; bench/cluster/net.py).
 
-    python bench/slow_link.py                               # 1gbit and 200mbit, 3M GPT, 8 steps (about 6 min)
-    python bench/slow_link.py --rates 1gbit --steps 4 --size tiny
+    python -m bench.cluster.slow_link                       # 1gbit and 200mbit, 3M GPT, 8 steps (about 6 min)
+    python -m bench.cluster.slow_link --rates 1gbit --steps 4 --size tiny
 
-At each rate, one job (bench/cluster_worker.py --set link) runs interleaved, step after step: flatshard
+At each rate, one job (bench/cluster/worker.py --set link) runs interleaved, step after step: flatshard
 HYBRID_SHARD (F = ranks per node), FULL_SHARD and NO_SHARD, each with ``inter_node_in_flight=False``
 (every reduction finished before the next unit computes: the engine before this setting), with the
 default (what crosses nodes left in flight) and with ``compress_inter_node="int8"`` too (not NO_SHARD);
@@ -26,10 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cluster  # noqa: E402
-import cluster_net  # noqa: E402
-import torch  # noqa: E402
+import torch
+
+from bench.cluster import jobs, net
 
 FLOOR = "no communication"
 
@@ -37,11 +36,11 @@ FLOOR = "no communication"
 def measure(rate: str, args, tmp: Path) -> dict:
     worker = ["--set", "link", "--size", args.size]
     worker += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
-    job = cluster.run_worker(worker, rate, args.timeout, tmp, rate)
+    job = jobs.run_worker(worker, rate, args.timeout, tmp, rate)
     return {
         "rate": rate,
-        "command": "python bench/slow_link.py " + " ".join(args.argv),
-        "commit": cluster.source_commit(),
+        "command": "python -m bench.cluster.slow_link " + " ".join(args.argv),
+        "commit": jobs.source_commit(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "load_average_before": job["load_average_before"],
@@ -107,14 +106,14 @@ def print_report(report: dict) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python bench/slow_link.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.cluster.slow_link", description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", nargs="+", default=["1gbit", "200mbit"])
     p.add_argument("--size", default="3M", choices=["tiny", "3M", "30M"], help="bench/compare.py's GPT sizes")
     p.add_argument("--steps", type=int, default=8, help="measured steps per system (after the warmup)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a job is stopped")
-    p.add_argument("--json-dir", type=Path, default=cluster.RESULTS, help="where slow_link_<rate>.json goes")
+    p.add_argument("--json-dir", type=Path, default=jobs.RESULTS, help="where slow_link_<rate>.json goes")
     args = p.parse_args(argv)
     args.argv = argv
     return args
@@ -136,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 if any(r["losses_max_rel_diff"] != 0 for r in same):
                     print("in flight changed the losses: it must not", file=sys.stderr)
                     status = 1
-    except cluster_net.ClusterError as err:
+    except net.ClusterError as err:
         print(f"slow_link: {err}", file=sys.stderr)
         return 2
     return status

@@ -1,4 +1,4 @@
-"""The fuzzer's models (bench/fuzz.py): a root and a list of blocks drawn from small kinds, each kind
+"""The fuzzer's models (bench/fuzz/): a root and a list of blocks drawn from small kinds, each kind
 bringing one thing an FSDP engine must get right.
 
     mlp        Linear(d, h) -> tanh -> Linear(h, d), residual; h odd (padding at every world size)

@@ -1,4 +1,4 @@
-"""The GPU check's comparisons with PyTorch's FSDP2 (bench/gpu_check.py runs them):
+"""The GPU check's comparisons with PyTorch's FSDP2 (bench/gpu/check.py runs them):
 
   fronts_eager     flatshard's FSDP1 wrapper, flatshard's fully_shard and PyTorch's FSDP2 on the same GPT,
                    same batches: losses agree (fp32: 1e-4 relative), step time each, ratios to FSDP2
@@ -14,22 +14,17 @@ On the GPU the model is examples/gpt.py's 30M GPT; in the CPU dry run the tiny o
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "bench")]
 
 SYSTEMS = ("flatshard", "flatshard fully_shard", "FSDP2")
 FP32_RTOL, COMPILED_RTOL = 1e-4, 2e-3
 
 
 def _config(cuda: bool):
-    import gpt
+    from examples import gpt
 
     if cuda:
         return gpt, gpt.GPTConfig(layers=6, dim=640, heads=10, block_size=64)
@@ -38,9 +33,8 @@ def _config(cuda: bool):
 
 def _build(system: str, compiled: bool, device: torch.device, cuda: bool):
     """One system on ``device``, from seed 0 (the same initial weights for all)."""
-    import fsdp2_reference
-
     import flatshard
+    from bench import fsdp2_reference
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard.wrap import ModuleWrapPolicy
 

@@ -1,4 +1,4 @@
-"""The calibration of ``make cluster``, run in the ranks by bench/cluster_worker.py before the systems.
+"""The calibration of ``make cluster``, run in the ranks by bench/cluster/worker.py before the systems.
 
 [Note: cluster calibration]
 Link classes are measured as bytes/s per direction. Latency alpha is the median time of a 4-byte
@@ -23,7 +23,7 @@ Then the collectives themselves, one Block unit's worth of fp32 (what one unit m
 once, each the way flatshard issues it on gloo: the all-gather as one round of point-to-point sends to
 every peer of the group, the reduce-scatter as n - 1 rounds (peer r+k in round k), and the all-reduce
 as gloo's own ``all_reduce`` over the group. These are set beside the planner's time for the same
-collective (bench/cluster_predict.py), so a miss of a step prediction can be traced to a collective.
+collective (bench/cluster/predict.py), so a miss of a step prediction can be traced to a collective.
 """
 
 from __future__ import annotations

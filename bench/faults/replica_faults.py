@@ -2,9 +2,9 @@
 inside each, the replica dimension on torchft through ``flatshard.ft``), one rank of a group killed
 every ``--kill-every`` steps, the killed group restarted by its torchrun and healed from a live peer.
 
-    python bench/replica_faults.py                 # as root: the emulated cluster (one namespace per group)
-    python bench/replica_faults.py --local         # the same on this machine's loopback, no root
-    python bench/replica_faults.py --local --seeds 0 --steps 40 --kill-every 15      # a quick look
+    python -m bench.faults.replica_faults          # as root: the emulated cluster (one namespace per group)
+    python -m bench.faults.replica_faults --local  # the same on this machine's loopback, no root
+    python -m bench.faults.replica_faults --local --seeds 0 --steps 40 --kill-every 15   # a quick look
 
 Prints, and writes to ``--out`` (default bench/results/replica_faults.json):
 * every kill: the step and group, how many steps later and how many seconds later the group was back
@@ -17,7 +17,7 @@ Prints, and writes to ``--out`` (default bench/results/replica_faults.json):
   state (SHA-256 of each, written by every rank when it finishes).
 
 Runs are bounded (``--timeout`` each) and tear themselves down (every process by id; the namespaces by
-bench/cluster_net.py).
+bench/cluster/net.py).
 """
 
 from __future__ import annotations
@@ -34,12 +34,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.cluster.net import Cluster, Topology, free_ports, parse_rate, unavailable
 
-from cluster_net import Cluster, Topology, free_ports, parse_rate, unavailable  # noqa: E402
-
-WORKER = ROOT / "bench" / "replica_faults_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = "bench.faults.replica_faults_worker"  # run by torchrun as a module (-m), from ROOT
 SMOOTH = 10
 
 
@@ -115,7 +113,7 @@ def run_once(nodes: list[Node], args, seed: int, kills: int, log_dir: Path) -> d
                 sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
                 f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={rdzv}", "--rdzv-conf=is_host=1", f"--local-addr={node.address}",
-                str(WORKER), "--steps", str(args.steps), "--seed", str(seed), "--preset", args.preset,
+                "-m", WORKER, "--steps", str(args.steps), "--seed", str(seed), "--preset", args.preset,
                 "--batch", str(args.batch), "--lr", str(args.lr), "--lighthouse", f"http://{nodes[0].address}:{lh_port}",
                 "--replica-id", f"g{g}", "--hostname", node.address, "--log-dir", str(log_dir),
                 "--step-sleep", str(args.step_sleep), "--timeout", str(args.collective_timeout),

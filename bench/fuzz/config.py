@@ -1,4 +1,4 @@
-"""The fuzzer's configurations (bench/fuzz.py): ``draw(seed, index)`` is configuration ``index`` of the
+"""The fuzzer's configurations (bench/fuzz/): ``draw(seed, index)`` is configuration ``index`` of the
 master seed ``seed``, drawn from a generator of its own (so any one can be rerun alone), as a JSON-able
 dict; ``--config`` takes the same dict back. Every knob is drawn where flatshard builds it; combinations
 it refuses by design (NotBuiltError, ValueError) are not drawn, and one that is refused anyway is counted
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from fuzz_models import module_names, trainable_names
+from bench.fuzz.models import module_names, trainable_names
 
 KINDS = ["mlp", "scale", "empty", "container", "buffer", "twice", "frozen"]
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
@@ -78,7 +78,7 @@ def _fully_shard(rng: random.Random, world: int, cfg: dict) -> None:
         # the data-parallel ranks: a 1-D mesh, or HSDP's (replicate, shard) of 2 ranks beside TP
         cfg["F"] = world // 2 if cfg["mesh"] != "2d" else tp.choice([1, 2])
         cfg["reshard_after_forward"] = [a if a in (True, False) else True for a in cfg["reshard_after_forward"]]
-    # MLP weights that gather themselves ([Note: parameters that gather themselves], bench/fuzz_gathers.py):
+    # MLP weights that gather themselves ([Note: parameters that gather themselves], bench/fuzz/gathers.py):
     # not beside TP (a DTensor parameter) or shard_placement_fn's other dims (refused by design); its own generator
     own = random.Random(f"flatshard-fuzz/{cfg['seed']}/{cfg['index']}/gathers_itself")
     weights = [n for n in trainable_names(cfg["model"]) if n.endswith(("fc1.weight", "fc2.weight"))]

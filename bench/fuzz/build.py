@@ -1,10 +1,10 @@
-"""Building one configuration of the fuzzer (bench/fuzz.py) inside a rank: the wrapped model (the FSDP1
+"""Building one configuration of the fuzzer (bench/fuzz/) inside a rank: the wrapped model (the FSDP1
 wrapper or ``fully_shard``), PyTorch's FSDP2 beside a ``fully_shard`` one, and the optimizers.
 
 Meshes are made once per process and shape: ``init_device_mesh`` makes gloo groups (collective, every rank
 in the same order), and a pool's ranks run hundreds of configurations, each idle group slowing every
 collective a little. ``sharding_factor=F`` and the FSDP1 wrapper's own groups are made per configuration,
-as a user's script would; the pool is replaced once a rank holds too many (fuzz_pool.py).
+as a user's script would; the pool is replaced once a rank holds too many (pool.py).
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from __future__ import annotations
 import functools
 import os
 
-import fuzz_gathers
 import torch
 import torch.distributed as dist
-from fuzz_models import BLOCKS, Root, make_model, unit_modules
 from torch import nn
+
+from bench.fuzz import gathers
+from bench.fuzz.models import BLOCKS, Root, make_model, unit_modules
 
 _MESHES: dict[tuple, object] = {}
 
@@ -48,8 +49,9 @@ def tp_meshes(cfg: dict, world: int):
 def _parallelize(model: nn.Module, tp_mesh) -> None:
     """Every MLP block's fc1 column-wise (its DTensor output kept: the hidden width need not divide by the TP
     size) and fc2 row-wise, PyTorch's tensor-parallel styles."""
-    from fuzz_models import MLPBlock
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from bench.fuzz.models import MLPBlock
 
     for block in [m for m in model.modules() if isinstance(m, MLPBlock)]:
         parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(use_local_output=False), "fc2": RowwiseParallel()})
@@ -197,7 +199,7 @@ def build_models(cfg: dict, world: int, phase: str = "A"):
     ref = make_model(spec, seed)
     ours = make_model(spec, seed)
     for model in (ref, ours):
-        fuzz_gathers.convert(model, cfg.get("gathers_itself", []))
+        gathers.convert(model, cfg.get("gathers_itself", []))
     modules = {"ref": dict(ref.named_modules()), "ours": dict(ours.named_modules())}
     ref.checkpointed = act == "inside"
     if act in ("apply_before", "apply_after"):
@@ -209,7 +211,7 @@ def build_models(cfg: dict, world: int, phase: str = "A"):
     theirs = None
     if cfg.get("fsdp2"):
         theirs = make_model(spec, seed)
-        fuzz_gathers.convert(theirs, cfg.get("gathers_itself", []))
+        gathers.convert(theirs, cfg.get("gathers_itself", []))
         modules["theirs"] = dict(theirs.named_modules())
         try:
             theirs = wrap_fully_shard(theirs, cfg, world, torch_fsdp2=True)

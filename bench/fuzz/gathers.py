@@ -1,4 +1,4 @@
-"""Parameters that gather themselves in the fuzzer (bench/fuzz.py): chosen MLP weights of a ``fully_shard``
+"""Parameters that gather themselves in the fuzzer (bench/fuzz/): chosen MLP weights of a ``fully_shard``
 configuration become ``GathersItself``, a tensor subclass whose ``fsdp_pre_all_gather`` /
 ``fsdp_post_all_gather`` (FSDP2's all-gather extension) gather it in its own dtype, padded as FSDP2 asks.
 Its arithmetic is its data's, so the reference (the same subclass, unsharded), PyTorch's FSDP2 and

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check in one command (bench/gpu_check.py says what it checks and where the JSON goes):
-#   bash bench/gpu_check.sh           CUDA and NCCL, one rank per visible GPU
-#   bash bench/gpu_check.sh --cpu     dry run on CPU: gloo, 2 ranks, CUDA hidden
+# The GPU check in one command (bench/gpu/check.py says what it checks and where the JSON goes):
+#   bash bench/gpu/check.sh           CUDA and NCCL, one rank per visible GPU
+#   bash bench/gpu/check.sh --cpu     dry run on CPU: gloo, 2 ranks, CUDA hidden
 # Other arguments go to the script (--steps N, --sizes-mib 64,256, --json PATH).
 # Python: $PYTHON if set; else the first of .venv/bin/python and python3 whose torch serves the mode
 # (sees a GPU, unless --cpu); else a venv in build/gpu_check_venv with `pip install -e .` (made once).
@@ -9,7 +9,7 @@
 # lent GPU, compiling included); the JSON is written
 # after each check, so a hang keeps the results before it.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root: the ranks run -m bench.gpu.check from it
 
 mode=cuda
 for arg in "$@"; do
@@ -46,4 +46,4 @@ echo "using $(command -v "$py") (Python $("$py" -c 'import platform; print(platf
 
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-540}" \
-    "$py" -m torch.distributed.run --standalone --nproc-per-node="$nproc" bench/gpu_check.py "$@"
+    "$py" -m torch.distributed.run --standalone --nproc-per-node="$nproc" -m bench.gpu.check "$@"

@@ -1,7 +1,7 @@
 """What shard_boundaries cost in balance: per-rank bytes and imbalance of "flat", "rows" and "params".
 
-    python bench/boundaries.py                      # the example GPT (examples/gpt.py "small") and llama-7b
-    python bench/boundaries.py --json bench/results/boundaries.json
+    python -m bench.figures.boundaries              # the example GPT (examples/gpt.py "small") and llama-7b
+    python -m bench.figures.boundaries --json bench/results/boundaries.json
 
 Pure arithmetic on the layouts flatshard builds (``flatshard.runtime.layout.FlatLayout``, the class the
 engine uses), one unit per transformer block plus the root, fp32 parameters: for each world size F and
@@ -24,9 +24,6 @@ import torch
 from flatshard.planner import preset
 from flatshard.runtime.layout import FlatLayout, ParamInfo
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-
 MODES = ("flat", "rows", "params")
 
 
@@ -41,7 +38,7 @@ def _infos(named_shapes: list[tuple[str, tuple[int, ...]]]) -> list[ParamInfo]:
 
 def example_gpt_units() -> list[list[ParamInfo]]:
     """examples/gpt.py's GPT ("small"), built on the meta device: one unit per Block, and the root."""
-    from gpt import GPT, PRESETS, Block
+    from examples.gpt import GPT, PRESETS, Block
 
     with torch.device("meta"):
         model = GPT(PRESETS["small"])

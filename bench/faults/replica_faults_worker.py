@@ -1,12 +1,13 @@
 """One rank of one replica group, under torchrun (one torchrun job per group, ``--max-restarts``):
 flatshard FULL_SHARD over the group's own ranks (NO_SHARD when the group is one rank), the replica
-dimension on torchft through ``flatshard.ft``. bench/replica_faults.py starts it; it reads top to bottom
-(config -> groups -> model -> manager -> loop -> fingerprint).
+dimension on torchft through ``flatshard.ft``. bench/faults/replica_faults.py starts it (``torchrun ... -m
+bench.faults.replica_faults_worker``); it reads top to bottom (config -> groups -> model -> manager -> loop
+-> fingerprint).
 
 Every rank appends JSON lines to ``--log-dir/<replica>-r<rank>.jsonl``: a ``start`` record (pid, the
 torchrun restart count) and one record per step (manager step before it, committed, participants,
 loss, wall time), and at the end a ``final`` record with the SHA-256 of its parameters and optimizer
-state, which bench/replica_faults.py compares across groups.
+state, which bench/faults/replica_faults.py compares across groups.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -24,14 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+from examples.gpt import GPT, PRESETS, Block
+from flatshard import FullyShardedDataParallel as FSDP
+from flatshard import ShardingStrategy, ft, fully_shard
+from flatshard.wrap import ModuleWrapPolicy
 
-from gpt import GPT, PRESETS, Block  # noqa: E402
-
-from flatshard import FullyShardedDataParallel as FSDP  # noqa: E402
-from flatshard import ShardingStrategy, ft, fully_shard  # noqa: E402
-from flatshard.wrap import ModuleWrapPolicy  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,10 +1,10 @@
-"""What runs in every rank of ``make cluster`` (started by bench/cluster.py inside the namespaces).
+"""What runs in every rank of ``make cluster`` (started by ``python -m bench.cluster`` inside the namespaces).
 
-    torchrun --nnodes=N --nproc-per-node=P ... bench/cluster_worker.py --out RESULT.json [--steps 8 ...]
+    torchrun --nnodes=N --nproc-per-node=P ... -m bench.cluster.worker --out RESULT.json [--steps 8 ...]
 
 Two parts, one job:
 
-1. The calibration (bench/cluster_calibrate.py, [Note: cluster calibration]): the links per class and
+1. The calibration (bench/cluster/calibrate.py, [Note: cluster calibration]): the links per class and
    the collectives of one unit; compute comes from the no-communication system of part 2.
 2. The systems, interleaved as bench/compare.py interleaves them (its helpers: the same GPT, batches,
    builders and result gathering): flatshard FULL_SHARD, HYBRID_SHARD (F = P, the shard groups are the
@@ -14,7 +14,7 @@ Two parts, one job:
    Around every step, local rank 0 of each node reads its link interface's byte counters, so the bytes
    that really crossed the slow link are known per system.
 
-``--set link`` (bench/slow_link.py) measures instead, with no calibration, the engine's settings for
+``--set link`` (bench/cluster/slow_link.py) measures instead, with no calibration, the engine's settings for
 the slow link side by side: each flatshard strategy whose collectives cross the nodes with
 ``inter_node_in_flight`` off (every reduction finished before the next unit computes), on (the
 default) and with ``compress_inter_node="int8"`` as well; DDP, FSDP2 HSDP and no communication.
@@ -39,12 +39,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_api as fsdp_api
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cluster_calibrate  # noqa: E402
-import compare  # noqa: E402  (bench/compare.py; it puts examples/ on the path for gpt.py)
-
-import flatshard  # noqa: E402
-from flatshard.runtime.comm import gloo_exchange  # noqa: E402
+import flatshard
+from bench import compare
+from bench.cluster import calibrate
+from flatshard.runtime.comm import gloo_exchange
 
 LINK_STATS = Path("/sys/class/net/fs0/statistics")
 FLOOR = "no communication"
@@ -231,8 +229,8 @@ def make_systems(
 def compute_figures(systems, warmup: int) -> dict:
     """Median over measured steps of the slowest rank's forward + backward and optimizer step (the floor)."""
     floor = next(s for s in systems if isinstance(s, ComputeFloor))
-    fwd_bwd = cluster_calibrate.slowest([a for a, _ in floor.parts[warmup:]])
-    opt = cluster_calibrate.slowest([b for _, b in floor.parts[warmup:]])
+    fwd_bwd = calibrate.slowest([a for a, _ in floor.parts[warmup:]])
+    opt = calibrate.slowest([b for _, b in floor.parts[warmup:]])
     return {
         "forward_backward_s": statistics.median(fwd_bwd),
         "optimizer_step_s": statistics.median(opt),
@@ -284,7 +282,7 @@ def shard_groups(systems) -> dict[str, list[int]]:
 
 # ---- the job -------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.cluster.worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="where rank 0 writes the JSON")
     p.add_argument("--size", default="3M", choices=["tiny", "3M", "30M"], help="bench/compare.py's GPT sizes")
     p.add_argument("--steps", type=int, default=8, help="measured steps per system")
@@ -296,7 +294,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--set",
         default="strategies",
         choices=sorted(SETS),
-        help="link: bench/slow_link.py's systems; hsdp: FSDP2 HSDP's configurations",
+        help="link: bench/cluster/slow_link.py's systems; hsdp: FSDP2 HSDP's configurations",
     )
     return p.parse_args(argv)
 
@@ -316,11 +314,11 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     calibration = {}
     if args.set == "strategies":
-        calibration["links"] = cluster_calibrate.calibrate_links(nodes, nproc)
+        calibration["links"] = calibrate.calibrate_links(nodes, nproc)
         unit = sum(p.numel() for p in gpt.Block(cfg).parameters())
         calibration["collectives"] = {
             "unit_numel": unit,
-            "seconds": cluster_calibrate.calibrate_collectives(unit, nodes, nproc),
+            "seconds": calibrate.calibrate_collectives(unit, nodes, nproc),
         }
     calibration["seconds"] = time.perf_counter() - started
 

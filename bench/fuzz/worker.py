@@ -1,7 +1,7 @@
-"""One configuration of the fuzzer (bench/fuzz.py) on one rank: train the wrapped model beside the
+"""One configuration of the fuzzer (bench/fuzz/) on one rank: train the wrapped model beside the
 unwrapped reference on the global batch (and, for ``fully_shard``, PyTorch's FSDP2), every step comparing
 the loss, every gradient, every parameter after the step and every buffer ([Note: fuzz tolerances] in
-fuzz_check.py).
+check.py).
 
 The loop is a user's: each step runs ``accum`` micro-batches (the first ones under ``no_sync()`` or
 ``set_requires_gradient_sync(False)``), may clip, and steps. Events of the configuration happen on every
@@ -19,9 +19,10 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from fuzz_build import LR, build_models, clean, make_optimizer, pg_count
-from fuzz_check import DEFAULT, EXACT, Checker, local_of, local_tensor
-from fuzz_models import batch, loss_fn
+
+from bench.fuzz.build import LR, build_models, clean, make_optimizer, pg_count
+from bench.fuzz.check import DEFAULT, EXACT, Checker, local_of, local_tensor
+from bench.fuzz.models import batch, loss_fn
 
 
 class Injected(RuntimeError):

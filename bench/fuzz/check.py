@@ -1,4 +1,4 @@
-"""Comparisons of the fuzzer (bench/fuzz.py): which slice of a reference tensor a rank's parameter holds,
+"""Comparisons of the fuzzer (bench/fuzz/): which slice of a reference tensor a rank's parameter holds,
 and the first mismatch a rank sees.
 
 [Note: fuzz tolerances]
@@ -70,9 +70,10 @@ def local_of(full: torch.Tensor, param, ranges: dict) -> torch.Tensor:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's values of ``t`` as a plain tensor (a DTensor's local tensor; a parameter that gathers
-    itself, bench/fuzz_gathers.py, as its data)."""
-    from fuzz_gathers import plain
+    itself, bench/fuzz/gathers.py, as its data)."""
     from torch.distributed.tensor import DTensor
+
+    from bench.fuzz.gathers import plain
 
     return plain(t.to_local() if isinstance(t, DTensor) else t)
 

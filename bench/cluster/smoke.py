@@ -1,6 +1,6 @@
 """A small job for the emulated cluster's test (tests/test_cluster.py), run in every rank by torchrun:
 
-    python bench/cluster.py run --nodes 2 --nproc 2 --rate 200mbit -- bench/cluster_smoke.py --out DIR
+    python -m bench.cluster run --nodes 2 --nproc 2 --rate 200mbit -- -m bench.cluster.smoke --out DIR
 
 flatshard HYBRID_SHARD with its default groups (F = LOCAL_WORLD_SIZE: one shard group per node, the
 replicate groups across the link) trains examples/gpt.py's tiny GPT for a few steps. Each rank also
@@ -23,13 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare  # noqa: E402  (the GPT, the data and the batches of the benchmark)
-
-import flatshard  # noqa: E402
-from flatshard import FullyShardedDataParallel as FSDP  # noqa: E402
-from flatshard import ShardingStrategy  # noqa: E402
-from flatshard.wrap import ModuleWrapPolicy  # noqa: E402
+import flatshard
+from bench import compare  # the GPT, the data and the batches of the benchmark
+from flatshard import FullyShardedDataParallel as FSDP
+from flatshard import ShardingStrategy
+from flatshard.wrap import ModuleWrapPolicy
 
 LINK_STATS = Path("/sys/class/net/fs0/statistics")
 KINDS = (("all_gather", "shard"), ("reduce_scatter", "shard"), ("all_reduce", "replicate"))
@@ -97,7 +95,7 @@ def train(out: Path, steps: int) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.cluster.smoke", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--sleep", type=float, help="only sleep this many seconds (a job for the timeout test)")

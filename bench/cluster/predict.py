@@ -1,7 +1,7 @@
 """The planner's step times from a calibration, beside the measured ones: the table and the JSON of
 ``make cluster``, and the same recomputed offline from the committed results.
 
-    python bench/cluster_predict.py          # the committed runs (bench/results/cluster_*.json and
+    python -m bench.cluster.predict          # the committed runs (bench/results/cluster_*.json and
                                              # slow_link_*.json) predicted again by today's planner; no root
 
 Every prediction comes from ``flatshard.planner``'s public API (``PlanInputs``, ``Links``,
@@ -30,18 +30,17 @@ import json
 import sys
 from pathlib import Path
 
-import compare
-
+from bench import compare
 from flatshard.planner import PlanInputs, links_from_calibration, plan_strategy
 
 TOLERANCE = 0.25
 TIE = 0.05
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 RATES = ("1gbit", "200mbit")
 # Runs of the engine before inter_node_in_flight (d1d9bb4), by the commit their JSON records: every
 # reduction there finished before the next unit computed (the first committed cluster runs, 2d9a36d).
 BEFORE_IN_FLIGHT = ("2d9a36d",)
-PIECES = "optimizer across replicas"  # a system's suffix for shard_optimizer_across_replicas=True (cluster_worker.py)
+PIECES = "optimizer across replicas"  # a system's suffix for shard_optimizer_across_replicas=True (worker.py)
 
 
 def planned_as(name: str, world: int, nproc: int) -> tuple[str, int] | None:

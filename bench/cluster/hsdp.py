@@ -1,9 +1,9 @@
 """PyTorch FSDP2's HSDP as a user runs it, beside flatshard's hybrid, on the emulated 2 x 2 cluster.
 
-    python bench/cluster_hsdp.py                  # make cluster's second part: 1 Gbit/s, the 3M GPT, 4 and 16 sequences
-    python bench/cluster_hsdp.py --table          # the table of the committed bench/results/cluster_hsdp.json
+    python -m bench.cluster.hsdp                  # make cluster's second part: 1 Gbit/s, the 3M GPT, 4 and 16 sequences
+    python -m bench.cluster.hsdp --table          # the table of the committed bench/results/cluster_hsdp.json
 
-One job per per-rank batch size (``bench/cluster_worker.py --set hsdp``, every system interleaved step by
+One job per per-rank batch size (``bench/cluster/worker.py --set hsdp``, every system interleaved step by
 step, a step's time the slowest rank's, the median of the measured steps): flatshard HYBRID_SHARD F = 2
 and _HYBRID_SHARD_ZERO2 F = 2; FSDP2 HSDP with its defaults (``fully_shard`` on every block and the root
 over a (replicate, shard) mesh whose shard groups are the nodes); the same wrapped as torchtitan wraps a
@@ -25,13 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cluster  # noqa: E402
-import cluster_net  # noqa: E402
-import compare  # noqa: E402
-import torch  # noqa: E402
+import torch
 
-RESULT = cluster_net.ROOT / "bench" / "results" / "cluster_hsdp.json"
+from bench import compare
+from bench.cluster import jobs, net
+
+RESULT = jobs.RESULTS / "cluster_hsdp.json"
 FLOOR = "no communication"
 FLATSHARD = "flatshard HYBRID_SHARD F=2"
 USER_HSDP = "FSDP2 HSDP (2x2)"  # FSDP2's defaults: what make cluster's strategies set runs
@@ -40,7 +39,7 @@ USER_HSDP = "FSDP2 HSDP (2x2)"  # FSDP2's defaults: what make cluster's strategi
 def measure(batch_size: int, args, tmp: Path) -> dict:
     worker = ["--set", "hsdp", "--size", args.size, "--steps", str(args.steps)]
     worker += ["--warmup", str(args.warmup), "--batch-size", str(batch_size)]
-    job = cluster.run_worker(worker, args.rate, args.timeout, tmp, f"hsdp-{batch_size}-sequences")
+    job = jobs.run_worker(worker, args.rate, args.timeout, tmp, f"hsdp-{batch_size}-sequences")
     comparable = json.loads(json.dumps(job["result"]))
     comparable["systems"].pop(FLOOR)  # its own per-rank batch: other losses
     return {"batch_size": batch_size, **job, "losses_agree": compare.losses_agree(comparable, False)}
@@ -74,7 +73,7 @@ def table(report: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python bench/cluster_hsdp.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.cluster.hsdp", description=__doc__.split("\n\n")[0])
     p.add_argument("--table", action="store_true", help="print the committed result's table, measure nothing")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 16], help="sequences per rank per step")
     p.add_argument("--rate", default="1gbit")
@@ -91,8 +90,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="cluster-hsdp-") as tmp:
         runs = [measure(b, args, Path(tmp)) for b in args.batch_sizes]
     report = {
-        "command": "python bench/cluster_hsdp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": cluster.source_commit(),
+        "command": "python -m bench.cluster.hsdp " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commit": jobs.source_commit(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "rate": args.rate,
@@ -110,6 +109,6 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except cluster_net.ClusterError as err:
+    except net.ClusterError as err:
         print(f"cluster_hsdp: {err}", file=sys.stderr)
         sys.exit(2)

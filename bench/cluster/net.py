@@ -1,5 +1,5 @@
 """The emulated cluster itself: N network namespaces ("nodes") joined by rate-limited links, and a
-torchrun job across them. bench/cluster.py is its command line; tests/test_cluster.py uses it directly:
+torchrun job across them. ``python -m bench.cluster`` is its command line; tests/test_cluster.py uses it directly:
 
     with Cluster(Topology(nodes=2, nproc=2, rate_bits=10**9)) as cluster:
         result = cluster.run(["examples/train_gpt.py", "--strategy", "HYBRID_SHARD"], timeout=300, log_dir=logs)
@@ -45,7 +45,7 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: every job runs from it
 PREFIX = "fsc"
 SUBNET = "10.77.0"
 IFNAME = "fs0"
@@ -338,7 +338,8 @@ class Cluster:
         ]  # fmt: skip
 
     def run(self, script: list[str], timeout: float, log_dir: Path, env: dict | None = None) -> JobResult:
-        """Run ``script`` (a path and its arguments) as one torchrun job over every node; bounded by ``timeout``."""
+        """Run ``script`` (a path and its arguments, or ``-m``, a module and its arguments) as one torchrun job
+        over every node, from ROOT; bounded by ``timeout``."""
         if not self._made:
             raise ClusterError("the cluster is not up: use `with Cluster(topology) as cluster: cluster.run(...)`")
         log_dir.mkdir(parents=True, exist_ok=True)

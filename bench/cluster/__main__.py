@@ -1,17 +1,18 @@
 """Several machines on one: training jobs on an emulated cluster of network namespaces with slow links.
 
-    python bench/cluster.py measure                  # make cluster: calibrate, measure, predict at 1gbit and 200mbit
-    python bench/cluster.py measure --rates 1gbit --steps 6 --size tiny
-    python bench/cluster.py run --nodes 2 --nproc 2 --rate 200mbit -- examples/train_gpt.py --strategy HYBRID_SHARD
-    python bench/cluster.py clean                    # remove the namespaces of a run that was killed
+    python -m bench.cluster measure                  # make cluster: calibrate, measure, predict at 1gbit and 200mbit
+    python -m bench.cluster measure --rates 1gbit --steps 6 --size tiny
+    python -m bench.cluster run --nodes 2 --nproc 2 --rate 200mbit -- examples/train_gpt.py --strategy HYBRID_SHARD
+    python -m bench.cluster run --nodes 2 --nproc 2 -- -m bench.cluster.smoke --out DIR   # a module: torchrun -m
+    python -m bench.cluster clean                    # remove the namespaces of a run that was killed
 
 ``run`` starts any training script as one ``torchrun --nnodes=N --nproc-per-node=P`` job over N nodes
 (network namespaces) joined by links of the given rate, and tears everything down afterwards, also on
-failure, timeout or Ctrl-C (bench/cluster_net.py, [Note: the emulated cluster]). ``measure`` runs
-bench/cluster_worker.py on 2 nodes x 2 ranks at each rate: a calibration of the links and of one rank's
+failure, timeout or Ctrl-C (bench/cluster/net.py, [Note: the emulated cluster]). ``measure`` runs
+bench/cluster/worker.py on 2 nodes x 2 ranks at each rate: a calibration of the links and of one rank's
 compute, then flatshard's strategies, DDP, PyTorch FSDP2 and a run without communication, interleaved;
 it prints the measured median step of each beside the planner's prediction from the calibration
-(bench/cluster_predict.py) and writes bench/results/cluster_<rate>.json. Root, ``ip`` and ``tc`` are
+(bench/cluster/predict.py) and writes bench/results/cluster_<rate>.json. Root, ``ip`` and ``tc`` are
 needed. docs/multi_node.md has the method and the figures.
 """
 
@@ -21,35 +22,29 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cluster_net  # noqa: E402
-import cluster_predict  # noqa: E402
-import compare  # noqa: E402
-import torch  # noqa: E402
+import torch
 
-RESULTS = cluster_net.ROOT / "bench" / "results"
-WORKER = cluster_net.ROOT / "bench" / "cluster_worker.py"
+from bench import compare
+from bench.cluster import net, predict
+from bench.cluster.jobs import RESULTS, WORKER, source_commit
 
 
-def _topology(rate: str, args) -> cluster_net.Topology:
-    bits = None if rate in ("none", "0") else cluster_net.parse_rate(rate)
-    return cluster_net.Topology(args.nodes, args.nproc, bits, args.delay, args.queue_ms)
+def _topology(rate: str, args) -> net.Topology:
+    bits = None if rate in ("none", "0") else net.parse_rate(rate)
+    return net.Topology(args.nodes, args.nproc, bits, args.delay, args.queue_ms)
 
 
 def cmd_run(args) -> int:
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not script:
-        raise cluster_net.ClusterError(
-            "name the script after --, e.g. -- examples/train_gpt.py --strategy HYBRID_SHARD"
-        )
+        raise net.ClusterError("name the script after --, e.g. -- examples/train_gpt.py --strategy HYBRID_SHARD")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="cluster-"))
-    with cluster_net.Cluster(_topology(args.rate, args)) as cluster:
+    with net.Cluster(_topology(args.rate, args)) as cluster:
         result = cluster.run(script, args.timeout, log_dir)
         links = cluster.qdiscs() if args.verbose else ""
     for i, log in enumerate(result.logs):
@@ -61,69 +56,33 @@ def cmd_run(args) -> int:
 
 
 def cmd_clean(_args) -> int:
-    why = cluster_net.unavailable()
+    why = net.unavailable()
     if why:
-        raise cluster_net.ClusterError(why)
-    removed = cluster_net.remove_stale()
+        raise net.ClusterError(why)
+    removed = net.remove_stale()
     print(f"removed {len(removed)} stale namespace(s){': ' + ', '.join(removed) if removed else ''}")
     return 0
-
-
-def source_commit() -> str | None:
-    """The checkout's commit (with "+ changes" when tracked files differ from it), or None outside git."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cluster_net.ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cluster_net.ROOT,
-            capture_output=True,
-            text=True,
-        )
-    except OSError:
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + (" + changes" if dirty.stdout.strip() else "")
-
-
-def run_worker(worker_args: list[str], rate: str, timeout: float, tmp: Path, label: str) -> dict:
-    """One job of bench/cluster_worker.py (with ``worker_args`` and an ``--out`` of its own) on 2 nodes x 2
-    ranks at ``rate``: its result, the load average before and after, and the job's seconds."""
-    out = tmp / f"{label}.json"
-    topology = cluster_net.Topology(2, 2, cluster_net.parse_rate(rate), 0.0, cluster_net.Topology.queue_ms)
-    load_before = os.getloadavg()
-    with cluster_net.Cluster(topology) as c:
-        job = c.run([str(WORKER), "--out", str(out), *worker_args], timeout, tmp / f"logs-{label}")
-    if not job.ok:
-        state = f"timed out after {timeout:.0f} s" if job.timed_out else f"exit codes {job.codes}"
-        raise cluster_net.ClusterError(f"the job {label} failed ({state}):\n{job.tails()}")
-    return {
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "seconds": job.seconds,
-        "result": json.loads(out.read_text()),
-    }
 
 
 def measure_one(rate: str, args, tmp: Path) -> dict:
     """One job at ``rate``: the worker's result, the losses' agreement and the planner's predictions."""
     out = tmp / f"{rate}.json"
-    worker = [str(WORKER), "--out", str(out), "--size", args.size, "--steps", str(args.steps)]
+    worker = ["-m", WORKER, "--out", str(out), "--size", args.size, "--steps", str(args.steps)]
     worker += ["--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
     if args.systems:
         worker += ["--systems", *args.systems]
     load_before = os.getloadavg()
-    with cluster_net.Cluster(_topology(rate, args)) as cluster:
+    with net.Cluster(_topology(rate, args)) as cluster:
         job = cluster.run(worker, args.timeout, tmp / f"logs-{rate}")
     if not job.ok:
         state = f"timed out after {args.timeout:.0f} s" if job.timed_out else f"exit codes {job.codes}"
-        raise cluster_net.ClusterError(f"the measurement at {rate} failed ({state}):\n{job.tails()}")
+        raise net.ClusterError(f"the measurement at {rate} failed ({state}):\n{job.tails()}")
     result = json.loads(out.read_text())
     comparable = copy.deepcopy(result)
     comparable["systems"].pop("no communication", None)  # its own per-rank batch: different losses
     return {
         "rate": rate,
-        "command": "python bench/cluster.py " + " ".join(args.argv),
+        "command": "python -m bench.cluster " + " ".join(args.argv),
         "commit": args.commit or source_commit(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
@@ -132,14 +91,14 @@ def measure_one(rate: str, args, tmp: Path) -> dict:
         "seconds": job.seconds,
         "topology": {"nodes": args.nodes, "nproc": args.nproc, "delay_ms": args.delay, "queue_ms": args.queue_ms},
         "losses_agree": compare.losses_agree(comparable, False),
-        "prediction": cluster_predict.predict(result),
+        "prediction": predict.predict(result),
         "result": result,
     }
 
 
 def cmd_measure(args) -> int:
     if args.nodes != 2:
-        raise cluster_net.ClusterError("measure pairs nodes for its calibration: run it with --nodes 2")
+        raise net.ClusterError("measure pairs nodes for its calibration: run it with --nodes 2")
     status = 0
     with tempfile.TemporaryDirectory(prefix="cluster-measure-") as tmp:
         for rate in args.rates:
@@ -148,7 +107,7 @@ def cmd_measure(args) -> int:
             path = args.json_dir / f"cluster_{rate}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(report, indent=1))
-            cluster_predict.print_report(report)
+            predict.print_report(report)
             print(f"{rate}: {time.monotonic() - started:.0f} s; results written to {path}\n", flush=True)
             if not all(a["agree"] for a in report["losses_agree"].values()):
                 status = 1
@@ -156,14 +115,14 @@ def cmd_measure(args) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python bench/cluster.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     def topology_flags(q: argparse.ArgumentParser, timeout: float) -> None:
         q.add_argument("--nodes", type=int, default=2)
         q.add_argument("--nproc", type=int, default=2, help="ranks per node")
         q.add_argument("--delay", type=float, default=0.0, help="one-way delay in ms on each link end (tc netem)")
-        q.add_argument("--queue-ms", type=float, default=cluster_net.Topology.queue_ms, help="link queue, ms at rate")
+        q.add_argument("--queue-ms", type=float, default=net.Topology.queue_ms, help="link queue, ms at rate")
         q.add_argument("--timeout", type=float, default=timeout, help="seconds before a job is stopped")
 
     run = sub.add_parser("run", help="run a training script as one torchrun job on an emulated cluster")
@@ -197,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
-    except cluster_net.ClusterError as err:
+    except net.ClusterError as err:
         print(f"cluster: {err}", file=sys.stderr)
         return 2
 

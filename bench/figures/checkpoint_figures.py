@@ -1,8 +1,8 @@
 """Checkpoint figures for the example GPT: save and load time and per-rank peak memory, and the peak
 memory of `flatshard consolidate` against the largest tensor and the whole model.
 
-    .venv/bin/python bench/checkpoint_figures.py                  # ~29M parameters, W = 2, FULL_SHARD
-    .venv/bin/python bench/checkpoint_figures.py --world 4 --layers 8
+    .venv/bin/python -m bench.figures.checkpoint_figures              # ~29M parameters, W = 2, FULL_SHARD
+    .venv/bin/python -m bench.figures.checkpoint_figures --world 4 --layers 8
 
 W local processes (gloo, CPU) build examples/gpt.py's GPT (the ``large`` preset with 16 blocks by
 default: 28.6M parameters), wrap each Block as a unit, take one AdamW step so optimizer state exists,
@@ -24,14 +24,9 @@ import argparse
 import dataclasses
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, ROOT)
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -99,9 +94,9 @@ def worker(rank: int, _world: int, cfg_kwargs: dict, tmp: str) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from gpt import GPT, Block, GPTConfig
 
     import flatshard
+    from examples.gpt import GPT, Block, GPTConfig
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard import checkpoint
     from flatshard.wrap import ModuleWrapPolicy
@@ -141,7 +136,7 @@ def worker(rank: int, _world: int, cfg_kwargs: dict, tmp: str) -> dict:
 
 
 def main() -> None:
-    from gpt import PRESETS
+    from examples.gpt import PRESETS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2)

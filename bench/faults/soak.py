@@ -1,8 +1,8 @@
 """Soak: examples/train_gpt.py restarted by torchrun's machinery through many injected faults, against
 the same run with none.
 
-    make soak                                          # .venv/bin/python bench/soak.py
-    .venv/bin/python bench/soak.py --steps 500 --faults 12 --stops 2 --seed 0 --out bench/results/soak.json
+    make soak                                          # .venv/bin/python -m bench.faults.soak
+    .venv/bin/python -m bench.faults.soak --steps 500 --faults 12 --stops 2 --seed 0 --out bench/results/soak.json
 
 For each strategy (FULL_SHARD, and HYBRID_SHARD with F = 2), W = 4 local ranks train the tiny GPT for
 --steps steps, a checkpoint every --save-every steps, the last --keep-last kept, one report per step
@@ -47,12 +47,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "train_gpt.py"
-sys.path.insert(0, str(ROOT / "examples"))
-import fault_injection  # noqa: E402 - examples/ is not a package
+from examples import fault_injection
+from flatshard.checkpoint.tools import inspect
 
-from flatshard.checkpoint.tools import inspect  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
 
 STEP_PHASES = ("forward", "backward", "optimizer")  # a fault there leaves its step undone
 AGENT_GRACE_S = 30  # torchrun's agent waits this long after SIGTERM before SIGKILL (a stopped rank)
@@ -437,7 +436,7 @@ def main(argv=None) -> int:
     if args.out:
         settings = {k: v for k, v in vars(args).items() if k not in ("out", "workdir")}
         doc = {
-            "command": "python bench/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python -m bench.faults.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
             "settings": settings,
             "wall_s": wall,
             "total": total,

@@ -2,16 +2,16 @@
 unwrapped single-process reference on the global batch (and, for ``fully_shard``, beside PyTorch's own
 FSDP2), comparing the loss, every gradient, every parameter after the step and every buffer.
 
-    python bench/fuzz.py -n 200                  # configurations 0..199 of master seed 0 (make fuzz N=200)
-    python bench/fuzz.py --seed 3 --index 17 42  # only those, e.g. to rerun a failure
-    python bench/fuzz.py --config '{"W": 3, "front": "fsdp1", ...}'   # one configuration as printed by --show
+    python -m bench.fuzz -n 200                  # configurations 0..199 of master seed 0 (make fuzz N=200)
+    python -m bench.fuzz --seed 3 --index 17 42  # only those, e.g. to rerun a failure
+    python -m bench.fuzz --config '{"W": 3, "front": "fsdp1", ...}'   # one configuration as printed by --show
 
-What a configuration draws (fuzz_config.py): the model (fuzz_models.py: odd sizes, ties, frozen
+What a configuration draws (config.py): the model (models.py: odd sizes, ties, frozen
 parameters, 1-element and 1-D parameters, empty units, buffers, a module run twice), the front end and
 its wrapping, the strategy, W and F, shard_optimizer_across_replicas, mixed precision, prefetching,
 gradient accumulation, activation checkpointing, the optimizer, clipping, and events: an exception
 injected in forward or backward and skipped by the loop, a parameter's requires_grad flipped, a
-parameter edited in place, a checkpoint loaded at another W. Ranks are real processes (fuzz_pool.py:
+parameter edited in place, a checkpoint loaded at another W. Ranks are real processes (pool.py:
 spawned, gloo, a file store, a timeout per configuration after which the pool is killed). A failure
 prints one line that reruns it and the first mismatch; the end prints a table; the exit status is 1
 when any configuration failed. A benchmark, not a test: tests/test_fuzz.py runs a few fixed ones.
@@ -29,11 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cluster  # noqa: E402  (source_commit)
-import fuzz_config  # noqa: E402
-import fuzz_pool  # noqa: E402
-import fuzz_worker  # noqa: E402
+from bench.cluster.jobs import source_commit
+from bench.fuzz import config, pool, worker
 
 # words a refusal must name: what the configuration asked for that flatshard does not build
 REFUSAL_WORDS = (
@@ -116,31 +113,31 @@ def _mismatch(rank: int, m: dict) -> str:
     )
 
 
-def run_config(pools: fuzz_pool.Pools, cfg: dict, timeout: float) -> dict:
+def run_config(pools: pool.Pools, cfg: dict, timeout: float) -> dict:
     ckpt = cfg.get("ckpt")
     if not ckpt:
-        outcomes = pools.get(cfg["W"]).run(fuzz_worker.run, (cfg, "whole", None), timeout)
+        outcomes = pools.get(cfg["W"]).run(worker.run, (cfg, "whole", None), timeout)
         return _verdict(outcomes, cfg["W"], timeout)
     tmp = tempfile.mkdtemp(prefix="fuzz-ckpt-")
     try:
         path = os.path.join(tmp, "ckpt")
-        first = _verdict(pools.get(cfg["W"]).run(fuzz_worker.run, (cfg, "A", path), timeout), cfg["W"], timeout)
+        first = _verdict(pools.get(cfg["W"]).run(worker.run, (cfg, "A", path), timeout), cfg["W"], timeout)
         if first["status"] != "pass":
             return first
-        second = pools.get(ckpt["W"]).run(fuzz_worker.run, (cfg, "B", path), timeout)
+        second = pools.get(ckpt["W"]).run(worker.run, (cfg, "B", path), timeout)
         return _verdict(second, ckpt["W"], timeout)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def repro(cfg: dict) -> str:
-    if "index" in cfg and cfg == fuzz_config.draw(cfg["seed"], cfg["index"]):
-        return f"python bench/fuzz.py --seed {cfg['seed']} --index {cfg['index']}"
-    return f"python bench/fuzz.py --config '{json.dumps(cfg, separators=(',', ':'))}'"
+    if "index" in cfg and cfg == config.draw(cfg["seed"], cfg["index"]):
+        return f"python -m bench.fuzz --seed {cfg['seed']} --index {cfg['index']}"
+    return f"python -m bench.fuzz --config '{json.dumps(cfg, separators=(',', ':'))}'"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", "--count", type=int, default=20, help="configurations 0..N-1 of the master seed")
     parser.add_argument("--seed", type=int, default=0, help="the master seed")
     parser.add_argument("--index", type=int, nargs="+", help="run only these configurations of the master seed")
@@ -157,8 +154,8 @@ def main(argv=None) -> int:
         configs = [json.loads(c) for c in args.config]
     else:
         indices = args.index if args.index is not None else range(args.count)
-        configs = [fuzz_config.draw(args.seed, i) for i in indices]
-    pools = fuzz_pool.Pools()
+        configs = [config.draw(args.seed, i) for i in indices]
+    pools = pool.Pools()
     tally, kinds, bitwise = collections.Counter(), collections.Counter(), collections.Counter()
     failures: list[str] = []
     fsdp2_off: list[int] = []  # indices of configurations where PyTorch FSDP2 itself is off the reference
@@ -181,7 +178,7 @@ def main(argv=None) -> int:
             for key, value in verdict.get("margins", {}).items():
                 margins[key] = max(margins[key], (value, cfg.get("index", -1)))
             status = verdict["status"].upper()
-            print(f"[{k + 1}/{len(configs)}] {status:7s} {time.perf_counter() - t0:5.1f}s  {fuzz_config.summary(cfg)}")
+            print(f"[{k + 1}/{len(configs)}] {status:7s} {time.perf_counter() - t0:5.1f}s  {config.summary(cfg)}")
             if args.margins and verdict.get("margins"):
                 print("    margins: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(verdict["margins"].items())))
             if verdict["status"] == "refused":
@@ -214,8 +211,8 @@ def main(argv=None) -> int:
     print(f"{'wall time':34s} {wall:6.0f} s")
     if args.json:
         summary = {
-            "command": "python bench/fuzz.py " + " ".join(sys.argv[1:] if argv is None else argv),
-            "commit": cluster.source_commit(),
+            "command": "python -m bench.fuzz " + " ".join(sys.argv[1:] if argv is None else argv),
+            "commit": source_commit(),
             "configurations": len(configs),
             "pass": tally["pass"],
             "refused": tally["refused"],

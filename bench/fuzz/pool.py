@@ -1,4 +1,4 @@
-"""Rank processes for the fuzzer (bench/fuzz.py): one pool of W spawned processes per world size, joined
+"""Rank processes for the fuzzer (bench/fuzz/): one pool of W spawned processes per world size, joined
 in one gloo group through a file store, running one configuration after another.
 
 Starting a rank costs about two CPU-seconds (importing torch, joining the group), so a pool serves many

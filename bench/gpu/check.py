@@ -1,9 +1,10 @@
 """GPU check: flatshard on CUDA against plain PyTorch, CPU offload, and the all-gather's bandwidth.
 
-Started by bench/gpu_check.sh (it picks a Python with torch and launches the ranks with torchrun):
+Started by bench/gpu/check.sh (it picks a Python with torch and launches the ranks with torchrun, as
+``-m bench.gpu.check`` from the repository root):
 
-    bash bench/gpu_check.sh          # CUDA and NCCL, one rank per visible GPU (W = 1 on one GPU)
-    bash bench/gpu_check.sh --cpu    # dry run: gloo, 2 CPU ranks; checks that need CUDA say "not run"
+    bash bench/gpu/check.sh          # CUDA and NCCL, one rank per visible GPU (W = 1 on one GPU)
+    bash bench/gpu/check.sh --cpu    # dry run: gloo, 2 CPU ranks; checks that need CUDA say "not run"
 
 Checks, one PASS / FAIL / NOT RUN line each, with its figures:
   parity_fp32      FULL_SHARD vs the unwrapped model on the global batch (SGD-momentum, AdamW): output,
@@ -16,7 +17,7 @@ Checks, one PASS / FAIL / NOT RUN line each, with its figures:
   offload_error    (--cpu only) offload on a CPU-only run is a ValueError naming the missing accelerator
   all_gather_bw    all_gather_into_tensor of each --sizes-mib buffer: median of ITERS after WARMUP,
                    bus bandwidth as algbw * (W-1)/W; at W = 1 the figure is a local copy, not a network
-  fronts_eager, fronts_compiled, overlap   beside PyTorch's FSDP2: bench/gpu_check_fronts.py
+  fronts_eager, fronts_compiled, overlap   beside PyTorch's FSDP2: bench/gpu/fronts.py
 On a GPU every flatshard check runs with the stream discipline ([Note: stream discipline] in
 src/flatshard/runtime/streams.py): gathers and reductions on streams of their own, ordered by events.
 
@@ -44,17 +45,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # this working tree's flatshard, and the test models
 
+from bench.gpu import fronts  # noqa: E402
 from flatshard import CPUOffload, MixedPrecision, ShardingStrategy, param_groups  # noqa: E402
 from flatshard import FullyShardedDataParallel as FSDP  # noqa: E402
 from flatshard.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy  # noqa: E402
 from tests.models import Block, OddMLP, TinyGPT  # noqa: E402
 from tests.util import pairs  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "bench"))
-import gpu_check_fronts  # noqa: E402
 
 MODELS = ("odd_mlp", "tiny_gpt")  # odd element counts everywhere (padding); tied weights, attention
 OPTIMIZERS = ("sgd_momentum", "adamw")
@@ -469,7 +468,7 @@ def one_line(message: str, limit: int = 300) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.check", description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="dry run on CPU with gloo; CUDA-only checks are not run")
     ap.add_argument("--steps", type=int, default=5, help="training steps per parity case")
     ap.add_argument("--sizes-mib", default="64,256", help="all-gather output sizes in MiB, comma-separated")
@@ -507,9 +506,9 @@ def main() -> int:
         checks.append((("offload_error",), check_offload_error))
     checks.append((("all_gather_bw",), functools.partial(check_all_gather, sizes_mib=sizes)))
     for name, fn in (
-        ("fronts_eager", gpu_check_fronts.check_fronts_eager),
-        ("fronts_compiled", gpu_check_fronts.check_fronts_compiled),
-        ("overlap", gpu_check_fronts.check_overlap),
+        ("fronts_eager", fronts.check_fronts_eager),
+        ("fronts_compiled", fronts.check_fronts_compiled),
+        ("overlap", fronts.check_overlap),
     ):
         checks.append(((name,), functools.partial(fn, timed=timed, Result=Result)))
     in_step = True
