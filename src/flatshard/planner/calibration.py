@@ -1,4 +1,4 @@
-"""Link figures from a measured calibration: what ``make cluster`` (bench/cluster_calibrate.py) writes.
+"""Link figures from a measured calibration: what ``make cluster`` (bench/cluster/calibrate.py) writes.
 
 A calibration holds, per link class, a latency (a 4-byte message) and a bandwidth (the slope between
 1 MiB and 8 MiB), every rank communicating at once: "intra" (the ranks of a node in pairs), "inter"
