@@ -301,11 +301,17 @@ def _from_rank0(osd: Optional[dict], view: ModelView, slots: dict) -> dict:
     tensor at a time (a broadcast each), the full tensors, keeping only their own range of each."""
     group = view.group
     rank0 = agree.rank_in(group) == 0
+    if rank0 and osd is None:
+        raise TypeError(
+            "optim_state_dict_to_load with rank0_only=True: rank 0 passes the full optimizer state dict, and "
+            "it passed None"
+        )
+    source = osd if osd is not None else {}  # read on rank 0 only
     shape = None
     if rank0:
         shape = {
-            "param_groups": osd["param_groups"],
-            "state": {n: {k: _shape_of(v) for k, v in keys.items()} for n, keys in osd["state"].items()},
+            "param_groups": source["param_groups"],
+            "state": {n: {k: _shape_of(v) for k, v in keys.items()} for n, keys in source["state"].items()},
         }
     shape = agree.gather_json(shape, group, view.record)[0]
     state = {}
@@ -313,11 +319,13 @@ def _from_rank0(osd: Optional[dict], view: ModelView, slots: dict) -> dict:
         out = {}
         for k, d in keys.items():
             if d["kind"] != "tensor":
-                out[k] = osd["state"][name][k] if rank0 else (scalar_tensor(d) if d["kind"] == "scalar" else d["value"])
+                out[k] = (
+                    source["state"][name][k] if rank0 else (scalar_tensor(d) if d["kind"] == "scalar" else d["value"])
+                )
                 continue
             device = agree.collective_device(group)
             if rank0:
-                full = osd["state"][name][k].to(device).contiguous()
+                full = source["state"][name][k].to(device).contiguous()
             else:
                 full = torch.empty(d["shape"], dtype=dtype_from(d["dtype"]), device=device)
             if agree.world_of(group) > 1:
