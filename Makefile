@@ -21,9 +21,10 @@ run: install
 test: install
 	$(PY) -m pytest -q --durations=10 tests
 
-lint: install  # ruff: the formatter's check and the linter (configured in pyproject.toml)
+lint: install  # ruff: the formatter's check and the linter; mypy over src/ (both configured in pyproject.toml)
 	$(PY) -m ruff format --check src tests examples bench
 	$(PY) -m ruff check src tests examples bench
+	$(PY) -m mypy
 
 .PHONY: bench
 bench: install  # flatshard vs FSDP2 vs DDP (docs/bench.md); ARGS="--quick" for a short run

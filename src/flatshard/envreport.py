@@ -46,7 +46,7 @@ def _torch(report: dict[str, Any]) -> None:
         report["torch"] = f"not importable ({type(exc).__name__}: {exc})"
         return
     report["torch"] = torch.__version__
-    report["torch location"] = os.path.dirname(torch.__file__)
+    report["torch location"] = os.path.dirname(torch.__file__) if torch.__file__ else "unknown (no __file__)"
     report["torch debug build"] = bool(torch.version.debug)
     report["torch built with CUDA"] = torch.version.cuda or "no (CPU-only or another accelerator)"
     if getattr(torch.version, "hip", None):

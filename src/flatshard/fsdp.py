@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from flatshard import interop
 from flatshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.runtime import build, grad_utils, hooks, recording, summon
 from flatshard.runtime.instrument import CommRecorder, MemoryRecorder
-from flatshard.runtime.schedule import RunContext, ScheduleConfig
+from flatshard.runtime.schedule import RunContext, ScheduleConfig, run_context
 from flatshard.runtime.tree import WRAPPED, UnitHost, clean_name, unit_hosts, units_under
 from flatshard.runtime.unit import Unit
 from flatshard.state import module as state_module
@@ -173,7 +173,9 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
     # ---- what users read ----------------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
-        return self._modules[WRAPPED]
+        module = self._modules[WRAPPED]
+        assert module is not None  # set once, by _host_of
+        return module
 
     def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, nn.Parameter]]:
         for name, param in super().named_parameters(*args, **kwargs):
@@ -193,7 +195,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
             return getattr(modules[WRAPPED], name)
 
     def __getitem__(self, key):
-        return self._modules[WRAPPED].__getitem__(key)
+        return self.module.__getitem__(key)  # type: ignore[operator]  # the wrapped module's own (a Sequential's)
 
     # ---- state dicts: every method delegates to the state package ---------------------------------
     def state_dict(self, *args, **kwargs):
@@ -261,6 +263,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
             )
         return state_optim.optim_state_dict_to_load(model, optim, optim_state_dict, load_directly, group)
 
+    @staticmethod  # a helper of the class body, deleted below
     def _deprecated_optim(name: str):
         def method(*args, **kwargs):  # noqa: ARG001 - any call raises
             raise NotBuiltError(
@@ -348,7 +351,7 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
         with_grads: bool = False,
     ):
         """Gather full parameters into every unit under ``module`` for reading or in-place editing."""
-        units = units_under(module) if recurse else [module._unit]
+        units = units_under(module) if recurse else [cast(UnitHost, module)._unit]  # recurse=False: a wrapper
         return summon.summon(
             units, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads
         )
@@ -400,8 +403,9 @@ class FullyShardedDataParallel(UnitHost, nn.Module):
     def _require_root(self, what: str) -> RunContext:
         if not self._unit.is_root:
             raise RuntimeError(f"call {what} on the root FullyShardedDataParallel (the outermost wrapper)")
-        self._unit.ctx.start()
-        return self._unit.ctx
+        ctx = run_context(self._unit)
+        ctx.start()
+        return ctx
 
     def extra_repr(self) -> str:
         u = self._unit

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -156,7 +156,7 @@ def load_state_dict(
         optimizer.load_state_dict(state["optimizer"])
 
 
-def _check_same(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], what: str) -> None:
+def _check_same(mine: Mapping[str, torch.Tensor], theirs: Mapping[str, torch.Tensor], what: str) -> None:
     for name in sorted(set(mine) | set(theirs)):
         a, b = mine.get(name), theirs.get(name)
         shape_a = None if a is None else tuple(_local(a).shape)
@@ -302,7 +302,7 @@ class Optimizer(torchft.Optimizer):
         self.manager.gradients_reduced = False
         super().zero_grad(set_to_none)
 
-    def step(self, closure: Optional[object] = None) -> bool:  # type: ignore[override]
+    def step(self, closure: Optional[object] = None) -> bool:
         if closure is not None:
             raise ValueError("flatshard.ft.Optimizer.step takes no closure (torchft's does not either)")
         if not self.manager.gradients_reduced:

@@ -71,7 +71,8 @@ class TorchFSDPModule(torch_fsdp.FSDPModule):
 
     def _apply(self, *args, **kwargs):
         """``nn.Module._apply``, not FSDP2's (which reshards through its FSDPState first)."""
-        return super(torch_fsdp.FSDPModule, self)._apply(*args, **kwargs)
+        apply = super(torch_fsdp.FSDPModule, self)._apply  # type: ignore[misc]  # a mixin; nn.Module follows it
+        return apply(*args, **kwargs)
 
 
 def translate(value: Any) -> Any:
@@ -81,9 +82,9 @@ def translate(value: Any) -> Any:
             return ours[value.name]
     if isinstance(value, torch_fsdp.MixedPrecision):
         return _mixed_precision(value)
-    for theirs, ours in _CONFIGS.items():
-        if type(value) is theirs:
-            return ours(**{f.name: getattr(value, f.name) for f in dataclasses.fields(ours)})
+    for their_config, our_config in _CONFIGS.items():
+        if type(value) is their_config:
+            return our_config(**{f.name: getattr(value, f.name) for f in dataclasses.fields(our_config)})
     return value
 
 

@@ -24,7 +24,7 @@ from flatshard.runtime.build import units as construction
 from flatshard.runtime.comm.mesh import group_timeout
 from flatshard.runtime.comm.streams import RecordingStreams
 from flatshard.runtime.schedule import run_context
-from flatshard.runtime.tree import unit_hosts, units_under
+from flatshard.runtime.tree import UnitHost, unit_hosts, units_under
 
 
 def engine_units(model: nn.Module) -> list:
@@ -51,7 +51,7 @@ def gathered_bytes(model: nn.Module) -> list[int]:
     return [g.unsharded.untyped_storage().nbytes() for g in flat_groups(model)]
 
 
-def is_gathered(module: nn.Module) -> bool:
+def is_gathered(module: UnitHost) -> bool:
     """Whether the unit hosted by ``module`` holds (or is receiving) its unsharded flat."""
     return module._unit.gathered
 

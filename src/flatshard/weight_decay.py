@@ -26,7 +26,8 @@ def param_groups(
     """Two groups for ``torch.optim``: matrices (full ndim >= 2) with ``weight_decay``; biases, norm
     weights and other vectors with none. ``no_decay(name, param)`` overrides the rule for a parameter
     when it returns True. Frozen parameters are left out."""
-    decay, keep = [], []
+    decay: list[nn.Parameter] = []
+    keep: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue

@@ -266,7 +266,7 @@ def latest(directory) -> Optional[str]:
     pointer = os.path.join(directory, POINTER)
     name = _read_pointer(pointer) if os.path.isfile(pointer) else None
     target = os.path.join(directory, name) if name is not None else None
-    if target in found:
+    if name is not None and target in found:
         since = os.stat(pointer).st_mtime_ns
         newer = [p for p, w in found.items() if p != target and _mtime_ns(w) >= since]
         if not newer and _newest_first({target: found[target]}):

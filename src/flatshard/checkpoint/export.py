@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -91,7 +91,7 @@ def consolidate(
         names = [SINGLE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
         names = [os.path.join(out, name) for name in names]
     readers: dict[str, ShardReader] = {}
-    info = {"files": [], "tensors": len(specs), "bytes": 0, "largest_tensor_bytes": 0, "removed": []}
+    info: dict[str, Any] = {"files": [], "tensors": len(specs), "bytes": 0, "largest_tensor_bytes": 0, "removed": []}
     try:
         for group, name in zip(groups, names):
             _write(where, manifest, group, name, meta, readers, info, verbose)
@@ -159,7 +159,8 @@ def _nbytes(spec) -> int:
 
 def _shards(specs: list, limit: int) -> list[list]:
     """Consecutive groups of ``specs`` of at most ``limit`` bytes each (a larger tensor alone)."""
-    groups, size = [[]], 0
+    groups: list[list] = [[]]
+    size = 0
     for spec in specs:
         n = _nbytes(spec)
         if groups[-1] and size + n > limit:

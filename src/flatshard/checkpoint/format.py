@@ -59,7 +59,7 @@ def fsync_dir(path: str) -> None:
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().reshape(-1).contiguous().cpu()
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return t.view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
 class ShardWriter:
@@ -207,18 +207,20 @@ class ShardReader:
         if not exact or BY_NAME[e["dtype"]] != out.dtype or not out.is_contiguous() or out.device.type != "cpu":
             out.copy_(self.read(key, start, start + out.numel()))
             return
-        buf = memoryview(out.view(torch.uint8).numpy())
+        buf = out.view(torch.uint8).numpy().data
         if os.preadv(self._fd, [buf], self.data_start + a) != b - a:
             raise CheckpointError(f"shard file {self.label} ended early while reading {key!r}; the file is truncated")
         if self.record is not None:
             self._verify(key, begin, a, buf)
 
     def _block_range(self, begin: int, stop: int, a: int, b: int) -> tuple[int, int]:
+        assert self.record is not None  # called only for a file with checksums
         block = self.record["block_bytes"]
         first, last = (a - begin) // block, (b - begin - 1) // block
         return begin + first * block, min(stop, begin + (last + 1) * block)
 
     def _verify(self, key: str, begin: int, lo: int, buf) -> None:
+        assert self.record is not None  # called only for a file with checksums
         crcs = self.record["blocks"].get(key)
         block = self.record["block_bytes"]
         first = (lo - begin) // block

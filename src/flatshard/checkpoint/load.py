@@ -145,7 +145,8 @@ class _Files:
     """Shard readers opened on first use, checked against the manifest's records."""
 
     def __init__(self, path: str, manifest: dict):
-        self.path, self.manifest, self.open = path, manifest, {}
+        self.path, self.manifest = path, manifest
+        self.open: dict[str, ShardReader] = {}
 
     def reader(self, name: str) -> ShardReader:
         if name not in self.open:

@@ -219,7 +219,7 @@ def wait_pending(view: ModelView, what: str) -> None:
     host = _host(view)
     handle = host.pending_save if host is not None else None
     message, failure = None, None
-    if handle is not None:
+    if host is not None and handle is not None:
         host.pending_save = None
         if handle._thread is not None:
             handle._thread.join()
@@ -312,7 +312,7 @@ def _optim_items(plan: SavePlan, view: ModelView, optimizer, replica0: bool) -> 
         for k, v in keys.items():
             d = local.meta[fqn][k]
             key = f"optim/{fqn}/{k}"
-            if d["kind"] == "piece" and replica0 and param.end > param.start:
+            if d["kind"] == "piece" and param is not None and replica0 and param.end > param.start:
                 plan.items.append(
                     (key, list(param.info.shape), v.dtype, param.start, param.end, v.detach().reshape(-1))
                 )
@@ -364,7 +364,9 @@ def _rng_state() -> tuple[list, dict]:
     tensors = [("rng/torch", torch.get_rng_state())]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors += [(f"rng/cuda/{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)  # the default, named: numpy types a bare call as the dict form
+    assert isinstance(legacy, tuple)  # numpy's global generator is an MT19937, whose state is this tuple
+    name, keys, pos, has_gauss, cached = legacy
     tensors.append(("rng/numpy", torch.from_numpy(keys.astype(np.int64))))
     version, state, gauss = random.getstate()
     meta = {"python": [version, list(state), gauss], "numpy": [name, int(pos), int(has_gauss), float(cached)]}

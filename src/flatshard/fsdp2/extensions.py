@@ -117,7 +117,9 @@ class Member:
 
     @property
     def local(self) -> torch.Tensor:
-        return self.param._local_tensor
+        param = self.param
+        assert isinstance(param, DTensor)  # a DTensor parameter: nn.Parameter of a DTensor is both
+        return param._local_tensor
 
     @property
     def padded_shape(self) -> torch.Size:
@@ -203,10 +205,12 @@ class SelfGathered:
                 self._gather()
             self.gathered = True
         for m in self.members:
-            m.unsharded.requires_grad_(m.param.requires_grad)
+            unsharded = m.unsharded
+            assert unsharded is not None  # made by the first gather
+            unsharded.requires_grad_(m.param.requires_grad)
             for module, attr in m.uses:
                 module._parameters[attr] = None
-                module.__dict__[attr] = m.unsharded
+                module.__dict__[attr] = unsharded
         self.set_on_modules = True
 
     def use_sharded(self) -> None:
@@ -282,8 +286,10 @@ class SelfGathered:
         received = send
         if world > 1:
             received = torch.empty(world * offset, dtype=torch.uint8, device=device)
+            group = self.groups.shard_group
+            assert group is not None  # F > 1: the shard group exists
             with link.errors("all_gather"):
-                result = collectives.all_gather(received, send, self.groups.shard_group, tag=link.next_tag())
+                result = collectives.all_gather(received, send, group, tag=link.next_tag())
             link.record(result, "shard")
         rows = received.view(world, offset)
         statuses = [int(s) for s in rows[:, :8].contiguous().view(torch.int64).view(-1).tolist()]
@@ -302,7 +308,7 @@ class SelfGathered:
 
     def _unpack(self, m: Member, metadata: Any, sizes: list, rows: torch.Tensor, world: int) -> None:
         first = m.outputs is None
-        if first:
+        if m.outputs is None:
             m.outputs = [
                 torch.empty(world * math.prod(size), dtype=dtype, device=rows.device) for size, dtype, _ in sizes
             ]
@@ -350,17 +356,17 @@ class SelfGathered:
             self.marks.mark(params, marked)
             return
         self.marks.unmark(params)
-        ready = [m for m in self.members if m.unsynced is not None]
+        ready = [(m, m.unsynced) for m in self.members if m.unsynced is not None]
         if not ready:
             return
         world = self.groups.shard_size
-        sizes = [m.padded_rows * m.row_numel for m in ready]
+        sizes = [m.padded_rows * m.row_numel for m, _ in ready]
         per_rank = sum(sizes)
-        full = torch.zeros(world, per_rank, dtype=reduce_dtype, device=ready[0].unsynced.device)
+        full = torch.zeros(world, per_rank, dtype=reduce_dtype, device=ready[0][1].device)
         at = 0
-        for m, n in zip(ready, sizes):
+        for (m, unsynced), n in zip(ready, sizes):
             padded = torch.zeros((world * m.padded_rows, *m.shape[1:]), dtype=reduce_dtype, device=full.device)
-            padded[: m.shape[0]].copy_(m.unsynced)
+            padded[: m.shape[0]].copy_(unsynced)
             full[:, at : at + n].copy_(padded.view(world, n))
             m.unsynced = None
             at += n
@@ -377,7 +383,7 @@ class SelfGathered:
             pending = reduce.start(full.view(-1), spec, link.record, async_op=False, tag=link.next_tag())
             reduced = reduce.finish(pending, spec, reduce_dtype, link.record, tag=link.next_tag())
         at = 0
-        for m, n in zip(ready, sizes):
+        for (m, _), n in zip(ready, sizes):
             local = m.local
             rows = local.size(0)
             piece = reduced[at : at + n].view(m.padded_shape)[:rows].to(local.dtype)
@@ -386,6 +392,7 @@ class SelfGathered:
             if m.param.grad is None:
                 m.param.grad = grad
             else:
+                assert isinstance(m.param.grad, DTensor)  # as every gradient here (as_dtensor)
                 m.param.grad._local_tensor.add_(piece)
 
     # [Note: an open accumulation window] (runtime/grad_state.py), for these parameters: while their gradients

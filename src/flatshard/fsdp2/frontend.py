@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,7 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
     """FSDP2's methods on a module ``fully_shard`` was applied to (a mixin of its new class); also a
     ``torch.distributed.fsdp.FSDPModule`` (interop.TorchFSDPModule says why)."""
 
+    _orig_cls: type[nn.Module]  # the class fully_shard made this one from (_fsdp_class sets it on each)
     fsdp_output_dtype: Optional[torch.dtype] = None  # MixedPrecisionPolicy.output_dtype
     post_optim_event: Optional[Any] = None  # set_post_optim_event's, waited on by the next forward
 
@@ -95,7 +96,7 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         module of the original class, as FSDP2's does: the new module holds no unit."""
         orig = cls._orig_cls
         self = orig.__new__(orig)
-        self.__init__(*args, **kwargs)
+        orig.__init__(self, *args, **kwargs)
         return self
 
     def __deepcopy__(self, memo):
@@ -108,7 +109,7 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
     def _units(self, recurse: bool) -> list[Unit]:
         return units_under(self) if recurse else [self._unit]
 
-    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:  # type: ignore[override]  # flatshard's handle
         """All-gather this module's parameters now (its forward then finds them gathered)."""
         self._unit.unshard(wait=not async_op)
         return UnshardHandle(self._unit) if async_op else None
@@ -134,11 +135,15 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         for unit in self._units(recurse):
             unit.settings.reshard_after_backward = reshard_after_backward
 
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_forward_prefetch(  # type: ignore[override]  # flatshard's FSDPModules (others raise)
+        self, modules: list[FSDPModule]
+    ) -> None:
         """Gather these modules' parameters as this module's forward begins (instead of the recorded order)."""
         self._unit.settings.forward_prefetch = [_host_unit(m, "set_modules_to_forward_prefetch") for m in modules]
 
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_backward_prefetch(  # type: ignore[override]  # flatshard's FSDPModules (others raise)
+        self, modules: list[FSDPModule]
+    ) -> None:
         """Gather these modules' parameters as this module's backward begins."""
         self._unit.settings.backward_prefetch = [_host_unit(m, "set_modules_to_backward_prefetch") for m in modules]
 
@@ -206,6 +211,7 @@ def _host_unit(module: nn.Module, what: str) -> Unit:
 
 
 _CLASSES: dict[type, type] = {}
+M = TypeVar("M", bound=Union[nn.Module, list[nn.Module]])  # fully_shard returns the module (or list) it was given
 
 
 def _fsdp_class(cls: type) -> type:
@@ -216,7 +222,7 @@ def _fsdp_class(cls: type) -> type:
 
 
 def fully_shard(
-    module: Union[nn.Module, list[nn.Module]],
+    module: M,
     *,
     mesh=None,
     reshard_after_forward: Union[bool, int, None] = None,
@@ -225,7 +231,7 @@ def fully_shard(
     offload_policy: Any = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
     dp_mesh_dims=None,
-) -> nn.Module:
+) -> M:
     """Shard ``module``'s parameters (those not under an inner ``fully_shard``) as one unit, FSDP2's way.
 
     ``mesh``: a 1-D DeviceMesh (shard) or a 2-D one (replicate, shard) for HSDP; default a 1-D mesh over
@@ -283,6 +289,7 @@ def fully_shard(
         _ON_META.add(unit)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
+        assert isinstance(m, FSDPModule)  # its class derives from FSDPModule now
         m._unit = unit
         m.fsdp_output_dtype = output_dtype
         m.register_forward_pre_hook(functools.partial(hooks.forward_pre_hook, unit), prepend=True, with_kwargs=True)
@@ -291,7 +298,9 @@ def fully_shard(
             m.register_forward_pre_hook(functools.partial(_cast_inputs, mp.param_dtype), with_kwargs=True)
         m.register_forward_hook(functools.partial(hooks.forward_post_hook, unit, output_dtype), always_call=True)
     config = build.schedule_config(group.compute_device)
-    build.become_root(modules[0], config, mp)
+    root = modules[0]
+    assert isinstance(root, FSDPModule)
+    build.become_root(root, config, mp)
     return module
 
 
@@ -330,7 +339,7 @@ _ON_META: weakref.WeakSet = weakref.WeakSet()  # units built on meta, not yet gi
 _ROOTS_CHECKED: weakref.WeakSet = weakref.WeakSet()  # roots whose first forward looked for all-gather extensions
 
 
-def _adopt_materialized(module: nn.Module, _args) -> None:
+def _adopt_materialized(module: FSDPModule, _args) -> None:
     """Before the hooks of a forward: wait for the optimizer's ``set_post_optim_event``; at the first forward
     after the user materialised a meta model ([Note: meta parameters left to the user], runtime/build/deferred.py),
     every unit under ``module`` built on meta takes its parameters back."""
@@ -358,8 +367,9 @@ def _moved(unit: Unit) -> bool:
     group = unit.flat_group
     if not group.shard_views or group.flat_shard.is_meta:
         return False
-    local = group.shard_views[0]._local_tensor
-    return local.untyped_storage().data_ptr() != group.flat_shard.untyped_storage().data_ptr()
+    view = group.shard_views[0]
+    assert isinstance(view, DTensor)  # fully_shard's shard views are DTensor parameters
+    return view._local_tensor.untyped_storage().data_ptr() != group.flat_shard.untyped_storage().data_ptr()
 
 
 def _no_nested(module: nn.Module, unit: Unit) -> nn.Module:  # noqa: ARG001 - build's host factory
@@ -460,14 +470,16 @@ def _as_dtensors(group: FlatGroup, mesh, placements, tp_uses: dict) -> None:
     gradients become DTensor gradients alike. Tensor-parallel parameters ([Note: FSDP over
     tensor-parallel parameters], tensor_parallel.py) are placed over both meshes, and their compute views are
     made DTensors of the TP mesh again."""
-    infos = group.layout.infos
+    layout = group.layout
+    assert layout.rank_major  # fully_shard builds chunked layouts (runtime/chunked.py)
+    infos = layout.infos
     specs = [tensor_parallel.spec_of(info, tp_uses) for info in infos]
 
     def placed(i: int) -> tuple:
-        dim = group.layout.dims[i]  # [Note: sharded along another dim]
-        if specs[i] is None:
+        dim, spec = layout.dims[i], specs[i]  # [Note: sharded along another dim]
+        if spec is None:
             return mesh, (*placements[:-1], Shard(dim)), infos[i].shape
-        return tensor_parallel.sharded_placement(specs[i], dim, mesh)
+        return tensor_parallel.sharded_placement(spec, dim, mesh)
 
     per_param = [placed(i) for i in range(len(infos))]
 

@@ -84,10 +84,12 @@ def localize(
             if param is None or id(param) not in specs:
                 continue
             if id(param) not in swapped:
+                assert isinstance(param, DTensor)  # ``specs`` holds the DTensor parameters (tensor_parallel_params)
                 old[id(param)] = param
-                swapped[id(param)] = nn.Parameter(param._local_tensor.detach(), requires_grad=param.requires_grad)
+                local = nn.Parameter(param._local_tensor.detach(), requires_grad=param.requires_grad)
                 # the model fingerprint compares the full shape: TP pieces of an uneven split differ per rank
-                swapped[id(param)].flatshard_full_shape = param.shape
+                local.flatshard_full_shape = param.shape  # type: ignore[attr-defined]  # flatshard's own attribute
+                swapped[id(param)] = local
             m._parameters[attr] = swapped[id(param)]
             uses[(id(m), attr)] = specs[id(param)]
     if dims is not None:

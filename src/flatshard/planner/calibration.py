@@ -44,7 +44,7 @@ def links_from_calibration(doc: dict[str, Any], ranks_per_node: int | None = Non
     if not g:
         raise PlanError("the calibration does not say how many ranks share a node", "pass --gpus-per-node")
     try:
-        inter = links["inter"]
+        inter: dict[str, Any] = links["inter"]  # one link class: its latency_s and bandwidth_Bps
         intra = links.get("intra", inter)  # one rank per node: no intra-node class was measured
         alone = links.get("inter, one flow", inter)
         return (

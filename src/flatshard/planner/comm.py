@@ -254,14 +254,14 @@ def comm_estimate(inputs: PlanInputs, strategy: Strategy, f: int, pieces: bool =
     ar_bytes = sum((c.intra + c.inter for c in ar), Fraction(0))
     pag_bytes = sum((c.intra + c.inter for c in pag), Fraction(0))
     m = len(units)
-    by_collective = {
+    exact: dict[str, tuple[int, int | Fraction]] = {
         "forward/all_gather/shard": (m if sharded else 0, ag_fwd),
         "backward/all_gather/shard": (sum(regather), ag_bwd),
         "backward/reduce_scatter/shard": (m if sharded else 0, rs_bytes),
         f"backward/{'reduce_scatter' if pieces else 'all_reduce'}/replicate": (m if replicated else 0, ar_bytes),
         "forward/all_gather/replicate": (len(pag), pag_bytes),
     }
-    by_collective = {k: (n, _number(Fraction(b))) for k, (n, b) in by_collective.items() if n}
+    by_collective = {k: (n, _number(Fraction(b))) for k, (n, b) in exact.items() if n}
     ag_bytes = ag_fwd + ag_bwd + (int(pag_bytes) if pieces else 0)
     if pieces:  # whole numbers: (R - 1) P_u elements each
         rs_bytes, ar_bytes = rs_bytes + int(ar_bytes), Fraction(0)

@@ -138,7 +138,12 @@ def units_of(inputs: PlanInputs, f: int, pieces: bool = False) -> list[Unit]:
             s = -(-t // f)
             built[k] = Unit(t, is_root, s, (s,) * f, f * s)
             continue
-        shapes = inputs.root_param_shapes if is_root else inputs.unit_param_shapes[k]
+        # a mode other than "flat" is modelled only with the shapes known (PlanInputs.boundaries_modelled),
+        # the root's too since it holds parameters here (t > 0)
+        unit_shapes = inputs.unit_param_shapes
+        assert unit_shapes is not None
+        shapes = inputs.root_param_shapes if is_root else unit_shapes[k]
+        assert shapes is not None
         c = cut(shapes, f, mode, loads)
         for r, n in enumerate(c.sizes):
             loads[r] += n

@@ -186,8 +186,7 @@ def _host_budget_text(inputs: PlanInputs) -> str:
     )
 
 
-def _offload_text(p: StrategyPlan) -> str:
-    o = p.offload
+def _offload_text(p: StrategyPlan, o: OffloadEstimate) -> str:
     return (
         f"{p.strategy.value} at F={p.sharding_factor} peaks at {fmt_bytes(o.device_peak)} on the device and "
         f"needs {fmt_bytes(o.host_per_node)} of host memory per node ({fmt_bytes(o.host_per_rank)} per rank), "
@@ -199,47 +198,48 @@ def recommend_offload(inputs: PlanInputs, plans: tuple[StrategyPlan, ...] | list
     """The R4 rule for the plans with CPU offload: the smallest F whose device peak and host bytes per
     node both fit, then the fastest. With host memory unknown nothing is judged: ``strategy`` is None
     and ``why`` names the plan that fits the device with the least host memory per node."""
-    plans = [p for p in plans if p.offload is not None]  # not the "+OptR" plans: not built with offload
-    if not plans:
+    # each plan with its estimate; not the "+OptR" plans: not built with offload
+    offloaded = [(p, p.offload) for p in plans if p.offload is not None]
+    if not offloaded:
         return Recommendation(None, None, "no plans")
-    device_ok = [p for p in plans if p.offload.device_fits]
+    device_ok = [(p, o) for p, o in offloaded if o.device_fits]
     if not device_ok:
-        best = min(plans, key=lambda p: p.offload.device_peak)
+        best, o = min(offloaded, key=lambda po: po[1].device_peak)
         return Recommendation(
             None,
             None,
             (
-                f"CPU offload does not fit either: its smallest device peak is {fmt_bytes(best.offload.device_peak)} "
+                f"CPU offload does not fit either: its smallest device peak is {fmt_bytes(o.device_peak)} "
                 f"({best.strategy.value}, F={best.sharding_factor}), more than {_budget_text(inputs)}"
             ),
         )
-    least = min(device_ok, key=lambda p: (p.offload.host_per_node, p.offload.step_time_s))
+    least = min(device_ok, key=lambda po: (po[1].host_per_node, po[1].step_time_s))
     if inputs.host_memory_bytes is None:
         return Recommendation(
             None,
             None,
             (
-                f"CPU offload fits the device: {_offload_text(least)}; host memory unknown: pass --host-mem "
+                f"CPU offload fits the device: {_offload_text(*least)}; host memory unknown: pass --host-mem "
                 f"(per node) to judge"
             ),
         )
-    fitting = [p for p in device_ok if p.offload.fits]
+    fitting = [(p, o) for p, o in device_ok if o.fits]
     if not fitting:
         return Recommendation(
             None,
             None,
-            (f"CPU offload does not fit either: {_offload_text(least)}, more than {_host_budget_text(inputs)}"),
+            (f"CPU offload does not fit either: {_offload_text(*least)}, more than {_host_budget_text(inputs)}"),
         )
-    f = min(p.sharding_factor for p in fitting)
-    best = min(
-        (p for p in fitting if p.sharding_factor == f), key=lambda p: (p.offload.step_time_s, p.offload.device_peak)
+    f = min(p.sharding_factor for p, _ in fitting)
+    best, o = min(
+        ((p, o) for p, o in fitting if p.sharding_factor == f), key=lambda po: (po[1].step_time_s, po[1].device_peak)
     )
     return Recommendation(
         best.strategy,
         f,
         (
             f"CPU offload fits: F={f} is the smallest sharding factor that fits both {fmt_bytes(inputs.budget_bytes)} "
-            f"per device and {_host_budget_text(inputs)}: {_offload_text(best)}"
+            f"per device and {_host_budget_text(inputs)}: {_offload_text(best, o)}"
         ),
     )
 

@@ -87,12 +87,14 @@ def parse_bytes(text: str | int | float, what: str = "memory size") -> int:
 
 def parse_bandwidth(text: str | int | float, what: str = "bandwidth") -> float:
     """``"300"`` or ``"300GB/s"`` -> 300e9 bytes/s; ``"200Gb/s"`` or ``"200Gbps"`` -> 25e9 bytes/s."""
+    value: float | Decimal
     if isinstance(text, (int, float)):
         value, suffix = float(text), "GB/s"
     else:
         value, suffix = _split(text, what, "300GB/s, 300 (GB/s) or 200Gb/s (bits)")
     suffix = suffix or "GB/s"
     bits = re.fullmatch(r"([KMGT])(?:b/s|bps|bit/s)", suffix)
+    factor: float | None
     if bits:
         factor = _COUNT_SUFFIX[bits.group(1)] / 8
     else:

@@ -27,7 +27,7 @@ Unlike FSDP2, which refuses it, an uneven split along d > 0 is accepted: the cop
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -38,7 +38,7 @@ class ChunkedLayout:
     """Per-rank dim-0 chunks of every parameter (see the Note); the same interface as ``FlatLayout``."""
 
     boundaries = "chunks"
-    rank_major = True
+    rank_major: Literal[True] = True
 
     def __init__(self, infos: list[ParamInfo], shard_size: int, dims: Optional[list[int]] = None):
         scalars = [i.name for i in infos if len(i.shape) == 0]

@@ -53,6 +53,7 @@ class UnitSettings:
     FSDP1 wrapper keeps its call's values); one object shared by the unit and its parts, so a change
     reaches every flat group."""
 
+    strategy: ShardingStrategy  # what the wrap call asked for (checkpoint manifests)
     reshard_after_forward: bool = True  # free after forward, gather again in backward (the root never)
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True  # False: gradients accumulate unreduced (set_requires_gradient_sync)
@@ -60,7 +61,6 @@ class UnitSettings:
     gradient_divide_factor: Optional[float] = None  # None: divide by the data-parallel size
     forward_prefetch: list[Any] = field(default_factory=list)  # explicit targets (units), else the schedule's
     backward_prefetch: list[Any] = field(default_factory=list)
-    strategy: Optional[ShardingStrategy] = None  # what the wrap call asked for (checkpoint manifests)
     mixed_precision: Optional[MixedPrecision] = None  # the policy the groups' precision was resolved from
 
 

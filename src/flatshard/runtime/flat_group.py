@@ -22,6 +22,7 @@ import torch
 
 from flatshard.runtime import consistency, reduce
 from flatshard.runtime.across_replicas import Pieces, fingerprint
+from flatshard.runtime.chunked import ChunkedLayout
 from flatshard.runtime.comm import collectives, nodes
 from flatshard.runtime.comm.mesh import ShardGroups
 from flatshard.runtime.comm.streams import Lane
@@ -49,7 +50,7 @@ class FlatGroup:
         self,
         link: Link,
         settings: UnitSettings,
-        layout: FlatLayout,
+        layout: FlatLayout | ChunkedLayout,
         flat_full: torch.Tensor,
         groups: ShardGroups,
         *,
@@ -263,6 +264,7 @@ class FlatGroup:
 
     def _take_gradient(self, unsharded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         grad, unsharded.grad = unsharded.grad, None  # the one reference left: freed when this returns
+        assert grad is not None  # the post-backward hook runs once autograd has accumulated it
         if self.grads.unsynced is not None:  # fully_shard's unreduced accumulation, in the reduce dtype
             grad, self.grads.unsynced = self.grads.unsynced.add_(grad), None
         if self.layout.rank_major and self.groups.shard_size > 1:  # [Note: chunked layout]: copy in
@@ -347,6 +349,7 @@ class FlatGroup:
         full = torch.empty(n, dtype=shard.dtype, device=self.compute_device)
         with self.link.errors("all_gather"):
             group, tag = self.groups.shard_group, self.link.next_tag()
+            assert group is not None  # F > 1: the shard group exists
             result = collectives.all_gather(full, source, group, tag=tag, sizes=layout.shard_sizes)
         self.link.record(result, "shard")
         if layout.rank_major:

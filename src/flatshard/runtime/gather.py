@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from flatshard.runtime import consistency
+from flatshard.runtime.chunked import ChunkedLayout
 from flatshard.runtime.comm import collectives
 from flatshard.runtime.comm.mesh import ShardGroups
 from flatshard.runtime.comm.nodes import InterNode
@@ -45,7 +46,7 @@ class GatherState(enum.Enum):
 class InFlight:
     """An all-gather issued and not yet waited for by compute."""
 
-    work: Any  # the collective's handle on a host-ordered backend (gloo), else None
+    work: Optional[collectives.Handle]  # the collective's handle on a host-ordered backend (gloo), else None
     event: Any  # the gather stream's event after it (None without streams)
     then: Optional[Callable[[], None]] = None  # a rank-major gather's copy into the unsharded flat
     buffer: Optional[torch.Tensor] = None  # where a rank-major gather lands first (counted as gathered)
@@ -68,7 +69,7 @@ class Gather:
     def __init__(
         self,
         link: Link,
-        layout: FlatLayout,
+        layout: FlatLayout | ChunkedLayout,
         groups: ShardGroups,
         precision: UnitPrecision,
         unsharded: torch.Tensor,
@@ -193,6 +194,7 @@ class Gather:
             return
         link.check(consistency.GATHER)
         group, tag = self.groups.shard_group, link.next_tag()
+        assert group is not None  # F > 1: the shard group exists
         target, then, staging = self.target, None, None
         if rank_major:  # [Note: chunked layout]: gather rank after rank, then copy out
             staging = torch.empty(self.groups.shard_size * layout.shard_numel, dtype=source.dtype, device=source.device)
@@ -246,8 +248,9 @@ class Gather:
     def _copy_out(self, staging: torch.Tensor) -> None:
         """A rank-major gather has arrived: only now does the unsharded flat take memory, so a gather in
         flight (a prefetch) holds one copy of the unit, as FSDP2's does, not two."""
-        streams = self.link.run.streams
+        streams, layout = self.link.run.streams, self.layout
+        assert layout.rank_major  # only a rank-major gather lands in staging
         self.allocate()
         streams.use(COMPUTE, staging, "read", self.buffer_label())
-        self.layout.from_rank_major(staging, self.target)
+        layout.from_rank_major(staging, self.target)
         streams.use(COMPUTE, self.target, "write", self.buffer_label())

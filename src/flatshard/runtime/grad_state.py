@@ -67,7 +67,7 @@ class WindowMark:
     """One parameter's ``.grad`` while a window is open: which object and version it was, and whether
     flatshard made it (the mark that allocates nothing) or the loop's own gradient was there."""
 
-    grad: weakref.ref
+    grad: weakref.ref[torch.Tensor]
     version: tuple[int, int]
     made: bool
 
@@ -114,7 +114,9 @@ class WindowMarks:
                 if made:
                     zero = torch.zeros((), dtype=param.dtype, device=param.device).expand(local(param).shape)
                     set_grad(param, self.wrapped(i, zero))
-                mark = WindowMark(weakref.ref(param.grad), grad_version(param.grad), made)
+                grad = param.grad
+                assert grad is not None  # the loop's own, or the zero just set
+                mark = WindowMark(weakref.ref(grad), grad_version(grad), made)
             marks[i] = mark
         self.marks = marks
 

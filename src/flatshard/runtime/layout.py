@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional, Protocol, cast
 
 import torch
 from torch import nn
@@ -99,7 +100,7 @@ class FlatLayout:
         self.padded = self.bounds[-1]  # the unsharded flat: F·S for "flat", T otherwise
         self.split_sizes = [i.numel for i in self.infos] + [self.padded - self.total]
 
-    rank_major = False  # the unsharded flat is gathered as it is (runtime/chunked.py is the other kind)
+    rank_major: Literal[False] = False  # the unsharded flat is gathered as it is (runtime/chunked.py is the other kind)
 
     def segment(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s flat shard cut from the whole flat ``full`` (a view)."""
@@ -170,24 +171,35 @@ def _laid_out(infos: list[ParamInfo], order: tuple[int, ...]) -> list[ParamInfo]
     return out
 
 
-def make_shard_views(layout: FlatLayout, flat_shard: torch.Tensor, rank: int) -> list[nn.Parameter]:
+class Layout(Protocol):
+    """What the views below read of a layout: ``FlatLayout``, or chunked.py's ``ChunkedLayout``."""
+
+    infos: list[ParamInfo]
+    split_sizes: list[int]
+
+    def local_slices(self, rank: int) -> list[tuple[int, int]]: ...
+
+    def local_shape(self, info: ParamInfo, lo: int, hi: int) -> tuple[int, ...]: ...
+
+
+def make_shard_views(layout: Layout, flat_shard: torch.Tensor, rank: int) -> list[nn.Parameter]:
     """One ``nn.Parameter`` per original parameter, aliasing its slice of the flat shard."""
     views = []
     for info, (lo, hi) in zip(layout.infos, layout.local_slices(rank)):
         view = nn.Parameter(flat_shard[lo:hi].view(layout.local_shape(info, lo, hi)), requires_grad=info.requires_grad)
-        view.orig_shape = info.shape  # a shard view is a piece; the full shape stays readable
+        view.orig_shape = info.shape  # type: ignore[attr-defined]  # flatshard's attribute: the full shape
         views.append(view)
     return views
 
 
-def make_compute_views(layout: FlatLayout, unsharded: torch.Tensor) -> list[torch.Tensor]:
+def make_compute_views(layout: Layout, unsharded: torch.Tensor) -> list[torch.Tensor]:
     """Original-shape views of the unsharded flat, made with one split so backward makes one flat grad.
 
     Frozen parameters take their view from a detached alias: no gradient is computed for them.
     """
     chunks = torch.split(unsharded, layout.split_sizes)
     detached = None
-    views = []
+    views: list[torch.Tensor] = []
     for info, chunk in zip(layout.infos, chunks):
         if not info.requires_grad and unsharded.requires_grad:
             if detached is None:
@@ -197,7 +209,7 @@ def make_compute_views(layout: FlatLayout, unsharded: torch.Tensor) -> list[torc
     return views
 
 
-def set_views_on_modules(layout: FlatLayout, views: list[torch.Tensor], *, as_params: bool) -> None:
+def set_views_on_modules(layout: Layout, views: Sequence[torch.Tensor], *, as_params: bool) -> None:
     """Make ``module.<attr>`` return ``views[i]`` for every use of every parameter.
 
     Shard views go into ``module._parameters`` (so ``named_parameters()`` yields them); compute
@@ -208,7 +220,7 @@ def set_views_on_modules(layout: FlatLayout, views: list[torch.Tensor], *, as_pa
         for module, attr in info.uses:
             if as_params:
                 module.__dict__.pop(attr, None)
-                module._parameters[attr] = view
+                module._parameters[attr] = cast(nn.Parameter, view)  # as_params: the shard views, parameters
             else:
                 module._parameters[attr] = None
                 module.__dict__[attr] = view

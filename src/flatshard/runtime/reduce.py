@@ -58,7 +58,7 @@ class ReduceSpec:
 
 @dataclass
 class PendingReduction:
-    work: Optional[Any]  # a Work (or a point-to-point exchange) still in flight, or None
+    work: Optional[collectives.Handle]  # a collective still in flight, or None
     full: Optional[torch.Tensor]  # the gradient being reduced, kept alive until the collective is done
     out: torch.Tensor  # this rank's reduced shard (reduce dtype)
     all_reduce_after: bool  # hybrid: the shard still has to be all-reduced (or scattered) across replicas
@@ -69,7 +69,8 @@ class PendingReduction:
         """(full-size gradient and receive buffer bytes, reduced shard bytes) held now."""
         full = 0 if self.full is None or self.full is self.out else self.full.untyped_storage().nbytes()
         full += 0 if self.source is None else self.source.untyped_storage().nbytes()
-        buffers = self.work.nbytes() if hasattr(self.work, "nbytes") else 0  # a point-to-point exchange's
+        work = self.work
+        buffers = work.nbytes() if work is not None and hasattr(work, "nbytes") else 0  # a point-to-point exchange's
         return full + buffers, self.out.untyped_storage().nbytes()
 
 
@@ -87,6 +88,7 @@ def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: boo
         full.div_(before)  # ``grad`` is the unit's own (taken off the unsharded flat, or its cast copy)
     async_op = async_op and streams.host_ordered
     if groups.shard_size > 1:
+        assert groups.shard_group is not None  # F > 1: the shard group exists
         out = torch.empty(spec.shard_sizes[groups.shard_rank], dtype=spec.reduce_dtype, device=grad.device)
         streams.use(COMPUTE, out, "alloc", f"reduced gradient {spec.label}")
         streams.order(COMPUTE, REDUCE)
@@ -105,6 +107,7 @@ def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: boo
         record(result, "shard")
         return PendingReduction(result.work, full, out, groups.replicate_size > 1, event=streams.record(REDUCE))
     if groups.replicate_size > 1:
+        assert groups.replicate_group is not None  # R > 1: the replicate group exists
         streams.order(COMPUTE, REDUCE)
         with streams.on(REDUCE), torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
             streams.use(REDUCE, full, "read", f"gradient {spec.label}")
@@ -134,6 +137,7 @@ def advance(pending: PendingReduction, spec: ReduceSpec, record: Record, *, asyn
         return
     pending.all_reduce_after = False
     groups, inter = spec.groups, spec.inter_node
+    assert groups.replicate_group is not None  # all_reduce_after: R > 1, so the replicate group exists
     async_op = async_op and streams.host_ordered
     if spec.scatter_replicas:  # [Note: optimizer state across replicas] (across_replicas.py): S elements to this piece
         shard, r = pending.out, groups.replicate_size

@@ -16,7 +16,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, cast
+from typing import TYPE_CHECKING, Optional, Protocol, cast
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from flatshard.runtime.comm.collectives import CollectiveResult
 from flatshard.runtime.comm.streams import Lane, Streams
 from flatshard.runtime.comm.streams import for_device as streams_for
 from flatshard.runtime.consistency import END_BACKWARD, END_FORWARD, Checker, Phase, exchange_tag
-from flatshard.runtime.instrument import CommEvent, CommRecorder, MemoryRecorder
+from flatshard.runtime.instrument import CommEvent, CommRecorder
 
 if TYPE_CHECKING:
     from flatshard.runtime.flat_group import FlatGroup
@@ -66,6 +66,13 @@ class ScheduleConfig:
     inter_node_in_flight: bool = True
 
 
+class Sampler(Protocol):
+    """What the run context calls at every unit transition: instrument.py's ``MemoryRecorder``, or any
+    object with its ``sample`` (flatshard.testing's ``on_transition``); what it returns is dropped."""
+
+    def sample(self) -> object: ...
+
+
 def run_context(unit: Unit) -> RunContext:
     """The run context ``unit`` is bound to, as this module's class (units see it as ``context.Context``)."""
     return cast(RunContext, unit.ctx)
@@ -84,7 +91,7 @@ class RunContext:
         self.end_of_backward_queued = False
         self.raised = False  # a forward raised ([Note: a step that raised])
         self.comm_recorders: list[CommRecorder] = []
-        self.memory_recorders: list[MemoryRecorder] = []
+        self.memory_recorders: list[Sampler] = []
         self.pending_reductions: list[FlatGroup] = []  # reduce-scatters in flight, finished at the next post-backward
         self.cross_node_reductions: list[FlatGroup] = []  # all-reduces across nodes, finished at the end of backward
         self.buffer_cast: Optional[tuple[nn.Module, torch.dtype]] = None  # MixedPrecision.buffer_dtype
@@ -157,16 +164,21 @@ class RunContext:
         """Pieces that changed travel while the first units compute ([Note: optimizer state across
         replicas], across_replicas.py): every unit after a synchronised backward; otherwise those whose piece
         changed on any rank, agreed by one all-reduce of a flag per unit."""
-        groups = [g for u in self.units for g in u.flat_groups if g.pieces is not None and g.pieces.pending is None]
-        unsure = [g for g in groups if not g.pieces.dirty]
+        groups = [
+            (g, g.pieces)
+            for u in self.units
+            for g in u.flat_groups
+            if g.pieces is not None and g.pieces.pending is None
+        ]
+        unsure = [(g, pieces) for g, pieces in groups if not pieces.dirty]
         changed = set()
         if unsure:
             group = self.root.flat_groups[0].groups.process_group
-            flags = [g.pieces.changed(g.flat_shard) for g in unsure]
+            flags = [pieces.changed(g.flat_shard) for g, pieces in unsure]
             agreed = torch.tensor(flags, dtype=torch.int32, device=agree.collective_device(group))
             self.record(collectives.all_reduce(agreed, group, op=ReduceOp.MAX), "world", "<pieces changed>")
-            changed = {id(g) for g, flag in zip(unsure, agreed.tolist()) if flag}
-        for g in groups:
+            changed = {id(g) for (g, _), flag in zip(unsure, agreed.tolist()) if flag}
+        for g, _ in groups:
             g.start_piece_sync(changed=id(g) in changed)
 
     def end_forward(self, completed: bool = True) -> None:
@@ -204,8 +216,8 @@ class RunContext:
         try:
             self.checker.check(END_BACKWARD, -1, self.phase)
             pending, self.pending_reductions = self.pending_reductions, []
-            for unit in pending:  # in the order issued: the same on every rank
-                self.settle(unit)
+            for group in pending:  # in the order issued: the same on every rank
+                self.settle(group)
             crossing, self.cross_node_reductions = self.cross_node_reductions, []
             for group in crossing:
                 group.finish_reduction()

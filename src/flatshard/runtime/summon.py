@@ -86,14 +86,14 @@ def summon(
     try:
         yield
     finally:
-        for unit, full in zip(units, held):
-            if full is None:
+        for unit, gathered in zip(units, held):
+            if gathered is None:
                 continue
             unit.summoned = False
             group = unit.flat_group
-            if writeback and full.untyped_storage().data_ptr() != group.flat_shard.untyped_storage().data_ptr():
+            if writeback and gathered.untyped_storage().data_ptr() != group.flat_shard.untyped_storage().data_ptr():
                 with torch.no_grad():
-                    group.flat_shard.copy_(group.layout.segment(full, group.groups.shard_rank))
+                    group.flat_shard.copy_(group.layout.segment(gathered, group.groups.shard_rank))
             set_views_on_modules(group.layout, group.shard_views, as_params=True)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -26,7 +26,13 @@ def clean_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in HOPS)
 
 
-class UnitHost:
+if TYPE_CHECKING:  # every host is an nn.Module; the mixin's base says so to the type checker only
+    _HostBase = nn.Module
+else:
+    _HostBase = object
+
+
+class UnitHost(_HostBase):
     """The ``nn.Module`` that carries one unit (a mixin of the front end's module class).
 
     Besides ``_unit``, hosts declare what the layers above keep per model, so nothing is stashed in a

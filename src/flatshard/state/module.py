@@ -21,7 +21,7 @@ tensors (every rank holds them whole) in every type. Load errors are raised on e
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -57,14 +57,17 @@ def module_state_dict(module, *args, destination=None, prefix: str = "", keep_va
         destination = OrderedDict()
     settings = settings_of(module)
     view = model_view(module, prefix)
-    kind = settings.state_dict_type
+    kind, config = settings.state_dict_type, settings.state_dict_config  # a config of the type's own class
     with label("state_dict"), view.phase(Phase.STATE_DICT):
         if kind is StateDictType.FULL_STATE_DICT:
-            _full(view, destination, settings.state_dict_config)
+            assert isinstance(config, FullStateDictConfig)
+            _full(view, destination, config)
         elif kind is StateDictType.LOCAL_STATE_DICT:
-            _local(view, destination, settings.state_dict_config)
+            assert isinstance(config, LocalStateDictConfig)
+            _local(view, destination, config)
         else:
-            _sharded(view, destination, settings.state_dict_config)
+            assert isinstance(config, ShardedStateDictConfig)
+            _sharded(view, destination, config)
     return destination
 
 
@@ -103,7 +106,7 @@ def _local(view: ModelView, destination: dict, config: LocalStateDictConfig) -> 
 
 
 def _sharded(view: ModelView, destination: dict, config: ShardedStateDictConfig) -> None:
-    values: dict[int, ShardedTensor] = {}  # tied names share one ShardedTensor
+    values: dict[int, Union[ShardedTensor, torch.Tensor]] = {}  # tied names share one (a 0-D one: a tensor)
     for kind, name, obj in view.entries:
         if kind is EntryKind.PARAM:
             if id(obj) not in values:

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from flatshard.api import CheckpointError, StateDictType
+from flatshard.api import CheckpointError, FullOptimStateDictConfig, StateDictType
 from flatshard.runtime.comm import agree, collectives
 from flatshard.runtime.consistency import Phase
 from flatshard.runtime.instrument import label
@@ -43,11 +43,13 @@ from flatshard.state.sharded_tensors import ShardedPiece, pieces_from_sharded_te
 SCALAR_TYPES = (bool, int, float, str, type(None))
 
 
-def param_names(optim, view: ModelView) -> tuple[list, list[str], dict]:
+def param_names(optim, view: ModelView) -> tuple[list, list[str], dict[str, Optional[LocalParam]]]:
     """(optimizer's params in state-dict order, their FQNs, fqn -> LocalParam or None for an unsharded one)."""
     by_view = {id(s.view): s for s in view.params}
     plain = {id(obj): name for kind, name, obj in view.entries if kind is EntryKind.UNMANAGED}
-    params, names, slots = [], [], {}
+    params: list = []
+    names: list[str] = []
+    slots: dict[str, Optional[LocalParam]] = {}
     for group in optim.param_groups:
         for p in group["params"]:
             if id(p) in by_view:
@@ -162,6 +164,7 @@ def _optim_state_dict(model, optim, osd, view: ModelView) -> dict:
     kind, config = settings.state_dict_type, settings.optim_state_dict_config
     move = (lambda t: t.detach().cpu()) if config.offload_to_cpu else (lambda t: t.detach())
     if kind is StateDictType.FULL_STATE_DICT:
+        assert isinstance(config, FullOptimStateDictConfig)  # each type has a config of its own class (settings.py)
         keep = not config.rank0_only or agree.rank_in(view.group) == 0
         return _full(view, local, merged_meta(local.meta, view), keep, move)
     if kind is StateDictType.SHARDED_STATE_DICT:
@@ -184,6 +187,7 @@ def _sharded(meta: dict, local: LocalOptimState, move, view: ModelView) -> dict:
         out = {}
         for k, d in keys.items():
             if d["kind"] == "piece":
+                assert slot is not None  # a piece is described only for a parameter a unit owns (describe)
                 v = mine.get(k)
                 if v is None:
                     device = slot.unit.flat_group.owned.device
@@ -255,8 +259,11 @@ def optim_state_dict_to_load(  # group: PyTorch's signature; the model's own gro
 def _to_load(model, optim, osd: dict, view: ModelView) -> dict:
     settings = settings_of(model)
     params, names, slots = param_names(optim, view)
-    if settings.state_dict_type is StateDictType.FULL_STATE_DICT and settings.optim_state_dict_config.rank0_only:
-        osd = _from_rank0(osd, view, {n: slots[n] for n in names})
+    config = settings.optim_state_dict_config
+    if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
+        assert isinstance(config, FullOptimStateDictConfig)  # each type has a config of its own class (settings.py)
+        if config.rank0_only:
+            osd = _from_rank0(osd, view, {n: slots[n] for n in names})
     osd, problem = _pieces(osd)
     problem = problem or check(optim, osd, names, settings.state_dict_type, view)
     agree.agree(problem, view.group, CheckpointError, view.record)
@@ -301,11 +308,17 @@ def _from_rank0(osd: Optional[dict], view: ModelView, slots: dict) -> dict:
     tensor at a time (a broadcast each), the full tensors, keeping only their own range of each."""
     group = view.group
     rank0 = agree.rank_in(group) == 0
+    if rank0 and osd is None:
+        raise TypeError(
+            "optim_state_dict_to_load with rank0_only=True: rank 0 passes the full optimizer state dict, and "
+            "it passed None"
+        )
+    source = osd if osd is not None else {}  # read on rank 0 only
     shape = None
     if rank0:
         shape = {
-            "param_groups": osd["param_groups"],
-            "state": {n: {k: _shape_of(v) for k, v in keys.items()} for n, keys in osd["state"].items()},
+            "param_groups": source["param_groups"],
+            "state": {n: {k: _shape_of(v) for k, v in keys.items()} for n, keys in source["state"].items()},
         }
     shape = agree.gather_json(shape, group, view.record)[0]
     state = {}
@@ -313,11 +326,13 @@ def _from_rank0(osd: Optional[dict], view: ModelView, slots: dict) -> dict:
         out = {}
         for k, d in keys.items():
             if d["kind"] != "tensor":
-                out[k] = osd["state"][name][k] if rank0 else (scalar_tensor(d) if d["kind"] == "scalar" else d["value"])
+                out[k] = (
+                    source["state"][name][k] if rank0 else (scalar_tensor(d) if d["kind"] == "scalar" else d["value"])
+                )
                 continue
             device = agree.collective_device(group)
             if rank0:
-                full = osd["state"][name][k].to(device).contiguous()
+                full = source["state"][name][k].to(device).contiguous()
             else:
                 full = torch.empty(d["shape"], dtype=dtype_from(d["dtype"]), device=device)
             if agree.world_of(group) > 1:

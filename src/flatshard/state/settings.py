@@ -17,14 +17,16 @@ from flatshard.api import (
     FullStateDictConfig,
     LocalOptimStateDictConfig,
     LocalStateDictConfig,
+    OptimStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
+    StateDictConfig,
     StateDictSettings,
     StateDictType,
 )
 from flatshard.runtime.tree import unit_hosts
 
-CONFIGS = {
+CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),

@@ -127,7 +127,9 @@ def sharded_tensor(param: Any, flat: torch.Tensor, record: Record = None) -> Uni
             meta = ShardMetadata(offsets, sizes, f"rank:{global_rank}/{device}")
             metas.append(meta)
             if shard_rank == param.unit.flat_group.owner_rank:
-                a, b = box_flat_range(offsets, sizes, shape) if math.prod(sizes) else (param.start, param.start)
+                run = box_flat_range(offsets, sizes, shape) if math.prod(sizes) else (param.start, param.start)
+                assert run is not None  # each box flat_range_boxes cuts is a run of the flattening
+                a, b = run
                 local.append(Shard(flat[a - param.start : b - param.start].view(sizes), meta))
     properties = TensorProperties(dtype=flat.dtype, requires_grad=False, pin_memory=flat.is_pinned())
     metadata = ShardedTensorMetadata(metas, torch.Size(shape), properties)

@@ -96,7 +96,7 @@ def units_in_init_order(
             if param_init_fn is not None:
                 param_init_fn(module)
             else:
-                module.reset_parameters()
+                module.reset_parameters()  # type: ignore[operator]  # its class's method (_check_initialisable)
         _keep_ties(root, module, installed)
         del installed
         for unit in _ready(pending, last, index[module]):
@@ -236,7 +236,7 @@ def adopt_materialized(unit: Unit, fqns: dict[int, str]) -> None:
     device = current[0].device if current else torch.device("cpu")
     dtype = current[0].dtype if current else group.flat_shard.dtype
     flat = torch.zeros(group.flat_shard.numel(), dtype=dtype, device=device)
-    views = []
+    views: list[nn.Parameter] = []
     dims = getattr(layout, "dims", [0] * len(layout.infos))  # [Note: sharded along another dim] (chunked.py)
     for info, param, dim, (lo, hi) in zip(layout.infos, current, dims, layout.local_slices(rank)):
         if isinstance(param, DTensor):
@@ -251,6 +251,7 @@ def adopt_materialized(unit: Unit, fqns: dict[int, str]) -> None:
             views.append(param)
         else:
             old = group.shard_views[len(views)]
+            assert isinstance(old, DTensor)  # fully_shard's shard views are DTensor parameters
             old._local_tensor = slot
             views.append(old)
     # the model was cast (model.to(torch.float64)): the unit computes in the new dtype

@@ -60,6 +60,7 @@ def _difference(all_lines: list[list[str]]) -> str:
         n = next((i for i, (a, b) in enumerate(zip(all_lines[0], lines)) if a != b), min(len(lines), len(all_lines[0])))
         if first is None or n < first[0]:
             first = (n, rank)
+    assert first is not None  # two lists at least: the ranks' lists differ
     position, rank = first
 
     def at(r: int) -> str:

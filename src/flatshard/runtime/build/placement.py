@@ -15,6 +15,7 @@ from typing import Optional
 from torch import nn
 
 from flatshard.runtime.layout import ParamInfo
+from flatshard.runtime.tree import UnitHost
 
 
 class Placement:
@@ -44,7 +45,7 @@ class Placement:
                 child_unit = child
             self._walk(child, f"{path}.{name}" if path else name, child_unit, units, skip, ignored_params)
 
-    def _ancestors(self, unit: nn.Module) -> list[nn.Module]:
+    def _ancestors(self, unit: Optional[nn.Module]) -> list[nn.Module]:
         chain = []
         while unit is not None:
             chain.append(unit)
@@ -84,7 +85,7 @@ class Placement:
         return out
 
 
-def check_no_tie_into_wrapped(placement: Placement, wrapped: Iterable[nn.Module]) -> None:
+def check_no_tie_into_wrapped(placement: Placement, wrapped: Iterable[UnitHost]) -> None:
     """A parameter that a hand-wrapped unit already flattened must not be used outside that unit."""
     for inner in wrapped:
         originals = {k: v for g in inner._unit.flat_groups for k, v in g.originals.items()}  # id -> weakref(param)

@@ -134,6 +134,7 @@ def _build_each(module, chosen, by_unit, paths, skip, device_id, groups, options
             for parent, attr in parents.get(unit_module, []):
                 parent._modules[attr] = host
         del params  # the unit keeps its shard; the full-size parameters go before the next unit is initialised
+    assert root is not None  # ``module`` is among the units built
     return root
 
 
@@ -198,6 +199,7 @@ def build_unit(
 def _layout(infos, originals, groups: ShardGroups, options: BuildOptions, loads, owners) -> tuple:
     """The flat layout of one unit's parameters on these groups, and its pieces across replicas (or None)."""
     pieces = None
+    layout: FlatLayout | ChunkedLayout
     if options.shard_boundaries == "chunks":  # fully_shard: FSDP2's dim-0 chunks ([Note: chunked layout])
         dims = options.shard_dims or {}
         layout = ChunkedLayout(infos, groups.shard_size, [dims.get(id(p), 0) for p in originals])
@@ -211,7 +213,7 @@ def _layout(infos, originals, groups: ShardGroups, options: BuildOptions, loads,
     return layout, pieces
 
 
-def become_root(host: nn.Module, config: ScheduleConfig, mixed_precision: Optional[MixedPrecision]) -> RunContext:
+def become_root(host: UnitHost, config: ScheduleConfig, mixed_precision: Optional[MixedPrecision]) -> RunContext:
     """``host`` (a front end's root, already holding its unit and module) becomes the root of every unit
     under it: one run context, shared, and each unit named by its path in the unwrapped model."""
     hosts = unit_hosts(host)

@@ -72,7 +72,7 @@ def gather_json(obj: Any, group=None, record: Record = None) -> list[Any]:
     return [json.loads(bytes(out[r * longest : r * longest + int(sizes[r])].numpy()).decode()) for r in range(n)]
 
 
-def agree(message: Optional[str], group=None, error: type = CheckpointError, record: Record = None) -> None:
+def agree(message: Optional[str], group=None, error: type[Exception] = CheckpointError, record: Record = None) -> None:
     """Raise ``error`` on every rank of ``group`` if ``message`` is not None on any of them."""
     messages = gather_json(message, group, record)
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
@@ -84,7 +84,7 @@ def agree(message: Optional[str], group=None, error: type = CheckpointError, rec
     raise error(f"{first}{where}")
 
 
-def run_agreed(fn: Callable[[], Any], group=None, error: type = CheckpointError, record: Record = None):
+def run_agreed(fn: Callable[[], Any], group=None, error: type[Exception] = CheckpointError, record: Record = None):
     """Call ``fn()``; a ``CheckpointError``, ``ValueError``, ``KeyError``, ``OSError`` or ``RuntimeError``
     it raises on any rank is raised as ``error`` on every rank ([Note: equal errors]), chained to the
     original exception on the rank where it happened. Returns what ``fn`` returned."""

@@ -16,7 +16,7 @@ sent: each message's int8 values and its blocks' fp32 scales.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -26,12 +26,26 @@ from flatshard.runtime.comm import gloo_exchange, int8
 from flatshard.runtime.comm.gloo_exchange import Remote
 
 
+class Handle(Protocol):
+    """A collective in flight: torch's ``dist.Work``, or a point-to-point exchange (gloo_exchange.py)."""
+
+    def wait(self) -> bool: ...
+
+
 class CollectiveResult(NamedTuple):
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
     group_size: int
     tensor_bytes: int  # bytes of the larger buffer involved (gathered output, scattered input, reduced tensor)
     wire_bytes: float  # bytes this rank sends under the ring algorithm
-    work: Optional[dist.Work]  # set when issued with async_op=True; wait() before reading the output
+    work: Optional[Handle]  # set when issued with async_op=True; wait() before reading the output
+
+
+def default_group() -> ProcessGroup:
+    """torch.distributed's default group, what a group of None means (torch.distributed is initialised:
+    every path here runs after ``mesh.require_initialized``)."""
+    group = dist.group.WORLD
+    assert group is not None, "torch.distributed is not initialised"
+    return group
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -53,12 +67,14 @@ def all_gather(
     ``tag`` names a point-to-point exchange (gloo): exchanges in flight at the same time need their own.
     ``remote``: the group ranks on other nodes, whose messages go as int8 (gloo only)."""
     n = dist.get_world_size(group)
-    ragged = sizes is not None and len(set(sizes)) > 1
+    ragged = sizes if sizes is not None and len(set(sizes)) > 1 else None  # the sizes, when they differ
     _check_compressible(remote is not None, output, group)
+    work: Optional[Handle]
     if gloo_exchange.applies(output, group):
-        work = gloo_exchange.all_gather(output, shard, group, n, tag, async_op, sizes if ragged else None, remote)
-    elif ragged:
-        work = _padded_all_gather(output, shard, group, sizes)
+        work = gloo_exchange.all_gather(output, shard, group, n, tag, async_op, ragged, remote)
+    elif ragged is not None:
+        work = None  # synchronous
+        _padded_all_gather(output, shard, group, ragged)
     else:
         work = dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
     me = dist.get_rank(group)
@@ -79,16 +95,18 @@ def reduce_scatter(
     when they differ); ``tag`` and ``remote`` as for ``all_gather``. Bytes: what this rank sends, the
     other ranks' chunks."""
     n = dist.get_world_size(group)
-    ragged = sizes is not None and len(set(sizes)) > 1
+    ragged = sizes if sizes is not None and len(set(sizes)) > 1 else None  # the sizes, when they differ
     _check_compressible(remote is not None, full, group)
+    work: Optional[Handle]
     if gloo_exchange.applies(full, group):
-        work = gloo_exchange.reduce_scatter(output, full, group, n, tag, async_op, sizes if ragged else None, remote)
-    elif ragged:
-        work = _padded_reduce_scatter(output, full, group, sizes)
+        work = gloo_exchange.reduce_scatter(output, full, group, n, tag, async_op, ragged, remote)
+    elif ragged is not None:
+        work = None  # synchronous
+        _padded_reduce_scatter(output, full, group, ragged)
     else:
         work = dist.reduce_scatter_tensor(output, full, op=ReduceOp.SUM, group=group, async_op=async_op)
     me = dist.get_rank(group)
-    numel = sizes if ragged else [output.numel()] * n
+    numel = ragged if ragged is not None else [output.numel()] * n
     sent = [_message_bytes(numel[j], full.element_size(), remote, j) for j in range(n) if j != me]
     return CollectiveResult("reduce_scatter", n, _nbytes(full), float(sum(sent)), work)
 
@@ -135,7 +153,7 @@ def _padded_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: Proc
 def all_reduce(
     tensor: torch.Tensor,
     group: ProcessGroup,
-    op: ReduceOp = ReduceOp.SUM,
+    op: Union[ReduceOp, ReduceOp.RedOpType] = ReduceOp.SUM,
     async_op: bool = False,
     *,
     compressed: bool = False,
@@ -157,7 +175,7 @@ def all_reduce(
 
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: Optional[ProcessGroup]) -> CollectiveResult:
-    group = group if group is not None else dist.group.WORLD
+    group = group if group is not None else default_group()
     n = dist.get_world_size(group)
     src = dist.get_global_rank(group, src_group_rank)
     dist.broadcast(tensor, src=src, group=group)

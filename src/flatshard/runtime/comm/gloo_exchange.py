@@ -45,7 +45,7 @@ class Exchange:
         self.group, self.n, self.tag = group, n, tag
         self.rank = dist.get_rank(group)
         self._posted: list[dist.Work] = []
-        self._steps: list[Callable[[], None]] = []
+        self._steps: list[Callable[[], object]] = []  # run for their effect: what a step returns is dropped
         self.buffers: list[torch.Tensor] = []  # receive buffers of its own (memory recorders count them)
 
     def buffer(self, numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -70,11 +70,15 @@ class Exchange:
             # an empty tensor (a ragged shard of no elements) is neither sent nor received: both sides
             # know every shard's size, so they skip it alike
             if send.numel():
-                self._posted.append(dist.isend(send, to, group=self.group, tag=self.tag))
+                self._post(dist.isend(send, to, group=self.group, tag=self.tag))
             if recv.numel():
-                self._posted.append(dist.irecv(recv, frm, group=self.group, tag=self.tag))
+                self._post(dist.irecv(recv, frm, group=self.group, tag=self.tag))
 
-    def then(self, step: Callable[[], None]) -> None:
+    def _post(self, work: Optional[dist.Work]) -> None:
+        assert work is not None  # torch returns None only to a rank outside the group, and this one is in it
+        self._posted.append(work)
+
+    def then(self, step: Callable[[], object]) -> None:
         self._steps.append(step)
 
     def wait(self) -> bool:
@@ -161,7 +165,7 @@ def reduce_scatter(
         for k, (buf, _) in zip(range(2, n), later):
             work.exchange(send, buf, peers=[k])
         for _, values in later:
-            work.then(lambda values=values: output.add_(values()))
+            work.then(functools.partial(_add, output, values))
         return work
     shared = torch.empty_like(output) if n > 2 else None
     arrived: list[Callable[[], torch.Tensor]] = []
@@ -175,6 +179,10 @@ def reduce_scatter(
         work.then(functools.partial(post, k))
         work.then(lambda: output.add_(arrived.pop()()))
     return _finish(work, async_op)
+
+
+def _add(output: torch.Tensor, values: Callable[[], torch.Tensor]) -> torch.Tensor:
+    return output.add_(values())
 
 
 def all_reduce_int8(tensor: torch.Tensor, group: ProcessGroup, n: int, tag: int, async_op: bool) -> Optional[Exchange]:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from flatshard.api import ShardingStrategy
+from flatshard.runtime.comm.collectives import default_group
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ def group_timeout(group: Optional[ProcessGroup]) -> Optional[timedelta]:
     """The timeout ``group``'s collectives run under (what ``init_process_group``/``new_group`` was given),
     or None when the backend does not say (then torch's default applies to groups made from it)."""
     group = group if group is not None else dist.group.WORLD
+    if group is None:  # torch.distributed is not initialised: no group, no timeout
+        return None
     for device in ("cpu", "cuda"):
         try:
             return group._get_backend(torch.device(device)).options._timeout
@@ -91,7 +94,7 @@ def resolve_groups(strategy: ShardingStrategy, process_group, device_mesh, shard
         if device_mesh.ndim != 1:
             raise ValueError(f"device_mesh must be 1-D (shard) or 2-D (replicate, shard); got {device_mesh.ndim}-D")
         process_group = device_mesh.get_group()
-    group = process_group if process_group is not None else dist.group.WORLD
+    group = process_group if process_group is not None else default_group()
     world = dist.get_world_size(group)
     if dist.get_rank(group) < 0:
         raise ValueError("this rank is not a member of the process_group given to FullyShardedDataParallel")
@@ -175,7 +178,7 @@ def _from_pair(strategy: ShardingStrategy, pair: tuple) -> ShardGroups:
     if len(pair) != 2:
         raise ValueError("process_group as a tuple must be (shard_group, replicate_group)")
     shard, replicate = pair
-    return _checked(shard, replicate, dist.group.WORLD, "process_group=(shard_group, replicate_group)")
+    return _checked(shard, replicate, default_group(), "process_group=(shard_group, replicate_group)")
 
 
 def _from_mesh(strategy: ShardingStrategy, mesh) -> ShardGroups:
@@ -187,7 +190,7 @@ def _from_mesh(strategy: ShardingStrategy, mesh) -> ShardGroups:
     names = mesh.mesh_dim_names
     shard_dim, replicate_dim = ("shard", "replicate") if names and set(names) == {"shard", "replicate"} else (1, 0)
     # a 2-D data-parallel mesh inside a larger one (HSDP beside tensor parallelism): its own ranks' group
-    whole = dist.group.WORLD if mesh.size() == dist.get_world_size() else mesh._flatten().get_group()
+    whole = default_group() if mesh.size() == dist.get_world_size() else mesh._flatten().get_group()
     return _checked(mesh.get_group(shard_dim), mesh.get_group(replicate_dim), whole, "device_mesh")
 
 

@@ -103,7 +103,7 @@ class DeviceStreams(Streams):
             yield
             return
         previous = torch.accelerator.current_stream(self.device)
-        torch.accelerator.set_stream(self._streams[lane])
+        torch.accelerator.set_stream(self._stream(lane))
         try:
             yield
         finally:
