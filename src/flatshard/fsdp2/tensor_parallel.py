@@ -75,7 +75,7 @@ def localize(
 ) -> tuple[dict[tuple[int, str], TPSpec], Optional[dict[int, int]]]:
     """Swap each tensor-parallel parameter for a plain one holding its local tensor (tied uses get the
     same new parameter). Returns (id(module), attr) -> its TPSpec for every use swapped, and ``dims``
-    (id(parameter) -> shard dim, fsdp2_checks.shard_dims) keyed by the new parameters."""
+    (id(parameter) -> shard dim, checks.shard_dims) keyed by the new parameters."""
     old: dict[int, nn.Parameter] = {}  # held until the ids are remapped (a freed id may be reused)
     swapped: dict[int, nn.Parameter] = {}
     uses: dict[tuple[int, str], TPSpec] = {}

@@ -14,7 +14,7 @@ summon_full_params, state dicts, checkpoints) run under ``flatshard::<entry poin
                   queues end_of_backward
   split backward  a prehook on the compute views' split node: free the parameters before autograd
                   joins their gradients ([Note: free before the flat gradient])
-  post_backward   the unsharded flat's post-accumulate-grad hook: start the reduction
+  post_backward   each flat group's unsharded flat's post-accumulate-grad hook: start the group's reduction
                   (``post_backward_reduce``), reshard; finish the previous unit's reduction
   end_of_backward one autograd-engine callback per backward pass: finish reductions in flight,
                   expose ``.grad`` on shard views, reshard what is still gathered

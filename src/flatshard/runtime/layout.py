@@ -8,7 +8,7 @@ Each unit names five tensors, always with these words:
                    shard, as an ``nn.Parameter`` (1-D, maybe empty) under the original name. What
                    ``named_parameters()`` and the optimizer see; ``orig_shape`` holds the full shape.
   * grad shard     S elements where reduced gradients land; each shard view's ``.grad`` views into it
-                   (``Unit.grad_shard``).
+                   (``FlatGroup.grad_shard``).
   * unsharded flat F·S elements, filled by all-gather; its storage is freed on reshard and refilled
                    into the same tensor, so tensors autograd saved in forward are valid in backward.
   * compute views  the unsharded flat in the original shapes (one ``torch.split`` per pass, so

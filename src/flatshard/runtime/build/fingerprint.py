@@ -37,7 +37,7 @@ def entries(options_line: str, units: list[tuple[str, list]]) -> list[str]:
 
 
 def _full_shape(info, param) -> tuple:
-    """A tensor-parallel parameter's full shape (its TP piece's may differ per rank; fsdp2_tp.localize)."""
+    """A tensor-parallel parameter's full shape (its TP piece's may differ per rank: fsdp2/tensor_parallel.py)."""
     return getattr(param, "flatshard_full_shape", info.shape)
 
 
