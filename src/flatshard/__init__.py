@@ -57,6 +57,7 @@ _EXPORTS = {
     "CommRecorder": "flatshard.runtime.instrument",
     "MemoryRecorder": "flatshard.runtime.instrument",
     "UnitInfo": "flatshard.runtime.tree",
+    "FlatGroupInfo": "flatshard.runtime.tree",
     "units": "flatshard.runtime.tree",
     "owned_named_parameters": "flatshard.runtime.tree",
     "param_groups": "flatshard.weight_decay",

@@ -280,12 +280,12 @@ def fully_shard(
     unit = built.root
     checks.remember_flattened(unit)
     unit.settings.unsynced_in_reduce_dtype = True  # FSDP2 accumulates unsynced gradients in the reduce dtype
-    group = unit.flat_group
-    if post_forward_size:
-        group.gather.post_forward = _post_forward_group(mesh, post_forward_size, group.layout.padded)
-    _as_dtensors(group, mesh, placements, tp_uses)
+    for group in unit.flat_groups:  # one per dtype ([Note: a flat group per dtype], runtime/build/units.py)
+        if post_forward_size:
+            group.gather.post_forward = _post_forward_group(mesh, post_forward_size, group.layout.padded)
+        _as_dtensors(group, mesh, placements, tp_uses)
     extensions.attach(unit, target, self_gathered, mesh, placements, mp_policy, mp, dims)
-    if group.flat_shard.is_meta:
+    if any(group.flat_shard.is_meta for group in unit.flat_groups):
         _ON_META.add(unit)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
@@ -297,7 +297,7 @@ def fully_shard(
         if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs and not unit.precision.mixed:
             m.register_forward_pre_hook(functools.partial(_cast_inputs, mp.param_dtype), with_kwargs=True)
         m.register_forward_hook(functools.partial(hooks.forward_post_hook, unit, output_dtype), always_call=True)
-    config = build.schedule_config(group.compute_device)
+    config = build.schedule_config(unit.flat_groups[0].compute_device)
     root = modules[0]
     assert isinstance(root, FSDPModule)
     build.become_root(root, config, mp)
@@ -354,22 +354,13 @@ def _adopt_materialized(module: FSDPModule, _args) -> None:
         named = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor) and id(p) not in own]
         checks.check_no_all_gather_extension([(n, p._local_tensor) for n, p in named])
         _ROOTS_CHECKED.add(module)
-    pending = [u for u in units_under(module) if u in _ON_META or _moved(u)]
+    # built on meta, or moved: ``model.to(...)`` swapped a flat group's DTensor parameters for copies
+    pending = [u for u in units_under(module) if u in _ON_META or any(g.views_replaced for g in u.flat_groups)]
     if pending:
         fqns = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
         for unit in pending:
             deferred.adopt_materialized(unit, fqns)
             _ON_META.discard(unit)
-
-
-def _moved(unit: Unit) -> bool:
-    """Whether ``model.to(...)`` swapped the unit's DTensor parameters for copies outside its flat shard."""
-    group = unit.flat_group
-    if not group.shard_views or group.flat_shard.is_meta:
-        return False
-    view = group.shard_views[0]
-    assert isinstance(view, DTensor)  # fully_shard's shard views are DTensor parameters
-    return view._local_tensor.untyped_storage().data_ptr() != group.flat_shard.untyped_storage().data_ptr()
 
 
 def _no_nested(module: nn.Module, unit: Unit) -> nn.Module:  # noqa: ARG001 - build's host factory

@@ -3,7 +3,8 @@
 A flat group is one flat buffer with its layout, dtype, process groups, gather and reduction: its flat
 shard and shard views ([Note: flatshard tensors], layout.py), its unsharded flat and all-gather
 (gather.py: ``Gather``), its gradients (grad_state.py: ``GradState``) and its reduction (reduce.py). A
-unit holds one flat group per (mesh, dtype, layout kind) -- today always exactly one -- and fans its
+unit holds one flat group per (mesh, dtype, layout kind) -- one, or for a ``fully_shard`` call with frozen
+parameters of another dtype one per dtype ([Note: a flat group per dtype], build/units.py) -- and fans its
 transitions out to them (unit.py); the communication atom is the group: one all-gather per group per
 pass, one reduce-scatter per group per backward, never one collective per parameter.
 
@@ -154,6 +155,15 @@ class FlatGroup:
         """What this rank's shard views view: the flat shard, or its piece ([Note: optimizer state across
         replicas]). Laid out by ``owner_layout`` at ``owner_rank``."""
         return self.flat_shard if self.pieces is None else self.pieces.piece(self.flat_shard)
+
+    @property
+    def views_replaced(self) -> bool:
+        """Whether the shard views no longer view the flat shard: the user swapped their data (fully_shard's
+        ``model.to(...)``: [Note: meta parameters left to the user], build/deferred.py)."""
+        if not self.shard_views or self.flat_shard.is_meta:
+            return False
+        view = local(self.shard_views[0])
+        return view.untyped_storage().data_ptr() != self.flat_shard.untyped_storage().data_ptr()
 
     @property
     def owners_replicated(self) -> bool:

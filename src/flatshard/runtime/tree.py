@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from flatshard.runtime.flat_group import FlatGroup
 from flatshard.runtime.unit import Unit
 
 WRAPPED = "_fsdp_wrapped_module"  # the FSDP1 wrapper's child: its name adds nothing to parameter names
@@ -74,11 +75,38 @@ def units_under(module: nn.Module) -> list[Unit]:
 
 # ---- the public view ----------------------------------------------------------------------------
 @dataclass(frozen=True)
+class FlatGroupInfo:
+    """One flat group of a unit (``UnitInfo.flat_groups``): the parameters of one dtype, stored as one
+    flat shard and gathered by one all-gather. Element counts as in ``UnitInfo``, for this group alone."""
+
+    param_names: tuple[str, ...]  # its parameters, relative to the unit's module, in flat order
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    shard_sizes: tuple[int, ...]
+    local_numel: int
+    dtype: torch.dtype  # the master dtype: its parameters' own
+    compute_dtype: torch.dtype  # the gathered parameters' dtype
+    requires_grad: bool  # whether any of its parameters is trainable: only then is it reduced in backward
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+
+@dataclass(frozen=True)
 class UnitInfo:
     """One unit as this rank sees it (``flatshard.units(model)``). Element counts are per unit:
     ``numel`` parameter elements T, padded to ``padded_numel`` = F·S, of which this rank's flat
     shard holds ``shard_numel`` = S (``local_numel`` of them real parameter elements, the rest padding).
-    With ``shard_boundaries`` "rows" or "params" shards differ in size: ``shard_sizes`` has them all."""
+    With ``shard_boundaries`` "rows" or "params" shards differ in size: ``shard_sizes`` has them all.
+
+    A unit holds one flat group, except a ``fully_shard`` call whose frozen parameters are of another
+    dtype than its trainable ones: it holds one flat group per dtype, the trainable dtype's first
+    ([Note: a flat group per dtype], runtime/build/units.py). ``flat_groups`` describes each; the unit's
+    element counts (and ``shard_sizes``, rank by rank) are then the sums over its groups, elements of
+    different sizes in bytes, ``param_names`` the groups' names one group after the other, and ``dtype``
+    and ``compute_dtype`` the first group's. For a unit of one group every figure is that group's."""
 
     name: str  # the unit's module path in the unwrapped model ("<root>" for the root)
     param_names: tuple[str, ...]  # its parameters, relative to its module, in flat order
@@ -86,7 +114,7 @@ class UnitInfo:
     padded_numel: int
     shard_numel: int
     shard_sizes: tuple[int, ...]  # every shard rank's flat shard, in rank order
-    shard_boundaries: str  # "flat", "rows" or "params" ([Note: shard boundaries])
+    shard_boundaries: str  # "flat", "rows", "params" ([Note: shard boundaries]) or fully_shard's "chunks"
     local_numel: int
     dtype: torch.dtype  # the master dtype (flat shard, grad shard, optimizer state)
     compute_dtype: torch.dtype  # the gathered parameters' dtype
@@ -97,27 +125,44 @@ class UnitInfo:
     shard_group_ranks: tuple[int, ...]  # global ranks of this rank's shard group, in group order
     is_root: bool
     reshard_after_forward: bool
+    flat_groups: tuple[FlatGroupInfo, ...]  # one per flat group: one all-gather each per pass
 
     @property
     def padding(self) -> int:
         return self.padded_numel - self.numel
 
 
-def unit_info(unit: Unit) -> UnitInfo:
-    group = unit.flat_group
-    groups, layout = group.groups, group.layout
+def _group_info(group: FlatGroup) -> FlatGroupInfo:
+    layout, shard_rank = group.layout, group.groups.shard_rank
     local = sum(hi - lo for lo, hi in group.owner_layout.local_slices(group.owner_rank))  # what the shard views hold
-    return UnitInfo(
-        name=unit.name,
+    return FlatGroupInfo(
         param_names=tuple(i.name for i in layout.infos),
         numel=layout.total,
         padded_numel=layout.padded,
-        shard_numel=layout.shard_numel_of(groups.shard_rank),
+        shard_numel=layout.shard_numel_of(shard_rank),
         shard_sizes=tuple(layout.shard_sizes),
-        shard_boundaries=layout.boundaries,
         local_numel=local,
-        dtype=unit.precision.master,
-        compute_dtype=unit.precision.compute,
+        dtype=group.precision.master,
+        compute_dtype=group.precision.compute,
+        requires_grad=group.requires_grad,
+    )
+
+
+def unit_info(unit: Unit) -> UnitInfo:
+    infos = tuple(_group_info(g) for g in unit.flat_groups)
+    first = unit.flat_groups[0]
+    groups = first.groups
+    return UnitInfo(
+        name=unit.name,
+        param_names=tuple(n for g in infos for n in g.param_names),
+        numel=sum(g.numel for g in infos),
+        padded_numel=sum(g.padded_numel for g in infos),
+        shard_numel=sum(g.shard_numel for g in infos),
+        shard_sizes=tuple(map(sum, zip(*(g.shard_sizes for g in infos)))),
+        shard_boundaries=first.layout.boundaries,
+        local_numel=sum(g.local_numel for g in infos),
+        dtype=infos[0].dtype,
+        compute_dtype=infos[0].compute_dtype,
         shard_size=groups.shard_size,
         replicate_size=groups.replicate_size,
         shard_rank=groups.shard_rank,
@@ -125,6 +170,7 @@ def unit_info(unit: Unit) -> UnitInfo:
         shard_group_ranks=_ranks(groups.shard_group),
         is_root=unit.is_root,
         reshard_after_forward=unit.settings.reshard_after_forward,
+        flat_groups=infos,
     )
 
 
@@ -142,9 +188,9 @@ def owned_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Paramete
     step whole tensors locally: ``Muon([p for _, p in owned if p.ndim == 2])`` and ``AdamW`` for the rest.
     Each parameter is owned by exactly one rank of its shard group (every replica has its owner)."""
     units = units_under(module)
-    other = sorted({u.flat_group.layout.boundaries for u in units} - {"params"})
+    other = sorted({g.layout.boundaries for u in units for g in u.flat_groups} - {"params"})
     if other:
-        names = [u.name for u in units if u.flat_group.layout.boundaries != "params"][:5]
+        names = [u.name for u in units if any(g.layout.boundaries != "params" for g in u.flat_groups)][:5]
         raise ValueError(
             f'owned_named_parameters needs every unit built with shard_boundaries="params"; units {names} use '
             f'{other}. Wrap with FullyShardedDataParallel(..., shard_boundaries="params"): each parameter then '

@@ -4,8 +4,10 @@ themselves (``SidePath``), if it has any.
 
 A unit is one wrapped module (its own parameters, not those of units nested inside it); for
 ``fully_shard``, one call. It holds:
-  * ``flat_groups``: one per (mesh, dtype, layout kind) of its parameters -- today exactly one, which
-    ``flat_group`` names for the paths that read one flat (the FSDP1 wrapper's state dicts, summon, checkpoints);
+  * ``flat_groups``: one per (mesh, dtype, layout kind) of its parameters -- exactly one under the FSDP1
+    wrapper, which ``flat_group`` names for the paths that read one flat (its state dicts, summon,
+    checkpoints); a ``fully_shard`` call has one per dtype, the trainable dtype's first ([Note: a flat
+    group per dtype], build/units.py), and its paths loop over them;
   * ``self_gathered``: fully_shard's parameters kept out of the flat groups, that gather themselves
     ([Note: parameters that gather themselves], fsdp2/extensions.py), behind a declared protocol;
   * ``settings``: what its wrap call asked for and fully_shard's ``set_*`` methods change (context.py);
@@ -85,8 +87,9 @@ class Unit:
 
     @property
     def flat_group(self) -> FlatGroup:
-        """The unit's one flat group, for the paths that read a unit as one flat (the FSDP1 wrapper's state
-        dicts, summon_full_params, clip_grad_norm_, checkpoints, ``flatshard.units``)."""
+        """The unit's one flat group, for the FSDP1 wrapper's paths that read a unit as one flat (its state
+        dicts, summon_full_params, clip_grad_norm_, checkpoints); never called on fully_shard's paths,
+        whose units may hold a flat group per dtype."""
         if len(self.flat_groups) != 1:
             raise NotImplementedError(
                 f"unit {self.name!r} holds {len(self.flat_groups)} flat groups; this path reads a unit as one flat"
@@ -95,7 +98,8 @@ class Unit:
 
     @property
     def precision(self) -> UnitPrecision:
-        """The unit's compute precision (one policy per wrap call): what its forward's inputs are cast to."""
+        """The unit's compute precision (one policy per wrap call): what its forward's inputs are cast to;
+        its first flat group's, the trainable dtype's ([Note: a flat group per dtype])."""
         return self.flat_groups[0].precision
 
     @property

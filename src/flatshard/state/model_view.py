@@ -98,7 +98,7 @@ class ModelView:
 
 def model_view(module: nn.Module, prefix: str = "") -> ModelView:
     hosts = unit_hosts(module)
-    if any(h._unit.flat_group.wrap_grad is not None for h in hosts):
+    if any(g.wrap_grad is not None for h in hosts for g in h._unit.flat_groups):  # fully_shard's DTensors
         raise NotBuiltError(
             "flatshard's state dicts and checkpoints read FullyShardedDataParallel models; fully_shard's parameters "
             "are DTensors: save and load them with torch.distributed.checkpoint (get_model_state_dict / "

@@ -36,8 +36,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from flatshard.api import MixedPrecision
 from flatshard.runtime import hooks
 from flatshard.runtime.comm.mesh import device_of
+from flatshard.runtime.flat_group import FlatGroup
 from flatshard.runtime.precision import resolve
 from flatshard.runtime.unit import Unit
 
@@ -221,18 +223,30 @@ def _fresh(unit: nn.Module, by_unit: dict[nn.Module, list], real: dict[int, tupl
 
 
 def adopt_materialized(unit: Unit, fqns: dict[int, str]) -> None:
-    """Rebuild ``unit``'s storage from the parameters its modules hold now ([Note: meta parameters left
-    to the user]). ``fqns``: id of a registered parameter -> its name from the root, for the error."""
-    group = unit.flat_group
-    layout, rank = group.owner_layout, group.owner_rank
-    current = [getattr(info.uses[0][0], info.uses[0][1]) for info in layout.infos]
-    still_meta = [fqns.get(id(p), info.name) for info, p in zip(layout.infos, current) if p.is_meta]
+    """Rebuild the storage of each of ``unit``'s flat groups from the parameters its modules hold now
+    ([Note: meta parameters left to the user]). ``fqns``: id of a registered parameter -> its name from
+    the root, for the error."""
+    current = [[getattr(info.uses[0][0], info.uses[0][1]) for info in g.owner_layout.infos] for g in unit.flat_groups]
+    still_meta = [
+        fqns.get(id(p), info.name)
+        for g, params in zip(unit.flat_groups, current)
+        for info, p in zip(g.owner_layout.infos, params)
+        if p.is_meta
+    ]
     if still_meta:
         raise RuntimeError(
             "FSDP parameters should be materialized from meta device before training, but the following were "
             f"still on meta device: {still_meta}. Call model.to_empty(device=...) and initialise them "
             "(reset_parameters(), or load a state dict with assign=True) before the first forward"
         )
+    for group, params in zip(unit.flat_groups, current):
+        _adopt(group, params, unit.settings.mixed_precision)
+        hooks.register_post_backward(unit, group)
+
+
+def _adopt(group: FlatGroup, current: list, policy: Optional[MixedPrecision]) -> None:
+    """One flat group takes back ``current``, the parameters its modules hold now, in its layout's order."""
+    layout, rank = group.owner_layout, group.owner_rank
     device = current[0].device if current else torch.device("cpu")
     dtype = current[0].dtype if current else group.flat_shard.dtype
     flat = torch.zeros(group.flat_shard.numel(), dtype=dtype, device=device)
@@ -254,7 +268,6 @@ def adopt_materialized(unit: Unit, fqns: dict[int, str]) -> None:
             assert isinstance(old, DTensor)  # fully_shard's shard views are DTensor parameters
             old._local_tensor = slot
             views.append(old)
-    # the model was cast (model.to(torch.float64)): the unit computes in the new dtype
+    # the model was cast (model.to(torch.float64)): the group computes in the new dtype
     same = dtype == group.flat_shard.dtype
-    group.replace_storage(flat, views, group.precision if same else resolve(unit.settings.mixed_precision, dtype))
-    hooks.register_post_backward(unit, group)
+    group.replace_storage(flat, views, group.precision if same else resolve(policy, dtype))
