@@ -197,13 +197,38 @@ def test_frozen_parameters_of_another_dtype_train_as_fsdp2(world):
             assert out["bitwise"]["frozen_low mp=None sgd"] and out["bitwise"]["frozen_low mp=None adamw"], out
 
 
+class Picked(nn.Module):
+    """A frozen integer parameter (column indices) beside a trainable layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, HIDDEN)
+        self.cols = nn.Parameter(torch.tensor([4, 0, 9, 2, 7]), requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(x)[:, self.cols]
+
+
 def units_worker(rank: int, world: int) -> dict:
+    import torch.distributed.fsdp as torch_fsdp
+
     import flatshard
 
     out = {}
     for mp_dtype in (None, torch.bfloat16):
         _, ours = _pair("frozen_low", mp_dtype)
         out[str(mp_dtype)] = flatshard.units(ours)
+    # param_dtype casts floating parameters only: the integer group is gathered as it is, as in FSDP2
+    torch.manual_seed(0)
+    picked = Picked()
+    x = torch.randn(2, DIM)
+    outs = []
+    for shard, policy in ((torch_fsdp.fully_shard, torch_fsdp.MixedPrecisionPolicy), (flatshard.fully_shard, None)):
+        model = copy.deepcopy(picked)
+        shard(model, mp_policy=(policy or flatshard.MixedPrecisionPolicy)(param_dtype=torch.bfloat16))
+        outs.append(model(x))
+    out["integer group"] = [(g.dtype, g.compute_dtype) for g in flatshard.units(model)[0].flat_groups]
+    out["integer output"] = torch.equal(outs[0], outs[1]) and outs[1].dtype == torch.bfloat16
     return out
 
 
@@ -236,6 +261,8 @@ def test_units_report_each_flat_group():
             (torch.float32, torch.bfloat16),
             (torch.bfloat16, torch.bfloat16),
         ]
+        assert out["integer group"] == [(torch.float32, torch.bfloat16), (torch.int64, torch.int64)], out
+        assert out["integer output"], out
 
 
 def errors_worker(rank: int, world: int) -> dict:

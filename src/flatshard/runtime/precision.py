@@ -45,7 +45,10 @@ class UnitPrecision:
 
 
 def resolve(policy: Optional[MixedPrecision], master: torch.dtype) -> UnitPrecision:
-    if policy is None:
+    """The precision of a flat group of ``master`` dtype under ``policy``. ``param_dtype`` casts floating
+    parameters only, as in PyTorch FSDP: a group of integer parameters (frozen, by necessity) is gathered
+    and computed with as it is."""
+    if policy is None or not master.is_floating_point:
         return UnitPrecision(master, master, master)
     compute = policy.param_dtype or master
     reduce = policy.reduce_dtype or compute

@@ -227,17 +227,17 @@ def one_dtype(name: str, params: list[tuple[ParamInfo, nn.Parameter]]) -> list[t
 # parameter order), its own all-gather, and its own precision, resolved from the call's
 # MixedPrecisionPolicy against the group's dtype as FSDP2 resolves each parameter's (``param_dtype``
 # applies to every floating group, a frozen fp32 group under bf16 gathers in bf16; a group already in
-# ``param_dtype`` is not cast). As in FSDP2 (``FSDPParamGroup._init_mp_dtypes``) only the trainable
-# parameters must share one dtype: the group of that dtype comes first, holding the frozen parameters of
-# that dtype too, so ``Unit.precision`` (the inputs' cast) and the paths that take a unit's first group
-# (the run context's device and process group, fully_shard's extensions) read the trainable one. A frozen
-# group is gathered like the others (one all-gather per pass) and never reduced: its unsharded flat needs
-# no gradient, so it has no post-backward hook, and in backward it stays gathered from its unit's
-# pre-backward to the end of backward, as a unit whose parameters are all frozen does (nothing tells the
-# engine earlier that no operator of the backward still reads it; FSDP2 frees the call's parameters once
-# gradients reach the module's inputs). Where FSDP2 moves a call's mixed dtypes in one uint8 all-gather,
-# flatshard issues one per group. The FSDP1 wrapper keeps one flat parameter per unit, which needs one
-# dtype (``one_dtype``).
+# ``param_dtype`` is not cast, nor is an integer group: precision.py, ``resolve``). As in FSDP2
+# (``FSDPParamGroup._init_mp_dtypes``) only the trainable parameters must share one dtype: the group of
+# that dtype comes first, holding the frozen parameters of that dtype too, so ``Unit.precision`` (the
+# inputs' cast) and the paths that take a unit's first group (the run context's device and process
+# group, fully_shard's extensions) read the trainable one. A frozen group is gathered like the others
+# (one all-gather per pass) and never reduced: its unsharded flat needs no gradient, so it has no
+# post-backward hook, and in backward it stays gathered from its unit's pre-backward to the end of
+# backward, as a unit whose parameters are all frozen does (nothing tells the engine earlier that no
+# operator of the backward still reads it; FSDP2 frees the call's parameters once gradients reach the
+# module's inputs). Where FSDP2 moves a call's mixed dtypes in one uint8 all-gather, flatshard issues one
+# per group. The FSDP1 wrapper keeps one flat parameter per unit, which needs one dtype (``one_dtype``).
 def dtype_groups(params: list[tuple[ParamInfo, nn.Parameter]]) -> list[list[tuple[ParamInfo, nn.Parameter]]]:
     """``params`` split by dtype, the trainable dtype's group first, each with offsets laid out within it."""
     trainable = list(dict.fromkeys(p.dtype for info, p in params if info.requires_grad))
