@@ -50,8 +50,8 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # this working tree's flatshard, 
 from flatshard import CPUOffload, MixedPrecision, ShardingStrategy, param_groups  # noqa: E402
 from flatshard import FullyShardedDataParallel as FSDP  # noqa: E402
 from flatshard.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy  # noqa: E402
-from tests.models import Block, OddMLP, TinyGPT  # noqa: E402
-from tests.util import pairs  # noqa: E402
+from tests.helpers.models import Block, OddMLP, TinyGPT  # noqa: E402
+from tests.helpers.util import pairs  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check_fronts  # noqa: E402

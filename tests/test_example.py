@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from flatshard import checkpoint
-from tests.dist import run_launcher
+from tests.helpers.dist import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"

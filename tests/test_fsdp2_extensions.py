@@ -18,7 +18,7 @@ from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.testing._internal.two_tensor import TwoTensor
 
-from tests.dist import raised, run_distributed
+from tests.helpers.dist import raised, run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from fuzz_gathers import GathersItself  # noqa: E402 - the fuzzer's wrapper subclass

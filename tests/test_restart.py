@@ -30,9 +30,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.dist import run_distributed
-from tests.test_checkpoint import KIND, _error
-from tests.test_parity import build, make_optimizer
+from tests.helpers.cases import CHECKPOINT_KIND, build, checkpoint_error, make_optimizer
+from tests.helpers.dist import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL = 12  # rows of the global batch
@@ -91,7 +90,7 @@ def checkpointer_worker(rank: int, world: int, tmp: str) -> dict:
 
     def start(directory: str, seed: int, init_seed: int):
         torch.manual_seed(init_seed)
-        _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
+        _, model, batch, loss_fn = build(CHECKPOINT_KIND, "FULL_SHARD")
         opt = make_optimizer("adamw", model)
         cursor = Cursor(rank)
         _seed(seed)
@@ -120,14 +119,14 @@ def checkpointer_worker(rank: int, world: int, tmp: str) -> dict:
 
     # errors, on every rank alike
     path = checkpoint.step_path(f"{tmp}/u", steps)
-    messages = [_error(lambda: checkpoint.load(path, model, opt, state={"sampler": cursor}))]
+    messages = [checkpoint_error(lambda: checkpoint.load(path, model, opt, state={"sampler": cursor}))]
     assert "holds no loop state sampler (it holds loader)" in messages[-1], messages[-1]
     bad = checkpoint.Checkpointer(f"{tmp}/bad", model, opt, every=1, state={"loader": object()})
-    messages.append(_error(lambda: bad.step_done(1)))
+    messages.append(checkpoint_error(lambda: bad.step_done(1)))
     assert "has no state_dict() and load_state_dict()" in messages[-1], messages[-1]
     alone = [dist.new_group([r]) for r in range(world)][rank]  # a 1-rank job
-    _, single, _, _ = build(KIND, "FULL_SHARD", process_group=alone)
-    messages.append(_error(lambda: checkpoint.load(path, single, state={"loader": Cursor(rank)})))
+    _, single, _, _ = build(CHECKPOINT_KIND, "FULL_SHARD", process_group=alone)
+    messages.append(checkpoint_error(lambda: checkpoint.load(path, single, state={"loader": Cursor(rank)})))
     assert "was saved by 2 ranks and this job has 1" in messages[-1], messages[-1]
     for bad_every in (0, True, 2.5):
         with pytest.raises(ValueError, match="every must be a positive int"):

@@ -14,7 +14,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from tests import dist_pool
+from tests.helpers import dist_pool
 
 
 def run_distributed(
@@ -22,7 +22,7 @@ def run_distributed(
 ) -> list[Any]:
     """Returns the per-rank results in rank order; raises with every failing rank's traceback.
 
-    The ranks come from the pool of ``world_size`` processes (tests/dist_pool.py), started on first use.
+    The ranks come from the pool of ``world_size`` processes (tests/helpers/dist_pool.py), started on first use.
     ``fresh``: the pool is retired after this task (for tests that leave a process group timed out)."""
     pool = dist_pool.pool(world_size)
     try:

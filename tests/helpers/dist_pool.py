@@ -1,4 +1,4 @@
-"""A pool of rank processes per world size, kept alive across tests (the suite's harness, tests/dist.py).
+"""A pool of rank processes per world size, kept alive across tests (the suite's harness, tests/helpers/dist.py).
 
 Starting a rank costs about two CPU-seconds (importing torch, joining the gloo group), and the suite
 runs some forty multi-process tests: so each world size gets one pool of W spawned processes, joined
