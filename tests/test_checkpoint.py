@@ -12,15 +12,13 @@ import json
 import os
 import pickle
 import random
-import select
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from tests.helpers import dist_pool
 from tests.helpers.cases import (
     CHECKPOINT_KIND,
     assert_state_equal,
@@ -36,7 +34,6 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.models import TinyGPT
 
 SAVE_AT, MORE = 2, 2
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def reshard_worker(rank: int, world: int, tmp: str) -> dict:
@@ -145,49 +142,61 @@ def test_checkpoints(tmp_path, capsys):
 
 
 # ---- crashes and corruption -------------------------------------------------------------------
-_SAVER = """
-import sys, time, torch, torch.distributed as dist
-sys.path.insert(0, {root!r})
-dist.init_process_group("gloo", init_method="file://{tmp}/store-{stage}", rank=0, world_size=1)
-from tests.helpers.cases import build, make_optimizer, train_global_batch
-from flatshard import checkpoint
-_, model, batch, loss_fn = build({kind!r}, "FULL_SHARD")
-opt = make_optimizer("adamw", model)
-train_global_batch(model, opt, batch, loss_fn, 0, 1)
-checkpoint.save("{tmp}/{stage}", model, opt, step=1)
-train_global_batch(model, opt, batch, loss_fn, 1, 1)
-def hook(stage):
-    if stage == {stage!r}:
-        print("PAUSED", flush=True)
-        time.sleep(600)
-target = "{tmp}/{stage}" if {stage!r} != "writing" else "{tmp}/{stage}-next"
-from unittest import mock
-with mock.patch("flatshard.checkpoint.save._reached", hook):
-    checkpoint.save(target, model, opt, step=2)
-print("NOT KILLED", flush=True)
-"""
+def _saver(tmp: str, stage: str, paused) -> None:
+    """Save step 1, then save step 2 (over it, or next to it for "writing") and stop at ``stage`` of that
+    save, saying so on the connection ``paused``: the test kills the process there."""
+    import time
+    from unittest import mock
+
+    from flatshard import checkpoint
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store-{stage}", rank=0, world_size=1)
+    _, model, batch, loss_fn = build(CHECKPOINT_KIND, "FULL_SHARD")
+    opt = make_optimizer("adamw", model)
+    train_global_batch(model, opt, batch, loss_fn, 0, 1)
+    checkpoint.save(f"{tmp}/{stage}", model, opt, step=1)
+    train_global_batch(model, opt, batch, loss_fn, 1, 1)
+
+    def hook(reached):
+        if reached == stage:
+            paused.send("PAUSED")
+            time.sleep(600)
+
+    target = f"{tmp}/{stage}" if stage != "writing" else f"{tmp}/{stage}-next"
+    with mock.patch("flatshard.checkpoint.save._reached", hook):
+        checkpoint.save(target, model, opt, step=2)
+    paused.send("NOT KILLED")
 
 
 OVERWRITE_STAGES = ("before_commit", "between_renames", "after_commit")
 
 
 def kill_savers(tmp: str) -> None:
-    """Savers killed at their pause points: one while writing a new checkpoint, three while replacing
-    the checkpoint they saved first at the same path (before the commit, between its two renames,
-    after it)."""
+    """Savers killed (SIGKILL) at their pause points: one while writing a new checkpoint, three while
+    replacing the checkpoint they saved first at the same path (before the commit, between its two
+    renames, after it). Each is a process of its own, forked with torch and flatshard already imported
+    (the pools' forkserver, tests/helpers/dist_pool.py)."""
+    ctx = dist_pool.context()
     procs = {}
     for stage in ("writing",) + OVERWRITE_STAGES:
-        code = _SAVER.format(root=ROOT, tmp=tmp, stage=stage, kind=CHECKPOINT_KIND)
-        procs[stage] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        paused, child_end = ctx.Pipe(duplex=False)
+        procs[stage] = (ctx.Process(target=_saver, args=(tmp, stage, child_end), daemon=True), paused)
+        procs[stage][0].start()
+        child_end.close()  # the saver holds the only writing end: its death reads as EOF here
     try:
-        for stage, proc in procs.items():
-            ready, _, _ = select.select([proc.stdout], [], [], 120)  # a saver that hangs must fail, not wait
-            line = proc.stdout.readline() if ready else "(nothing within 120 s)"
-            assert line.strip() == "PAUSED", f"{stage}: the saver did not reach its pause point: {line!r}"
+        for stage, (proc, paused) in procs.items():
+            said = "(nothing within 120 s)"  # a saver that hangs must fail, not wait
+            if paused.poll(120):
+                try:
+                    said = paused.recv()
+                except EOFError:
+                    proc.join(5)
+                    said = f"(it exited {proc.exitcode})"
+            assert said == "PAUSED", f"{stage}: the saver did not reach its pause point: {said!r}"
     finally:
-        for proc in procs.values():
+        for proc, _ in procs.values():
             proc.kill()
-            proc.wait()
+            proc.join()
 
 
 class _Payload:

@@ -76,12 +76,19 @@ def _serve(rank: int, world_size: int, store_path: str, environ: dict, tasks, re
     dist.destroy_process_group()
 
 
+def context():
+    """The multiprocessing context of the pools: processes forked by a forkserver that imported
+    ``_PRELOAD`` (read when the forkserver starts, with the first process)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 class Pool:
     """``world_size`` rank processes in one gloo group; ``run`` executes one function on all of them."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)  # read when the forkserver starts: with the first pool
+        ctx = context()
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory()
         store = os.path.join(self._tmp.name, "store")
