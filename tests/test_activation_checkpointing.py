@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
-from tests.util import assert_grads_match, assert_params_match
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
+from tests.helpers.util import assert_grads_match, assert_params_match
 
 MODES = ("before", "after", "inside")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")

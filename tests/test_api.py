@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.dist import run_distributed
-from tests.models import Block, OddMLP, TinyGPT, WithBuffers
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, OddMLP, TinyGPT, WithBuffers
 
 
 def _raises(fn, exc=Exception) -> str:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 import flatshard
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
 
 
 def _gpt():

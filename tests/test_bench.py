@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist import run_launcher
+from tests.helpers.dist import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240  # ~50 s on two cores with a cold inductor cache; a hang must fail, not wait

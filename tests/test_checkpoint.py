@@ -12,55 +12,36 @@ import json
 import os
 import pickle
 import random
-import select
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from tests.dist import run_distributed
-from tests.models import TinyGPT
-from tests.test_parity import build, make_optimizer
-from tests.test_state_dict import assert_state_equal, full_osd, full_sd
+from tests.helpers import dist_pool
+from tests.helpers.cases import (
+    CHECKPOINT_KIND,
+    assert_state_equal,
+    build,
+    checkpoint_error,
+    fresh,
+    full_osd,
+    full_sd,
+    make_optimizer,
+    train_global_batch,
+)
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import TinyGPT
 
-KIND = "gpt_tie_in_root"
-GLOBAL = 12  # samples per step, split evenly over 1, 2, 3 or 4 ranks
 SAVE_AT, MORE = 2, 2
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def train(model, opt, batch, loss_fn, start, steps, group=None):
-    """Steps ``start``.. on the global batch split over ``group``; returns the global mean losses."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    per = GLOBAL // n
-    losses = []
-    for step in range(start, start + steps):
-        x, y = batch(step, GLOBAL)
-        loss = loss_fn(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=group)
-        losses.append(mean.item() / n)
-    return losses
-
-
-def fresh(strategy="FULL_SHARD", **kw):
-    torch.manual_seed(1234 + dist.get_rank())  # a different init on every rank: loading must overwrite it all
-    _, model, _, _ = build(KIND, strategy, **kw)
-    return model, make_optimizer("adamw", model)
 
 
 def reshard_worker(rank: int, world: int, tmp: str) -> dict:
     from flatshard import checkpoint
 
-    _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
+    _, model, batch, loss_fn = build(CHECKPOINT_KIND, "FULL_SHARD")
     opt = make_optimizer("adamw", model)
-    train(model, opt, batch, loss_fn, 0, SAVE_AT)
+    train_global_batch(model, opt, batch, loss_fn, 0, SAVE_AT)
     torch.manual_seed(100 + rank)  # RNG states that nothing below recreates by seeding
     random.seed(200 + rank)
     np.random.seed(300 + rank)
@@ -69,7 +50,7 @@ def reshard_worker(rank: int, world: int, tmp: str) -> dict:
     want_sd, want_osd = full_sd(model), full_osd(model, opt)  # runs while the save writes
     assert handle.wait() == f"{tmp}/async"
     draws = (torch.rand(4), random.random(), np.random.rand())
-    ref_losses = train(model, opt, batch, loss_fn, SAVE_AT, MORE)
+    ref_losses = train_global_batch(model, opt, batch, loss_fn, SAVE_AT, MORE)
     ref_final = full_sd(model)
 
     # the same layout: bitwise, RNG included
@@ -79,7 +60,7 @@ def reshard_worker(rank: int, world: int, tmp: str) -> dict:
     assert (random.random(), np.random.rand()) == draws[1:], "random / numpy RNG states not restored"
     assert_state_equal(full_sd(model2), want_sd, "resume: params")
     assert_state_equal(full_osd(model2, opt2), want_osd, "resume: optimizer")
-    assert train(model2, opt2, batch, loss_fn, SAVE_AT, MORE) == ref_losses, "resume: losses not bitwise"
+    assert train_global_batch(model2, opt2, batch, loss_fn, SAVE_AT, MORE) == ref_losses, "resume: losses not bitwise"
     assert_state_equal(full_sd(model2), ref_final, "resume: final params")
 
     losses = {}
@@ -88,7 +69,7 @@ def reshard_worker(rank: int, world: int, tmp: str) -> dict:
         checkpoint.load(f"{tmp}/sync", m, o)
         assert_state_equal(full_sd(m), want_sd, f"{strategy}: params")
         assert_state_equal(full_osd(m, o), want_osd, f"{strategy}: optimizer")
-        losses[strategy] = train(m, o, batch, loss_fn, SAVE_AT, MORE)
+        losses[strategy] = train_global_batch(m, o, batch, loss_fn, SAVE_AT, MORE)
         if strategy == "HYBRID_SHARD":  # saved by the first replica only, loaded back at F = W
             checkpoint.save(f"{tmp}/hybrid", m, o)
             back, back_o = fresh()
@@ -102,7 +83,7 @@ def reshard_worker(rank: int, world: int, tmp: str) -> dict:
             assert checkpoint.load(f"{tmp}/sync", m, o).step == SAVE_AT
             assert_state_equal(full_sd(m), want_sd, f"W={n}: params")
             assert_state_equal(full_osd(m, o), want_osd, f"W={n}: optimizer")
-            losses[f"W={n}"] = train(m, o, batch, loss_fn, SAVE_AT, MORE, group)
+            losses[f"W={n}"] = train_global_batch(m, o, batch, loss_fn, SAVE_AT, MORE, group)
     for what, got in losses.items():
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), msg=lambda m: f"{what}: losses: {m}")
     dist.barrier()
@@ -161,60 +142,61 @@ def test_checkpoints(tmp_path, capsys):
 
 
 # ---- crashes and corruption -------------------------------------------------------------------
-_SAVER = """
-import sys, time, torch, torch.distributed as dist
-sys.path.insert(0, {root!r})
-dist.init_process_group("gloo", init_method="file://{tmp}/store-{stage}", rank=0, world_size=1)
-from tests.test_parity import build, make_optimizer
-from tests.test_checkpoint import train
-from flatshard import checkpoint
-_, model, batch, loss_fn = build({kind!r}, "FULL_SHARD")
-opt = make_optimizer("adamw", model)
-train(model, opt, batch, loss_fn, 0, 1)
-checkpoint.save("{tmp}/{stage}", model, opt, step=1)
-train(model, opt, batch, loss_fn, 1, 1)
-def hook(stage):
-    if stage == {stage!r}:
-        print("PAUSED", flush=True)
-        time.sleep(600)
-target = "{tmp}/{stage}" if {stage!r} != "writing" else "{tmp}/{stage}-next"
-from unittest import mock
-with mock.patch("flatshard.checkpoint.save._reached", hook):
-    checkpoint.save(target, model, opt, step=2)
-print("NOT KILLED", flush=True)
-"""
+def _saver(tmp: str, stage: str, paused) -> None:
+    """Save step 1, then save step 2 (over it, or next to it for "writing") and stop at ``stage`` of that
+    save, saying so on the connection ``paused``: the test kills the process there."""
+    import time
+    from unittest import mock
+
+    from flatshard import checkpoint
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store-{stage}", rank=0, world_size=1)
+    _, model, batch, loss_fn = build(CHECKPOINT_KIND, "FULL_SHARD")
+    opt = make_optimizer("adamw", model)
+    train_global_batch(model, opt, batch, loss_fn, 0, 1)
+    checkpoint.save(f"{tmp}/{stage}", model, opt, step=1)
+    train_global_batch(model, opt, batch, loss_fn, 1, 1)
+
+    def hook(reached):
+        if reached == stage:
+            paused.send("PAUSED")
+            time.sleep(600)
+
+    target = f"{tmp}/{stage}" if stage != "writing" else f"{tmp}/{stage}-next"
+    with mock.patch("flatshard.checkpoint.save._reached", hook):
+        checkpoint.save(target, model, opt, step=2)
+    paused.send("NOT KILLED")
 
 
 OVERWRITE_STAGES = ("before_commit", "between_renames", "after_commit")
 
 
 def kill_savers(tmp: str) -> None:
-    """Savers killed at their pause points: one while writing a new checkpoint, three while replacing
-    the checkpoint they saved first at the same path (before the commit, between its two renames,
-    after it)."""
+    """Savers killed (SIGKILL) at their pause points: one while writing a new checkpoint, three while
+    replacing the checkpoint they saved first at the same path (before the commit, between its two
+    renames, after it). Each is a process of its own, forked with torch and flatshard already imported
+    (the pools' forkserver, tests/helpers/dist_pool.py)."""
+    ctx = dist_pool.context()
     procs = {}
     for stage in ("writing",) + OVERWRITE_STAGES:
-        code = _SAVER.format(root=ROOT, tmp=tmp, stage=stage, kind=KIND)
-        procs[stage] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        paused, child_end = ctx.Pipe(duplex=False)
+        procs[stage] = (ctx.Process(target=_saver, args=(tmp, stage, child_end), daemon=True), paused)
+        procs[stage][0].start()
+        child_end.close()  # the saver holds the only writing end: its death reads as EOF here
     try:
-        for stage, proc in procs.items():
-            ready, _, _ = select.select([proc.stdout], [], [], 120)  # a saver that hangs must fail, not wait
-            line = proc.stdout.readline() if ready else "(nothing within 120 s)"
-            assert line.strip() == "PAUSED", f"{stage}: the saver did not reach its pause point: {line!r}"
+        for stage, (proc, paused) in procs.items():
+            said = "(nothing within 120 s)"  # a saver that hangs must fail, not wait
+            if paused.poll(120):
+                try:
+                    said = paused.recv()
+                except EOFError:
+                    proc.join(5)
+                    said = f"(it exited {proc.exitcode})"
+            assert said == "PAUSED", f"{stage}: the saver did not reach its pause point: {said!r}"
     finally:
-        for proc in procs.values():
+        for proc, _ in procs.values():
             proc.kill()
-            proc.wait()
-
-
-def _error(fn) -> str:
-    from flatshard import CheckpointError
-
-    try:
-        fn()
-    except CheckpointError as exc:
-        return str(exc)
-    raise AssertionError("expected a CheckpointError")
+            proc.join()
 
 
 class _Payload:
@@ -231,20 +213,20 @@ def corrupt_worker(rank: int, world: int, tmp: str) -> list[str]:
     from flatshard import checkpoint
     from flatshard.checkpoint.format import ShardReader
 
-    _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
+    _, model, batch, loss_fn = build(CHECKPOINT_KIND, "FULL_SHARD")
     opt = make_optimizer("adamw", model)
     # what the killed savers left: the previous checkpoint until the new one committed, then the new one
     assert checkpoint.load(f"{tmp}/writing", model, opt).step == 1
     assert checkpoint.load(f"{tmp}/before_commit", model, opt).step == 1
     assert checkpoint.load(f"{tmp}/between_renames", model, opt).step == 1
     assert checkpoint.load(f"{tmp}/after_commit", model, opt).step == 2
-    messages = [_error(lambda: checkpoint.load(f"{tmp}/writing-next", model, opt))]
+    messages = [checkpoint_error(lambda: checkpoint.load(f"{tmp}/writing-next", model, opt))]
     assert "never finished" in messages[-1], messages[-1]
     for stage in OVERWRITE_STAGES:  # saving there again works and leaves nothing else behind
         checkpoint.save(f"{tmp}/{stage}", model, opt, step=3)
         assert checkpoint.load(f"{tmp}/{stage}", model, opt).step == 3
         assert [n for n in os.listdir(tmp) if n.startswith(stage)] == [stage], os.listdir(tmp)
-    train(model, opt, batch, loss_fn, 0, 2)
+    train_global_batch(model, opt, batch, loss_fn, 0, 2)
     checkpoint.save(f"{tmp}/good", model, opt, step=2)
     before = full_sd(model)
     f1 = f"rank-00001-of-{world:05d}.safetensors"
@@ -281,12 +263,12 @@ def corrupt_worker(rank: int, world: int, tmp: str) -> list[str]:
         "pickle": (plant_pickle, "manifest.json is not valid JSON"),
     }
     for name, (damage, expected) in cases.items():
-        messages.append(_error(lambda: checkpoint.load(broken(name, damage), model, opt)))
+        messages.append(checkpoint_error(lambda: checkpoint.load(broken(name, damage), model, opt)))
         assert expected in messages[-1], f"{name}: {messages[-1]}"
     pickled = broken(
         "pickle_shard", lambda d: plant_pickle(d) or shutil.copy(f"{tmp}/good/manifest.json", f"{d}/manifest.json")
     )
-    messages.append(_error(lambda: checkpoint.load(pickled, model, opt)))
+    messages.append(checkpoint_error(lambda: checkpoint.load(pickled, model, opt)))
     assert f"{f1} is not a safetensors file" in messages[-1], messages[-1]
     assert not os.path.exists(f"{tmp}/UNPICKLED"), "a pickle payload was executed"
     assert_state_equal(full_sd(model), before, "a failed load changed the model")
@@ -298,14 +280,14 @@ def mismatch_worker(tmp: str) -> list[str]:
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard import checkpoint
     from flatshard.wrap import ModuleWrapPolicy
-    from tests.models import Block
+    from tests.helpers.models import Block
 
     messages = []
     _, other, _, _ = build("odd_mlp", "FULL_SHARD")
-    messages.append(_error(lambda: checkpoint.load(f"{tmp}/good", other)))
+    messages.append(checkpoint_error(lambda: checkpoint.load(f"{tmp}/good", other)))
     assert "does not match the model: the model's scale, fc1.weight" in messages[-1], messages[-1]
     wide = FSDP(TinyGPT(vocab=41), auto_wrap_policy=ModuleWrapPolicy({Block}))
-    messages.append(_error(lambda: checkpoint.load(f"{tmp}/good", wide)))
+    messages.append(checkpoint_error(lambda: checkpoint.load(f"{tmp}/good", wide)))
     assert "holds wte.weight with shape (37, 12), the model has (41, 12)" in messages[-1], messages[-1]
     dist.barrier()
     return messages

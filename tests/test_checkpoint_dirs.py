@@ -14,10 +14,17 @@ from unittest import mock
 
 import torch.distributed as dist
 
-from tests.dist import run_distributed
-from tests.test_checkpoint import KIND, _error, fresh, train
-from tests.test_parity import build, make_optimizer
-from tests.test_state_dict import assert_state_equal, full_sd
+from tests.helpers.cases import (
+    CHECKPOINT_KIND,
+    assert_state_equal,
+    build,
+    checkpoint_error,
+    fresh,
+    full_sd,
+    make_optimizer,
+    train_global_batch,
+)
+from tests.helpers.dist import run_distributed
 
 # planted beside the step directories; rotation must leave every one of them
 PLANTED = ["notes.txt", "other", "step-00000009.partial", "step-00000000"]
@@ -38,7 +45,7 @@ def _plant(d: str) -> None:
 def directories_worker(rank: int, world: int, tmp: str) -> dict:
     from flatshard import checkpoint
 
-    _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
+    _, model, batch, loss_fn = build(CHECKPOINT_KIND, "FULL_SHARD")
     opt = make_optimizer("adamw", model)
     d = f"{tmp}/run"
     assert checkpoint.step_path(d, 100) == os.path.join(d, "step-00000100")
@@ -48,9 +55,9 @@ def directories_worker(rank: int, world: int, tmp: str) -> dict:
         _plant(d)
     dist.barrier()
     assert checkpoint.latest(d) is None, "nothing planted is a complete checkpoint"
-    messages = [_error(lambda: checkpoint.save(checkpoint.step_path(d, 1), model, opt, keep_last=0))]
+    messages = [checkpoint_error(lambda: checkpoint.save(checkpoint.step_path(d, 1), model, opt, keep_last=0))]
     assert "keep_last must be a positive integer" in messages[-1], messages[-1]
-    messages.append(_error(lambda: checkpoint.save(f"{d}/other", model, opt)))
+    messages.append(checkpoint_error(lambda: checkpoint.save(f"{d}/other", model, opt)))
     assert "is not a flatshard checkpoint" in messages[-1], messages[-1]
     assert os.path.exists(f"{d}/other/manifest.json"), "a failed save removed a directory it does not own"
 
@@ -58,7 +65,7 @@ def directories_worker(rank: int, world: int, tmp: str) -> dict:
     checkpoint.save(f"{d}/best", model, opt, step=0)  # another name: never counted either
     assert checkpoint.latest(d) == f"{d}/best"
     for step in range(1, 5):
-        train(model, opt, batch, loss_fn, step, 1)
+        train_global_batch(model, opt, batch, loss_fn, step, 1)
         checkpoint.save(checkpoint.step_path(d, step), model, opt, step=step, keep_last=2)
         assert checkpoint.latest(d) == checkpoint.step_path(d, step), step
     want = full_sd(model)
@@ -70,7 +77,7 @@ def directories_worker(rank: int, world: int, tmp: str) -> dict:
         pointer = json.load(f)
     assert pointer["checkpoint"] == "step-00000004" and pointer["step"] == 4, pointer
 
-    train(model, opt, batch, loss_fn, 5, 1)
+    train_global_batch(model, opt, batch, loss_fn, 5, 1)
     handle = checkpoint.save(checkpoint.step_path(d, 5), model, opt, step=5, async_save=True, keep_last=3)
     assert handle.wait() == checkpoint.step_path(d, 5)
     assert checkpoint.latest(d) == checkpoint.step_path(d, 5)
@@ -97,7 +104,7 @@ def stale_pointer(rank: int, d: str) -> list:
         shutil.copy2(f"{d}/latest", f"{d}/latest.old")  # names step 5, with its old time
         time.sleep(0.05)
     dist.barrier()
-    _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
+    _, model, batch, loss_fn = build(CHECKPOINT_KIND, "FULL_SHARD")
     opt = make_optimizer("adamw", model)
     checkpoint.save(checkpoint.step_path(d, 6), model, opt, step=6)
     dist.barrier()
@@ -125,9 +132,9 @@ def failing_rank_worker(rank: int, world: int, tmp: str) -> dict:
     was never waited on (the next save reports that failure once)."""
     from flatshard import checkpoint
 
-    _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
+    _, model, batch, loss_fn = build(CHECKPOINT_KIND, "FULL_SHARD")
     opt = make_optimizer("adamw", model)
-    train(model, opt, batch, loss_fn, 0, 1)
+    train_global_batch(model, opt, batch, loss_fn, 0, 1)
 
     def disk_full_on_rank_1(stage: str) -> None:
         if stage == "writing" and rank == 1:
@@ -135,9 +142,9 @@ def failing_rank_worker(rank: int, world: int, tmp: str) -> dict:
 
     messages = []
     with mock.patch("flatshard.checkpoint.save._reached", disk_full_on_rank_1):
-        messages.append(_error(lambda: checkpoint.save(f"{tmp}/x", model, opt, step=1)))
+        messages.append(checkpoint_error(lambda: checkpoint.save(f"{tmp}/x", model, opt, step=1)))
         handle = checkpoint.save(f"{tmp}/x", model, opt, step=2, async_save=True)
-        messages.append(_error(handle.wait))
+        messages.append(checkpoint_error(handle.wait))
     for m in messages:
         assert "rank-00001-of-00002.safetensors failed: [Errno 28] No space left on device" in m, m
         assert m.endswith("[rank 1 of 2]"), f"the error must name rank 1 alone: {m}"
@@ -146,7 +153,7 @@ def failing_rank_worker(rank: int, world: int, tmp: str) -> dict:
         unwaited = checkpoint.save(f"{tmp}/y", model, opt, step=5, async_save=True)
         while not unwaited.done():
             time.sleep(0.01)
-    messages.append(_error(lambda: checkpoint.save(f"{tmp}/y", model, opt, step=6)))
+    messages.append(checkpoint_error(lambda: checkpoint.save(f"{tmp}/y", model, opt, step=6)))
     assert messages[-1].startswith(f"the asynchronous save to {tmp}/y failed: writing"), messages[-1]
     assert messages[-1].count("[rank 1 of 2]") == 1 and "more rank" not in messages[-1], messages[-1]
     checkpoint.save(f"{tmp}/y", model, opt, step=6)  # reported once: this one saves
@@ -184,7 +191,7 @@ def async_group_worker(rank: int, world: int, tmp: str) -> float:
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard import checkpoint
     from flatshard.runtime.comm.mesh import group_timeout
-    from tests.models import TinyGPT
+    from tests.helpers.models import TinyGPT
 
     group = dist.new_group([0, 1], timeout=timedelta(seconds=77))
     model = FSDP(TinyGPT(), process_group=group)

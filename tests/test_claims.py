@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "flatshard"

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from flatshard.testing import DistCounts, count_dist_calls
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
 
 B = 4  # bytes per fp32 element
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
 
 STEPS = 3
 PER_RANK = 2

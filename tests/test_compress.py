@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flatshard.runtime.comm import int8
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
 
 STEPS = 3
 

@@ -15,10 +15,9 @@ import pathlib
 import torch
 import torch.distributed as dist
 
-from tests.dist import run_distributed
-from tests.models import OddMLP, TinyGPT
-from tests.test_parity import build, make_optimizer
-from tests.test_state_dict import assert_state_equal, full_osd, full_sd, train
+from tests.helpers.cases import assert_state_equal, build, full_osd, full_sd, make_optimizer, train_rank_batches
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import OddMLP, TinyGPT
 
 CASES = {"odd_mlp": "SHARD_GRAD_OP", "gpt_tie_across_units": "NO_SHARD"}  # model -> strategy loaded into at W = 3
 
@@ -70,7 +69,7 @@ def save_worker(rank, world, root):
     for kind in CASES:
         _, model, batch, loss_fn = build(kind, "FULL_SHARD")
         opt = make_optimizer("adamw", model)
-        train(model, opt, batch, loss_fn, rank, world, 2)
+        train_rank_batches(model, opt, batch, loss_fn, rank, world, 2)
         want, want_o = full_sd(model), full_osd(model, opt)
         sd = sharded(model, opt)
         check_boxes(sd, want, want_o, world)
@@ -88,7 +87,7 @@ def load_worker(rank, world, root, saved):
         torch.manual_seed(100 + rank)
         _, model, batch, loss_fn = build(kind, strategy)
         opt = make_optimizer("adamw", model)
-        train(model, opt, batch, loss_fn, rank, world, 1, start=5)  # the optimizer has state to load into
+        train_rank_batches(model, opt, batch, loss_fn, rank, world, 1, start=5)  # the optimizer has state to load into
         sd = sharded(model, opt)
         dcp.load(sd, checkpoint_id=f"{root}/{kind}")
         # the local boxes are views of the flat shards: DCP has written the parameters already

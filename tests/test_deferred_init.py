@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
-from tests.util import assert_grads_match, assert_params_match, pairs
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
+from tests.helpers.util import assert_grads_match, assert_params_match, pairs
 
 EXACT = dict(rtol=0, atol=0)
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.dist import raised, run_distributed
+from tests.helpers.dist import raised, run_distributed
 
 VOCAB, DIM, HIDDEN, STEPS, PER_RANK = 37, 14, 15, 3, 3
 

@@ -26,55 +26,21 @@ from pathlib import Path
 import pytest
 
 from flatshard import checkpoint
-from tests.dist import run_launcher
+from tests.helpers.dist import run_launcher
+from tests.helpers.train_gpt import WORLD, figure_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 TIMEOUT_S = 150  # one run takes ~12 s on two cores; a hang must fail, not wait
 B = 4  # bytes per fp32 element
-WORLD = 2
-
-
-def run_example(tmp_path: Path, strategy: str) -> dict:
-    out = tmp_path / "out.json"
-    cmd = [
-        sys.executable,
-        str(SCRIPT),
-        "--nproc",
-        str(WORLD),
-        "--strategy",
-        strategy,
-        "--model",
-        "tiny",
-        "--dim",
-        "33",
-        "--heads",
-        "3",
-        "--steps",
-        "20",
-        "--batch-size",
-        "8",
-        "--log-interval",
-        "5",
-        "--eval-batches",
-        "2",
-        "--sample-tokens",
-        "8",
-        "--quiet",
-        "--json",
-        str(out),
-    ]
-    log = run_launcher(cmd, ROOT, TIMEOUT_S, "train_gpt.py")
-    assert out.exists(), f"no JSON written:\n{log[-4000:]}"
-    return json.loads(out.read_text())
 
 
 PLANNED_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
-def test_train_gpt_figures(tmp_path, strategy):
-    fig = run_example(tmp_path, strategy)
+def test_train_gpt_figures(strategy):
+    fig = figure_run(strategy).figures  # shared with tests/test_launch.py, which checks its sockets
     assert fig["world"] == WORLD and fig["strategy"] == strategy and fig["steps"] == 20
 
     # loss: finite, starts near ln(256) (uniform over bytes), falls

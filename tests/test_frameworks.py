@@ -21,7 +21,7 @@ import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 
 from flatshard.fsdp2 import FSDPModule
-from tests.dist import run_launcher
+from tests.helpers.dist import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "examples" / "frameworks"

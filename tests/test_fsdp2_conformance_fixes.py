@@ -12,8 +12,8 @@ import functools
 import torch
 from torch import nn
 
-from tests.dist import raised as _raised
-from tests.dist import run_distributed
+from tests.helpers.dist import raised as _raised
+from tests.helpers.dist import run_distributed
 
 
 def _mlp() -> nn.Sequential:

@@ -17,7 +17,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.testing._internal.two_tensor import TwoTensor
 
 from bench.fuzz.gathers import GathersItself  # the fuzzer's wrapper subclass
-from tests.dist import raised, run_distributed
+from tests.helpers.dist import raised, run_distributed
 
 
 # ---- two extensions: each inner tensor gathered (TwoTensor), and a bf16 gather of an fp32 weight --------

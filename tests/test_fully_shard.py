@@ -12,39 +12,13 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.dist import run_distributed
-from tests.models import TinyGPT
+from tests.helpers.cases import fsdp2_pair, token_loss
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import TinyGPT
 
 STEPS = 5
 PER_RANK = 3
-
-
-def _pair(mesh=None, mp=None, seed=0):
-    """(PyTorch FSDP2's model, flatshard's), from the same initial weights, one unit per block and the root."""
-    import torch.distributed.fsdp as torch_fsdp
-
-    import flatshard
-
-    torch.manual_seed(seed)
-    base = TinyGPT()
-    theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
-    for model, shard, policy in (
-        (theirs, torch_fsdp.fully_shard, torch_fsdp.MixedPrecisionPolicy),
-        (ours, flatshard.fully_shard, flatshard.MixedPrecisionPolicy),
-    ):
-        kw = {"mesh": mesh} if mesh is not None else {}
-        if mp is not None:
-            kw["mp_policy"] = policy(param_dtype=mp, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            shard(block, **kw)
-        shard(model, **kw)
-    return theirs, ours
-
-
-def _loss(model, x):
-    return F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
 
 
 def _locals(model):
@@ -60,7 +34,7 @@ def parity_worker(rank: int, world: int, hsdp: bool, mp: bool) -> dict:
     dtype = torch.bfloat16 if mp else None
     out = {"bitwise_steps": 0, "steps": 0}
     for opt_kind in ("sgd", "adamw"):
-        theirs, ours = _pair(mesh, dtype)
+        theirs, ours = fsdp2_pair(mesh, dtype)
         assert isinstance(ours, flatshard.FSDPModule) and all(
             isinstance(p, torch.distributed.tensor.DTensor) for p in ours.parameters()
         )
@@ -80,10 +54,10 @@ def parity_worker(rank: int, world: int, hsdp: bool, mp: bool) -> dict:
             losses, norms = [], []
             for model, opt in zip((theirs, ours), opts):
                 model.set_requires_gradient_sync(False)  # gradient accumulation: the first micro-batch unreduced
-                loss = _loss(model, micro[0]) / 2
+                loss = token_loss(model, micro[0]) / 2
                 loss.backward()
                 model.set_requires_gradient_sync(True)
-                loss2 = _loss(model, micro[1]) / 2
+                loss2 = token_loss(model, micro[1]) / 2
                 loss2.backward()
                 losses.append((loss + loss2).item())
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
@@ -142,10 +116,10 @@ def smaller_group_worker(rank: int, world: int) -> dict:
         for model, opt in zip((theirs, ours, freed), opts):
             if model is ours:
                 with ours.record_comms(events=True) as rec:
-                    loss = _loss(model, x)
+                    loss = token_loss(model, x)
                     loss.backward()
             else:
-                loss = _loss(model, x)
+                loss = token_loss(model, x)
                 loss.backward()
             losses.append(loss.item())
             opt.step()
@@ -178,12 +152,12 @@ def dcp_save_worker(rank: int, world: int, path: str, writer: str) -> list:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    theirs, ours = _pair(seed=1)
+    theirs, ours = fsdp2_pair(seed=1)
     model = theirs if writer == "torch" else ours
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         x = torch.randint(0, 37, (PER_RANK, 8), generator=torch.Generator().manual_seed(step + 7 * rank))
-        _loss(model, x).backward()
+        token_loss(model, x).backward()
         opt.step()
         opt.zero_grad()
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
@@ -208,11 +182,11 @@ def dcp_load_worker(rank: int, world: int, path: str, reader: str) -> list:
         set_optimizer_state_dict,
     )
 
-    theirs, ours = _pair(seed=2)  # other weights: the load must overwrite them
+    theirs, ours = fsdp2_pair(seed=2)  # other weights: the load must overwrite them
     model = theirs if reader == "torch" else ours
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = torch.randint(0, 37, (PER_RANK, 8))
-    _loss(model, x).backward()
+    token_loss(model, x).backward()
     opt.step()  # optimizer state exists, to be overwritten
     opt.zero_grad()
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
@@ -220,7 +194,7 @@ def dcp_load_worker(rank: int, world: int, path: str, reader: str) -> list:
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
     state = _full_state(model, opt)
-    _loss(model, x).backward()  # and it trains on from there
+    token_loss(model, x).backward()  # and it trains on from there
     opt.step()
     return state
 
@@ -244,7 +218,7 @@ def methods_worker(rank: int, world: int) -> dict:
     import flatshard
     from flatshard import NotBuiltError, testing
 
-    _, ours = _pair()
+    _, ours = fsdp2_pair()
     out = {}
     block = ours.blocks[0]
     handle = block.unshard(async_op=True)
@@ -263,11 +237,11 @@ def methods_worker(rank: int, world: int) -> dict:
     ours.blocks[0].set_modules_to_forward_prefetch([ours.blocks[1]])
     ours.blocks[1].set_modules_to_backward_prefetch([ours.blocks[0]])
     ours.set_gradient_divide_factor(1.0)  # a sum, not a mean, over the ranks
-    _loss(ours, x).backward()
+    token_loss(ours, x).backward()
     summed = [p.grad.full_tensor() for p in ours.parameters()]
     torch.manual_seed(0)
     ref = TinyGPT()  # the same initial weights; every rank used the same x: the sum is W times its gradient
-    _loss(ref, x).backward()
+    token_loss(ref, x).backward()
     out["divide factor"] = all(
         torch.allclose(s, r.grad * world, rtol=1e-4, atol=1e-5) for s, r in zip(summed, ref.parameters())
     )

@@ -12,17 +12,52 @@ steps or edits), configurations 29, 62 and 170 failed here (e24f428)."""
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.fuzz import config as fuzz_config
-from tests.dist import run_launcher
+from tests.helpers.dist import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SEED = 0
 INDICES = [7, 22, 26, 29, 62, 68, 90, 170]
-TIMEOUT_S = 240  # about 40 s on two cores; a hang must fail, not wait
+RERUNS = {  # the configurations that found bugs, (master seed, index), rerun by the tests at the end
+    "backward_raising_mid_window": [(1, 157), (1, 174)],
+    "forward_after_backward_that_reached_no_unit": [(2, 27)],
+    "window_given_up_gathers_itself": [(0, 128), (0, 130)],
+    "window_zeroed_in_place": [(3, 188)],
+}
+TIMEOUT_S = 480  # all fourteen configurations: about a minute on two cores; a hang must fail, not wait
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[tuple[int, int], str]:
+    """(master seed, index) -> what ``python -m bench.fuzz`` printed for that configuration: its verdict line, and for
+    a failure the first mismatch and the command that reruns it alone.
+
+    Every configuration of this file runs in one ``python -m bench.fuzz`` process, one after another, as ``make fuzz``
+    runs its 200: starting the process and its pools (one per world size, every rank importing torch and
+    flatshard) costs more than these small configurations do, so one start serves them all."""
+    wanted = [(SEED, i) for i in INDICES] + [c for configs in RERUNS.values() for c in configs]
+    cmd = [sys.executable, "-m", "bench.fuzz"]
+    for seed, index in wanted:
+        cmd += ["--config", json.dumps(fuzz_config.draw(seed, index))]
+    # exit status 1: a configuration failed; the test that owns it says which and how
+    log = run_launcher(cmd, ROOT, TIMEOUT_S, "python -m bench.fuzz", returncodes=(0, 1))
+    assert f"{'configurations':34s} {len(wanted):6d}" in log, log[-3000:]
+    blocks = re.split(r"^(?=\[\d+/\d+\] )", log, flags=re.MULTILINE)[1:]  # one per configuration, in order
+    assert len(blocks) == len(wanted), log[-3000:]
+    return dict(zip(wanted, blocks))
+
+
+def _assert_pass(reports: dict, configs: list[tuple[int, int]]) -> None:
+    failed = [f"seed {s} index {i}: {reports[s, i]}" for s, i in configs if reports[s, i].split()[1] != "PASS"]
+    assert not failed, "\n".join(failed)
 
 
 def test_the_pinned_configurations_cover_what_they_were_chosen_for():
@@ -43,18 +78,12 @@ def test_the_pinned_configurations_cover_what_they_were_chosen_for():
     assert any(c.get("gathers_itself") for c in configs)  # FSDP2's all-gather extension (bench/fuzz/gathers.py)
 
 
-def test_pinned_configurations_match_the_reference_every_step():
-    cmd = [sys.executable, "-m", "bench.fuzz", "--seed", str(SEED), "--index", *map(str, INDICES)]
-    log = run_launcher(cmd, ROOT, TIMEOUT_S, "python -m bench.fuzz")
-    assert f"{'configurations':34s} {len(INDICES):6d}" in log, log[-3000:]
-    assert f"{'pass':34s} {len(INDICES):6d}" in log, log[-3000:]
+def test_pinned_configurations_match_the_reference_every_step(reports):
+    _assert_pass(reports, [(SEED, i) for i in INDICES])
 
 
 def test_readme_figures_are_the_committed_fuzz_run():
     """README's paragraph on the fuzzer says what bench/results/fuzz.json (make fuzz N=200) holds."""
-    import json
-    import re
-
     run = json.loads((ROOT / "bench" / "results" / "fuzz.json").read_text())
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert run["failed"] == 0 and not run["failing"], run["failing"]
@@ -82,34 +111,27 @@ def test_readme_figures_are_the_committed_fuzz_run():
 # accumulation window. No hook of flatshard's runs, and the loop's optimizer.zero_grad() did not clear
 # the window's earlier micro-batches, accumulated unreduced inside the units. Fixed by [Note: an open
 # accumulation window] (grad_state.py); tests/test_loops.py holds the smaller cases.
-def test_a_backward_raising_before_any_unit_mid_window_matches_the_reference():
-    _rerun(1, [157, 174])
+def test_a_backward_raising_before_any_unit_mid_window_matches_the_reference(reports):
+    _assert_pass(reports, RERUNS["backward_raising_mid_window"])
 
 
 # Found by make fuzz's seed 2 (indices 1, 27): the backward that raised before any unit left the root
 # gathered, and the loop's p.data edit before the next forward was not computed with. Fixed by [Note: a
 # forward with no backward after it] (schedule.py).
-def test_a_forward_after_a_backward_that_reached_no_unit_sees_the_loops_edit():
-    _rerun(2, [27])
+def test_a_forward_after_a_backward_that_reached_no_unit_sees_the_loops_edit(reports):
+    _assert_pass(reports, RERUNS["forward_after_backward_that_reached_no_unit"])
 
 
 # Found by the fuzzer's draws of parameters that gather themselves (seed 0, indices 128 and 130): an
 # accumulation window given up mid-way (a skipped loss, zero_grad) kept those parameters' unreduced
 # gradients for the next step. Fixed by marking their .grad while a window is open, as the flat shard's
 # ([Note: an open accumulation window]); tests/test_fsdp2_extensions.py holds the smaller case.
-def test_a_window_given_up_drops_the_unreduced_gradients_of_parameters_that_gather_themselves():
-    _rerun(0, [128, 130])
+def test_a_window_given_up_drops_the_unreduced_gradients_of_parameters_that_gather_themselves(reports):
+    _assert_pass(reports, RERUNS["window_given_up_gathers_itself"])
 
 
 # Found by seed 3 (index 188): a window given up by zero_grad(set_to_none=False) left a parameter frozen
 # afterwards with no gradient (None), where an unwrapped model's micro-batches had given it one, zeroed in
 # place: a zero gradient ([Note: an open accumulation window]).
-def test_a_window_zeroed_in_place_leaves_zero_gradients():
-    _rerun(3, [188])
-
-
-def _rerun(seed: int, indices: list[int]) -> None:
-    """``python -m bench.fuzz --seed S --index ...`` passes every one of ``indices``."""
-    cmd = [sys.executable, "-m", "bench.fuzz", "--seed", str(seed), "--index", *map(str, indices)]
-    log = run_launcher(cmd, ROOT, TIMEOUT_S, "python -m bench.fuzz")
-    assert f"{'pass':34s} {len(indices):6d}" in log, log[-3000:]
+def test_a_window_zeroed_in_place_leaves_zero_gradients(reports):
+    _assert_pass(reports, RERUNS["window_zeroed_in_place"])

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from tests.dist import run_launcher
+from tests.helpers.dist import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120  # ~20 s on two cores; a hang must fail, not wait

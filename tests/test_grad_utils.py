@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from tests.dist import run_distributed
-from tests.test_parity import PER_RANK, build, make_optimizer
-from tests.util import assert_grads_match, assert_params_match
+from tests.helpers.cases import PER_RANK, build, make_optimizer
+from tests.helpers.dist import run_distributed
+from tests.helpers.util import assert_grads_match, assert_params_match
 
 
 def clip_worker(rank: int, world: int) -> int:

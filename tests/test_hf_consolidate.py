@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
 
 
 def _config():

@@ -17,7 +17,7 @@ import typing
 
 import torch
 
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
 
 STEPS, PER_RANK, SEQ, VOCAB = 4, 2, 16, 64
 

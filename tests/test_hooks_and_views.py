@@ -10,8 +10,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
 
 UNITS = ("<root>", "blocks.0", "blocks.1")
 PER_UNIT = (

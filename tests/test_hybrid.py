@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import flatshard
-from tests.dist import run_distributed
-from tests.test_parity import PER_RANK, build, make_optimizer, run_case
+from tests.helpers.cases import PER_RANK, build, make_optimizer, run_case
+from tests.helpers.dist import run_distributed
 
 B = 4  # bytes per fp32 element
 
@@ -150,7 +150,7 @@ def hybrid_utils_worker(rank: int, world: int) -> dict:
         # no_sync: two micro-batches, the second synced, equal one batch of twice the size
         ref, model, batch, loss_fn = build("gpt_tie_across_units", "HYBRID_SHARD", sharding_factor=factor)
         ref_opt, opt = make_optimizer("adamw", ref), make_optimizer("adamw", model)
-        from tests.util import assert_grads_match, assert_params_match
+        from tests.helpers.util import assert_grads_match, assert_params_match
 
         for step in range(3):
             x, y = batch(step, world * PER_RANK * 2)
@@ -177,7 +177,7 @@ def bad_groups_worker(rank: int, world: int) -> dict:
 
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard import ShardingStrategy
-    from tests.models import OddMLP
+    from tests.helpers.models import OddMLP
 
     def err(fn):
         try:

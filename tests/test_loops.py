@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
 
 PER_RANK = 2
 STEPS = 4
@@ -294,8 +294,8 @@ def _edit(model: nn.Module, ref: nn.Module, step: int) -> None:
 
 
 def optimizer_worker(rank: int, world: int) -> int:
-    from tests.test_parity import build
-    from tests.util import assert_grads_match, assert_params_match
+    from tests.helpers.cases import build
+    from tests.helpers.util import assert_grads_match, assert_params_match
 
     done = 0
     for (strategy, kwargs), (cls, flags) in CASES_KEEPING_STATE:
@@ -353,18 +353,18 @@ def accumulation_precision_worker(rank: int, world: int, n: int) -> dict:
     reduce dtype, beside PyTorch's FSDP2 and the fp32 single-process reference."""
     import copy
 
-    from tests.test_fully_shard import _loss, _pair
+    from tests.helpers.cases import fsdp2_pair, token_loss
 
-    theirs, ours = _pair(mp=torch.bfloat16)
+    theirs, ours = fsdp2_pair(mp=torch.bfloat16)
     torch.manual_seed(0)
     ref = copy.deepcopy(TinyGPT())
     micro = [torch.randint(0, 37, (world, 8), generator=torch.Generator().manual_seed(k)) for k in range(n)]
     for x in micro:
-        (_loss(ref, x) / n).backward()
+        (token_loss(ref, x) / n).backward()
     for model in (theirs, ours):
         for k, x in enumerate(micro):
             model.set_requires_gradient_sync(k == n - 1)
-            (_loss(model, x[rank : rank + 1]) / n).backward()
+            (token_loss(model, x[rank : rank + 1]) / n).backward()
     exact = [p.grad.float() for p in ref.parameters()]
     a, b = _grads_full(theirs), _grads_full(ours)
     return {

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F_
 
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
 
 
 def offload_worker(rank: int, world: int) -> dict:

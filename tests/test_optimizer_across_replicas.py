@@ -16,9 +16,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import flatshard
-from tests.dist import run_distributed
-from tests.test_parity import PER_RANK, build, make_optimizer, run_case
-from tests.test_state_dict import assert_state_equal, full_osd, full_sd, train
+from tests.helpers.cases import (
+    PER_RANK,
+    assert_state_equal,
+    build,
+    full_osd,
+    full_sd,
+    make_optimizer,
+    run_case,
+    train_rank_batches,
+)
+from tests.helpers.dist import run_distributed
 
 ON = {"shard_optimizer_across_replicas": True, "sharding_factor": 2}
 B = 4  # bytes per fp32 element
@@ -107,7 +115,7 @@ def features_worker(rank: int, world: int, tmp: str) -> dict:
     # clip: the same norm and gradients as torch's utility on the reference
     ref, model, batch, loss_fn = build("odd_mlp", "HYBRID_SHARD", **ON)
     ref_opt, opt = make_optimizer("adamw", ref), make_optimizer("adamw", model)
-    train(model, opt, batch, loss_fn, rank, world, 2, ref=ref, ref_opt=ref_opt)
+    train_rank_batches(model, opt, batch, loss_fn, rank, world, 2, ref=ref, ref_opt=ref_opt)
     x, y = batch(7, world * PER_RANK)
     loss_fn(ref(x), y).backward()
     local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -128,8 +136,8 @@ def features_worker(rank: int, world: int, tmp: str) -> dict:
     torch.manual_seed(0)
     ref2, model2, batch, loss_fn = build("odd_mlp", "HYBRID_SHARD", **ON)
     opt2 = make_optimizer("adamw", model2)
-    train(model2, opt2, batch, loss_fn, rank, world, 3)
-    train(plain, plain_opt, batch, loss_fn, rank, world, 3)
+    train_rank_batches(model2, opt2, batch, loss_fn, rank, world, 3)
+    train_rank_batches(plain, plain_opt, batch, loss_fn, rank, world, 3)
     assert_state_equal(full_sd(model2), full_sd(plain), "FULL model state")
     assert_state_equal(full_osd(model2, opt2), full_osd(plain, plain_opt), "FULL optimizer state")
     # SHARDED through DCP: saved with pieces, loaded into a plain HYBRID_SHARD model
@@ -152,14 +160,14 @@ def features_worker(rank: int, world: int, tmp: str) -> dict:
         full_sd(model2)
     _, full, _, _ = build("odd_mlp", "FULL_SHARD")
     full_opt = make_optimizer("adamw", full)
-    train(full, full_opt, batch, loss_fn, rank, world, 3)
+    train_rank_batches(full, full_opt, batch, loss_fn, rank, world, 3)
     checkpoint.save(f"{tmp}/full", full, full_opt, step=3)
     _, back, _, _ = build("odd_mlp", "HYBRID_SHARD", **ON)
     back_opt = make_optimizer("adamw", back)
     checkpoint.load(f"{tmp}/full", back, back_opt)
     assert_state_equal(full_osd(back, back_opt), full_osd(full, full_opt), "checkpoint into pieces")
-    a = train(back, back_opt, batch, loss_fn, rank, world, 2, start=3)
-    b = train(full, full_opt, batch, loss_fn, rank, world, 2, start=3)
+    a = train_rank_batches(back, back_opt, batch, loss_fn, rank, world, 2, start=3)
+    b = train_rank_batches(full, full_opt, batch, loss_fn, rank, world, 2, start=3)
     assert a == b, (a, b)
     return {"ok": True}
 

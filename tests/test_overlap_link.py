@@ -3,7 +3,7 @@
 Four ranks as two "nodes" of two (``ranks_per_node=2``): HYBRID_SHARD's and NO_SHARD's all-reduces
 across replicas cross the node boundary and are issued during backward and waited on only at its end;
 FULL_SHARD's reduce-scatter spans the nodes and is left in flight for one unit. Each path equals the
-single-process reference every step (tests/test_parity.py's run_case), and the same bits as with the
+single-process reference every step (tests/helpers/cases.py's run_case), and the same bits as with the
 setting off. Where nothing crosses a node, nothing is left in flight on CPU."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
-from tests.test_parity import run_case
+from tests.helpers.cases import run_case
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
 
 CASES = [  # (model, strategy, optimizer, keywords): each crosses the "nodes" differently
     ("gpt_tie_in_root", "HYBRID_SHARD", "adamw", {"sharding_factor": 2}),  # replicate all-reduce across

@@ -13,10 +13,10 @@ import itertools
 import pytest
 import torch
 
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
-from tests.test_parity import PER_RANK, build, run_case
-from tests.util import captured_logs
+from tests.helpers.cases import PER_RANK, build, run_case
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
+from tests.helpers.util import captured_logs
 
 SETTINGS = [
     *itertools.product((None, "BACKWARD_PRE", "BACKWARD_POST"), (False, True), (True,)),
@@ -192,7 +192,7 @@ def precision_worker(rank: int, world: int) -> dict:
     lr = 0.05
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    from tests.util import pairs
+    from tests.helpers.util import pairs
 
     for step in range(10):
         with FSDP.summon_full_params(model), torch.no_grad():

@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F_
 
 import flatshard
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
-from tests.util import captured_logs
+from tests.helpers.cases import third_step
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
+from tests.helpers.util import captured_logs
 
 CONFIGS = {  # world size -> (strategy, sharding factor) pairs to check
     1: [("NO_SHARD", 1)],  # at W = 1 every strategy is F = 1
@@ -38,22 +38,6 @@ def _inputs(world: int, **kw):
     from flatshard.planner import PlanInputs
 
     return PlanInputs.from_module(_gpt(), [Block], world, gpus_per_node=world, headroom=0.0, **kw)
-
-
-def third_step(model, rank: int, events: bool = False):
-    """Three AdamW steps of the GPT on this rank's batches (zero_grad(set_to_none=False)), measuring the
-    third, when gradients and optimizer state exist: (memory recorder, its last sample, comms recorder)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        x, y = torch.randint(0, 61, (2, 8), generator=g), torch.randint(0, 61, (2, 8), generator=g)
-        opt.zero_grad(set_to_none=False)
-        with model.record_memory(opt) as mem, model.record_comms(events=events) as rec:
-            mem.reset_peak()
-            F_.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-            opt.step()
-            now = mem.sample()
-    return mem, now, rec
 
 
 def measured_vs_planned_worker(rank: int, world: int) -> list:

@@ -20,9 +20,9 @@ import torch
 import flatshard
 from flatshard.planner import Links, PlanError, PlanInputs, notes, plan, plan_strategy
 from flatshard.planner.cli import main as plan_main
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
-from tests.test_planner_engine import third_step
+from tests.helpers.cases import third_step
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
 
 T = 999  # elements of each unit: pieces of ceil(999 / 4) = 250 at W = 4, the last owner's holding 249
 B = 4  # fp32

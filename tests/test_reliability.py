@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.dist import run_distributed
-from tests.models import Block, OddMLP, TinyGPT
-from tests.test_parity import PER_RANK, build, make_optimizer
-from tests.util import assert_params_match
+from tests.helpers.cases import PER_RANK, build, make_optimizer
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, OddMLP, TinyGPT
+from tests.helpers.util import assert_params_match
 
 SHORT = datetime.timedelta(seconds=6)
 

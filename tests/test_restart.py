@@ -4,7 +4,7 @@
    and reads its rows through a loader with a per-rank position of its own (``state=``): a run stopped
    after step 5 and resumed by fresh objects (other weights, other RNG states, the loader at 0) goes on
    bitwise as the uninterrupted run went (W = 2, one spawn); and the errors of ``state=``.
-2. ``examples/train_gpt.py`` under torchrun's machinery (``--max-restarts``), W = 2, three jobs at once:
+2. ``examples/train_gpt.py`` under torchrun's machinery (``--max-restarts``), W = 2, three jobs:
    the uninterrupted run; a run whose ranks are SIGKILLed six times, one fault per attempt, in forward,
    backward, the optimizer step, between steps, while a rank writes its checkpoint file and before the
    commit; and a run whose rank 1 is SIGSTOPped in backward. The faulted runs must restart once per
@@ -14,7 +14,8 @@
    (bench/faults/soak.py's checks, which the soak runs at W = 4 with many more faults). After the SIGSTOP, rank 0
    must fail with an error naming itself, the unit and the phase within the collective timeout (10 s
    here, ``--collective-timeout``) + 30 s; torchrun's agent then waits 30 s for the stopped rank to
-   obey SIGTERM before it kills it and restarts both.
+   obey SIGTERM before it kills it and restarts both. That run starts when collection ends, so its
+   waiting passes while earlier tests run; the other two start together when this file needs them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import importlib.util
 import json
 import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +33,9 @@ import pytest
 import torch
 
 from bench.faults import soak
-from tests.dist import run_distributed
-from tests.test_checkpoint import KIND, _error
-from tests.test_parity import build, make_optimizer
+from tests.helpers import early
+from tests.helpers.cases import CHECKPOINT_KIND, build, checkpoint_error, make_optimizer
+from tests.helpers.dist import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL = 12  # rows of the global batch
@@ -91,7 +94,7 @@ def checkpointer_worker(rank: int, world: int, tmp: str) -> dict:
 
     def start(directory: str, seed: int, init_seed: int):
         torch.manual_seed(init_seed)
-        _, model, batch, loss_fn = build(KIND, "FULL_SHARD")
+        _, model, batch, loss_fn = build(CHECKPOINT_KIND, "FULL_SHARD")
         opt = make_optimizer("adamw", model)
         cursor = Cursor(rank)
         _seed(seed)
@@ -120,14 +123,14 @@ def checkpointer_worker(rank: int, world: int, tmp: str) -> dict:
 
     # errors, on every rank alike
     path = checkpoint.step_path(f"{tmp}/u", steps)
-    messages = [_error(lambda: checkpoint.load(path, model, opt, state={"sampler": cursor}))]
+    messages = [checkpoint_error(lambda: checkpoint.load(path, model, opt, state={"sampler": cursor}))]
     assert "holds no loop state sampler (it holds loader)" in messages[-1], messages[-1]
     bad = checkpoint.Checkpointer(f"{tmp}/bad", model, opt, every=1, state={"loader": object()})
-    messages.append(_error(lambda: bad.step_done(1)))
+    messages.append(checkpoint_error(lambda: bad.step_done(1)))
     assert "has no state_dict() and load_state_dict()" in messages[-1], messages[-1]
     alone = [dist.new_group([r]) for r in range(world)][rank]  # a 1-rank job
-    _, single, _, _ = build(KIND, "FULL_SHARD", process_group=alone)
-    messages.append(_error(lambda: checkpoint.load(path, single, state={"loader": Cursor(rank)})))
+    _, single, _, _ = build(CHECKPOINT_KIND, "FULL_SHARD", process_group=alone)
+    messages.append(checkpoint_error(lambda: checkpoint.load(path, single, state={"loader": Cursor(rank)})))
     assert "was saved by 2 ranks and this job has 1" in messages[-1], messages[-1]
     for bad_every in (0, True, 2.5):
         with pytest.raises(ValueError, match="every must be a positive int"):
@@ -153,39 +156,62 @@ KILLS = [  # one per attempt, at increasing steps; every kind of point but the o
     "kill:between:step=10:rank=1",
 ]
 STOP = "stop:backward:step=4:rank=1"
-JOB_TIMEOUT_S = 300  # the three together take about a minute on two idle cores
+JOB_TIMEOUT_S = 300  # each job, from its start; the killed one takes about 30 s on two idle cores
 
 
 def _faults(specs: list[str]) -> list:
     return [fault_injection.parse(f"{s}:attempt={i}") for i, s in enumerate(specs)]
 
 
+def _start_stopped():
+    work = Path(tempfile.mkdtemp(prefix="flatshard-restart-"))
+    return soak.Job(soak.train_command(work, "stopped", **RUN, faults=_faults([STOP])), work, "stopped")
+
+
+def _end(job) -> None:
+    if job.returncode is None:
+        job.wait(0)  # kill what a failed test left running
+    shutil.rmtree(job.workdir, ignore_errors=True)
+
+
+# The stopped run is idle for most of its minute (the collective timeout, then torchrun's 30 s before it
+# kills the stopped rank): it starts when collection ends (tests/helpers/early.py), and that wait passes
+# while the tests before this file run.
+early.register("stopped_job", _start_stopped, _end)
+
+
+@pytest.fixture(scope="module")
+def stopped_job():
+    job = early.take("stopped_job")
+    yield job
+    early.stop("stopped_job", job)
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """The uninterrupted run, the killed run and the stopped run, started together (the stopped one
-    mostly waits: the timeout, then torchrun's 30 s)."""
+    """The uninterrupted run and the killed run, started together."""
     work = tmp_path_factory.mktemp("restart")
-    started = {"reference": soak.Job(soak.train_command(work, "reference", **RUN), work, "reference")}
-    for name, specs in (("killed", KILLS), ("stopped", [STOP])):
-        cmd = soak.train_command(work, name, **RUN, faults=_faults(specs))
-        started[name] = soak.Job(cmd, work, name)
+    started = {
+        "reference": soak.Job(soak.train_command(work, "reference", **RUN), work, "reference"),
+        "killed": soak.Job(soak.train_command(work, "killed", **RUN, faults=_faults(KILLS)), work, "killed"),
+    }
     yield started
     for job in started.values():
         if job.returncode is None:
             job.wait(0)  # kill what a failed test left running
 
 
-def _check(jobs, name: str, specs: list[str]) -> dict:
-    for job in jobs.values():
+def _check(reference, faulted, specs: list[str]) -> dict:
+    for job in (reference, faulted):
         job.wait(JOB_TIMEOUT_S)
     run = {k: v for k, v in RUN.items() if k not in ("strategy",)}
-    result = soak.check_run(jobs["reference"], jobs[name], _faults(specs), **run)
+    result = soak.check_run(reference, faulted, _faults(specs), **run)
     assert result["problems"] == [], "\n".join(result["problems"])
     return result
 
 
 def test_restart_resumes_bitwise_after_a_kill_in_each_phase(jobs):
-    result = _check(jobs, "killed", KILLS)
+    result = _check(jobs["reference"], jobs["killed"], KILLS)
     assert result["restarts"] == len(KILLS) == 6
     # completed before each fault minus the step resumed at: (1-0)+(4-3)+(6-3)+(7-6)+(9-6)+(11-9)
     assert result["steps_recomputed"] == 11
@@ -195,8 +221,8 @@ def test_restart_resumes_bitwise_after_a_kill_in_each_phase(jobs):
     assert result["losses_bitwise_equal"] and result["final_checkpoint_files_identical"]
 
 
-def test_a_stopped_rank_fails_every_other_rank_in_time_and_the_restart_recovers(jobs):
-    result = _check(jobs, "stopped", [STOP])
+def test_a_stopped_rank_fails_every_other_rank_in_time_and_the_restart_recovers(jobs, stopped_job):
+    result = _check(jobs["reference"], stopped_job, [STOP])
     (stop,) = result["stop_errors"]
     delay, what = stop["errors"][0]  # rank 0, the only other rank
     assert RUN["timeout_s"] <= delay <= RUN["timeout_s"] + soak.AGENT_GRACE_S, delay

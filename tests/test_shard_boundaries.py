@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from flatshard.testing import count_dist_calls
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
-from tests.test_parity import PER_RANK, build, make_optimizer, run_case
-from tests.util import assert_params_match
+from tests.helpers.cases import PER_RANK, build, make_optimizer, run_case
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
+from tests.helpers.util import assert_params_match
 
 
 # ---- the layouts, in process ---------------------------------------------------------------------------
@@ -172,7 +172,7 @@ def whole_worker(rank: int, world: int) -> dict:
     import flatshard
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard.wrap import ModuleWrapPolicy
-    from tests.util import assert_grads_match
+    from tests.helpers.util import assert_grads_match
 
     out = {}
     for recipe in ("muon+adamw", "adafactor"):

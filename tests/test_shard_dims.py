@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests import sharded_training
-from tests.dist import raised as _raised
-from tests.dist import run_distributed
+from tests.helpers import sharded_training
+from tests.helpers.dist import raised as _raised
+from tests.helpers.dist import run_distributed
 
 STEPS = 3
 

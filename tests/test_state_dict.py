@@ -10,54 +10,17 @@ import functools
 import torch
 import torch.distributed as dist
 
-from tests.dist import run_distributed
-from tests.test_parity import PER_RANK, build, make_optimizer
+from tests.helpers.cases import (
+    assert_state_equal,
+    build,
+    full_osd,
+    full_sd,
+    make_optimizer,
+    train_rank_batches,
+)
+from tests.helpers.dist import run_distributed
 
 MODELS = ("gpt_tie_across_units", "frozen_nested_manual")
-
-
-def train(model, opt, batch, loss_fn, rank, world, steps, start=0, ref=None, ref_opt=None):
-    local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    losses = []
-    for step in range(start, start + steps):
-        x, y = batch(step, world * PER_RANK)
-        loss = loss_fn(model(x[local]), y[local])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if ref is not None:
-            loss_fn(ref(x), y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-    return losses
-
-
-def full_sd(model):
-    from flatshard import FullyShardedDataParallel as FSDP
-    from flatshard import StateDictType
-
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
-        return model.state_dict()
-
-
-def full_osd(model, opt):
-    from flatshard import FullyShardedDataParallel as FSDP
-    from flatshard import StateDictType
-
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
-        return FSDP.optim_state_dict(model, opt)
-
-
-def assert_state_equal(a, b, what):
-    assert list(a) == list(b), f"{what}: keys differ\n{list(a)}\n{list(b)}"
-    for k in a:
-        if isinstance(a[k], dict):
-            assert_state_equal(a[k], b[k], f"{what}/{k}")
-        elif torch.is_tensor(a[k]):
-            assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
-        else:
-            assert a[k] == b[k], f"{what}: {k}: {a[k]} != {b[k]}"
 
 
 def ref_osd_by_name(ref, ref_opt):
@@ -74,7 +37,7 @@ def full_roundtrip(rank, world, kind):
 
     ref, model, batch, loss_fn = build(kind, "FULL_SHARD")
     ref_opt, opt = make_optimizer("adamw", ref), make_optimizer("adamw", model)
-    train(model, opt, batch, loss_fn, rank, world, 3, ref=ref, ref_opt=ref_opt)
+    train_rank_batches(model, opt, batch, loss_fn, rank, world, 3, ref=ref, ref_opt=ref_opt)
     sd = model.state_dict()  # FULL is the default
     assert list(sd) == list(ref.state_dict()), f"{kind}: FULL keys must be the unwrapped model's"
     # the reference trained alongside: equal to PyTorch's default fp32 tolerances
@@ -111,8 +74,8 @@ def full_roundtrip(rank, world, kind):
         again = make_optimizer("adamw", model)
         again.load_state_dict(FSDP.optim_state_dict_to_load(model, again, only0 if rank == 0 else None))
     assert_state_equal(full_osd(model, again), osd, f"{kind}: optimizer from rank 0 only")
-    a = train(model, opt, batch, loss_fn, rank, world, 2, start=3)
-    b = train(other, other_opt, batch, loss_fn, rank, world, 2, start=3)
+    a = train_rank_batches(model, opt, batch, loss_fn, rank, world, 2, start=3)
+    b = train_rank_batches(other, other_opt, batch, loss_fn, rank, world, 2, start=3)
     assert a == b, f"{kind}: losses after a FULL round trip differ: {a} vs {b}"
     assert_state_equal(full_sd(other), full_sd(model), f"{kind}: after training on")
 
@@ -122,7 +85,7 @@ def buffers_roundtrip(rank, world):
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard import StateDictType
     from flatshard.wrap import lambda_auto_wrap_policy
-    from tests.models import WithBuffers
+    from tests.helpers.models import WithBuffers
 
     def wrapped(seed):
         torch.manual_seed(seed)
@@ -151,7 +114,7 @@ def sharded_across_strategies(rank, world):
 
     _, model, batch, loss_fn = build("gpt_tie_in_root", "FULL_SHARD")
     opt = make_optimizer("sgd_momentum", model)
-    train(model, opt, batch, loss_fn, rank, world, 2)
+    train_rank_batches(model, opt, batch, loss_fn, rank, world, 2)
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sd, osd = model.state_dict(), FSDP.optim_state_dict(model, opt)
     want, want_o = full_sd(model), full_osd(model, opt)
@@ -218,7 +181,7 @@ def through_plain_parent(rank, world) -> str:
 
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard.wrap import ModuleWrapPolicy
-    from tests.models import Block, TinyGPT
+    from tests.helpers.models import Block, TinyGPT
 
     torch.manual_seed(0)
     ref = nn.ModuleDict({"trunk": TinyGPT(), "head": nn.Linear(37, 2)})

@@ -15,8 +15,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from tests.dist import run_distributed
-from tests.models import Block, TinyGPT
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyGPT
 
 PER_RANK = 2
 

@@ -9,8 +9,8 @@ import torch
 import flatshard
 from flatshard import testing
 from flatshard.testing import shard_ranges
-from tests.dist import run_distributed
-from tests.test_parity import PER_RANK, build
+from tests.helpers.cases import PER_RANK, build
+from tests.helpers.dist import run_distributed
 
 
 def summon_worker(rank: int, world: int) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
 
 
 def generate_worker(rank: int, world: int, mixed: bool) -> dict:

@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from tests.dist import run_distributed
-from tests.test_parity import PER_RANK, build, make_optimizer
+from tests.helpers.cases import PER_RANK, build, make_optimizer
+from tests.helpers.dist import run_distributed
 
 
 def half_swapped_worker(rank: int, world: int) -> dict:
@@ -18,7 +18,7 @@ def half_swapped_worker(rank: int, world: int) -> dict:
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard import MixedPrecision, ShardingStrategy, StateDictType
     from flatshard.wrap import ModuleWrapPolicy
-    from tests.models import Block, TinyGPT
+    from tests.helpers.models import Block, TinyGPT
 
     _, _, batch, loss_fn = build("gpt_tie_in_root", "FULL_SHARD")
     model = FSDP(

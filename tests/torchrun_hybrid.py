@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import flatshard  # noqa: E402
-from tests.test_parity import PER_RANK, build, run_case  # noqa: E402
+from tests.helpers.cases import PER_RANK, build, run_case  # noqa: E402
 
 
 def main(out_dir: str) -> None:

@@ -148,7 +148,7 @@ def main() -> None:
     overrides = {k: v for k, v in (("layers", args.layers), ("dim", args.dim)) if v is not None}
     cfg = dataclasses.replace(PRESETS[args.model], **overrides)
     tmp = args.dir or tempfile.mkdtemp(prefix="flatshard-ckpt-")
-    from tests.dist import run_distributed
+    from tests.helpers.dist import run_distributed
 
     try:
         results = run_distributed(worker, args.world, dataclasses.asdict(cfg), tmp, timeout=1200)

@@ -52,8 +52,8 @@ from bench.gpu import fronts  # noqa: E402
 from flatshard import CPUOffload, MixedPrecision, ShardingStrategy, param_groups  # noqa: E402
 from flatshard import FullyShardedDataParallel as FSDP  # noqa: E402
 from flatshard.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy  # noqa: E402
-from tests.models import Block, OddMLP, TinyGPT  # noqa: E402
-from tests.util import pairs  # noqa: E402
+from tests.helpers.models import Block, OddMLP, TinyGPT  # noqa: E402
+from tests.helpers.util import pairs  # noqa: E402
 
 MODELS = ("odd_mlp", "tiny_gpt")  # odd element counts everywhere (padding); tied weights, attention
 OPTIMIZERS = ("sgd_momentum", "adamw")

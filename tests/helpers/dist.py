@@ -14,7 +14,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from tests import dist_pool
+from tests.helpers import dist_pool
 
 
 def run_distributed(
@@ -22,7 +22,7 @@ def run_distributed(
 ) -> list[Any]:
     """Returns the per-rank results in rank order; raises with every failing rank's traceback.
 
-    The ranks come from the pool of ``world_size`` processes (tests/dist_pool.py), started on first use.
+    The ranks come from the pool of ``world_size`` processes (tests/helpers/dist_pool.py), started on first use.
     ``fresh``: the pool is retired after this task (for tests that leave a process group timed out)."""
     pool = dist_pool.pool(world_size)
     try:
@@ -42,11 +42,11 @@ def run_distributed(
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
-def run_launcher(cmd: list[str], cwd, timeout: float, what: str) -> str:
+def run_launcher(cmd: list[str], cwd, timeout: float, what: str, returncodes: tuple[int, ...] = (0,)) -> str:
     """Run a command that starts ranks itself (torchrun's machinery) and return its output.
 
     It gets a session of its own, so a hang is ended with every rank it started, and nothing else;
-    a timeout or a non-zero exit fails the test with the end of the output."""
+    a timeout or an exit status not in ``returncodes`` fails the test with the end of the output."""
     import signal
     import subprocess
 
@@ -61,7 +61,7 @@ def run_launcher(cmd: list[str], cwd, timeout: float, what: str) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
         pytest.fail(f"{what} did not finish within {timeout:.0f}s:\n{log[-4000:]}")
-    assert proc.returncode == 0, f"{what} exited {proc.returncode}:\n{log[-4000:]}"
+    assert proc.returncode in returncodes, f"{what} exited {proc.returncode}:\n{log[-4000:]}"
     return log
 
 

@@ -1,8 +1,11 @@
-"""A pool of rank processes per world size, kept alive across tests (the suite's harness, tests/dist.py).
+"""A pool of rank processes per world size, kept alive across tests (the suite's harness, tests/helpers/dist.py).
 
-Starting a rank costs about two CPU-seconds (importing torch, joining the gloo group), and the suite
-runs some forty multi-process tests: so each world size gets one pool of W spawned processes, joined
-in one gloo group, that runs one test function after another. Between tasks every rank restores what
+Starting a rank costs about two CPU-seconds (importing torch and flatshard, joining the gloo group), and
+the suite runs some forty multi-process tests: so each world size gets one pool of W processes, joined in
+one gloo group, that runs one test function after another. The processes are forked by a forkserver that
+imported torch and flatshard once (``_PRELOAD``), so a pool started again after a failure, or for a
+test that needs a fresh one, costs the gloo group and little else; each process starts with the
+parent's environment of that moment, as a spawned one would. Between tasks every rank restores what
 a test may change in its process: the RNG states, the default dtype, grad mode, the environment and
 the ``flatshard`` logger's handlers and level; and it collects garbage.
 
@@ -26,9 +29,12 @@ from collections.abc import Callable
 from typing import Any
 
 _SHUTDOWN = None
+# imported once by the forkserver, before it forks any rank (a module missing here is skipped); "__main__":
+# a script's own module (bench/figures/checkpoint_figures.py runs its worker from it), as spawn imports it
+_PRELOAD = ["__main__", "numpy", "torch", "torch.distributed", "flatshard.fsdp", "flatshard.fsdp2", "flatshard.testing"]
 
 
-def _serve(rank: int, world_size: int, store_path: str, tasks, results) -> None:
+def _serve(rank: int, world_size: int, store_path: str, environ: dict, tasks, results) -> None:
     import gc
     import logging
     import random
@@ -37,10 +43,17 @@ def _serve(rank: int, world_size: int, store_path: str, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(environ)
+    np.random.seed()  # a state of its own, as a freshly started process draws (random reseeds at fork itself)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     seed, py_state, np_state = torch.initial_seed(), random.getstate(), np.random.get_state()
     logger = logging.getLogger("flatshard")
+    # What importing torch and flatshard made lives as long as the process: frozen, the collection after
+    # each task skips it (about 0.1 CPU-second a collection otherwise, in every rank after every test).
+    gc.collect()
+    gc.freeze()
     while True:
         task = tasks.get()
         if task is _SHUTDOWN:
@@ -68,18 +81,27 @@ def _serve(rank: int, world_size: int, store_path: str, tasks, results) -> None:
     dist.destroy_process_group()
 
 
+def context():
+    """The multiprocessing context of the pools: processes forked by a forkserver that imported
+    ``_PRELOAD`` (read when the forkserver starts, with the first process)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 class Pool:
     """``world_size`` rank processes in one gloo group; ``run`` executes one function on all of them."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory()
         store = os.path.join(self._tmp.name, "store")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
+        environ = dict(os.environ)
         self._procs = [
-            ctx.Process(target=_serve, args=(r, world_size, store, self._tasks[r], self._results), daemon=True)
+            ctx.Process(target=_serve, args=(r, world_size, store, environ, self._tasks[r], self._results), daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:
