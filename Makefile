@@ -19,7 +19,7 @@ run: install
 	$(PY) examples/train_gpt.py $(ARGS)
 
 test: install
-	$(PY) -m pytest -q --durations=10 tests
+	$(PY) -m pytest -q --durations=20 tests
 
 lint: install  # ruff: the formatter's check and the linter; mypy over src/ (both configured in pyproject.toml)
 	$(PY) -m ruff format --check src tests examples bench
