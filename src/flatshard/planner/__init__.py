@@ -45,6 +45,7 @@ from flatshard.planner.models import (
 )
 from flatshard.planner.offload import OffloadEstimate, offload_estimate
 from flatshard.planner.plan import (
+    STEP_ERROR,
     PlanReport,
     Recommendation,
     StrategyPlan,
@@ -66,6 +67,7 @@ __all__ = [
     "OPTIMIZERS",
     "PRECISIONS",
     "PRESETS",
+    "STEP_ERROR",
     "CollectiveCounts",
     "CommEstimate",
     "Links",

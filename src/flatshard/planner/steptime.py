@@ -68,6 +68,13 @@ class TimeEstimate:
     scheduled_s: float = 0.0
 
 
+def compute_known(inputs: PlanInputs) -> bool:
+    """Whether the step has compute in it: ``compute_time_s``, or ``device_flops`` with tokens
+    (micro-batch x sequence length). Without, every time is communication (and the optimizer) only."""
+    tokens = inputs.micro_batch * inputs.seq_len
+    return inputs.compute_time_s is not None or bool(inputs.device_flops and tokens)
+
+
 def compute_times(inputs: PlanInputs) -> tuple[float, float]:
     """(forward, backward) compute seconds: 6 P tokens FLOPs (2 forward, 4 backward), plus a
     second forward (2 P tokens) in backward under activation checkpointing."""
