@@ -292,7 +292,7 @@ def test_real_models_quoted_in_the_docs():
 # ---------------------------------------------------------------- JSON schema
 def test_json_schema_keys_exactly(capsys):
     doc = cli_json(["--model", "llama2-7b", "--world", "16", "--micro-batch", "1", "--seq-len", "2048"], capsys)
-    assert set(doc) == {"inputs", "plans", "recommendation", "activations_counted", "notes"}
+    assert set(doc) == {"inputs", "plans", "recommendation", "activations_counted", "step_schedule", "notes"}
     assert doc["activations_counted"] is True and doc["notes"] == []
     assert set(doc["recommendation"]) == {"strategy", "sharding_factor", "why"}
     for p in doc["plans"]:
@@ -723,7 +723,15 @@ def test_offload_cli(capsys):
         "--offload",
     ]
     doc = cli_json(argv, capsys, status=0)  # nothing fits without offload, but --offload asks for it: it fits
-    assert set(doc) == {"inputs", "plans", "recommendation", "activations_counted", "notes", "offload_recommendation"}
+    assert set(doc) == {
+        "inputs",
+        "plans",
+        "recommendation",
+        "activations_counted",
+        "step_schedule",
+        "notes",
+        "offload_recommendation",
+    }
     assert (doc["inputs"]["host_memory_bytes"], doc["inputs"]["pcie_bandwidth"]) == (1056, 16e9)
     fs = cli_plan(doc, "FULL_SHARD")["offload"]  # 3 units of 20, S = 10 each
     assert fs["device_bytes"]["peak"] == 160 + 40 + 40 and fs["host_bytes"]["per_node"] == 2 * 480

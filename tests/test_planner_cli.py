@@ -71,6 +71,20 @@ def test_readme_example_fits(capsys):
     assert rc == 0 and "recommendation: none" not in out
 
 
+# ---------------------------------------------------------------- the schedule the step assumes
+def test_the_step_names_its_schedule(capsys):
+    argv = ["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"]
+    _, out, _ = run(argv, capsys)
+    step = flat(out.split("\nstep: ", 1)[1])
+    assert step.startswith("scheduled") and "prefetch depth 0" in step and "CPU" in step
+    assert "overlapped" in step  # where a GPU run is to be read
+    assert "communication only" in step  # no compute given
+    doc = json.loads(run(argv + ["--json"], capsys)[1])
+    assert doc["step_schedule"].startswith("scheduled: ") and "prefetch depth 0" in doc["step_schedule"]
+    doc = json.loads(run(argv + ["--prefetch", "1", "--json"], capsys)[1])
+    assert doc["step_schedule"].startswith("overlapped: ") and "prefetch depth 1" in doc["step_schedule"]
+
+
 # ---------------------------------------------------------------- the private strategy's margin
 def _seven_b(**kw) -> PlanInputs:
     return PlanInputs.from_shape(

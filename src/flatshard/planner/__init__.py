@@ -58,7 +58,7 @@ from flatshard.planner.plan import (
     to_json_dict,
 )
 from flatshard.planner.quantities import parse_bandwidth, parse_bytes, parse_count
-from flatshard.planner.steptime import TimeEstimate
+from flatshard.planner.steptime import TimeEstimate, schedule_label
 
 __all__ = [
     "BF16_MIXED",
@@ -102,6 +102,7 @@ __all__ = [
     "read_calibration",
     "read_hf_config",
     "recommend_offload",
+    "schedule_label",
     "shape_from_hf_config",
     "strategies_at",
     "to_json_dict",

@@ -16,7 +16,7 @@ from flatshard.planner.inputs import PlanInputs, Strategy
 from flatshard.planner.memory import MemoryEstimate, activations_missing, activations_note, memory_estimate
 from flatshard.planner.offload import OffloadEstimate, offload_estimate
 from flatshard.planner.quantities import fmt_bytes, fmt_seconds
-from flatshard.planner.steptime import TimeEstimate, compute_known, time_estimate
+from flatshard.planner.steptime import TimeEstimate, compute_known, schedule_label, time_estimate
 
 # [Note: planner private strategy margin]
 # _HYBRID_SHARD_ZERO2 is private (the leading underscore PyTorch gives it), so the recommendation takes it
@@ -514,11 +514,12 @@ def _recommendation_json(rec: Recommendation, across: bool = False) -> dict[str,
 
 def to_json_dict(report: PlanReport) -> dict[str, Any]:
     """The report as ``flatshard plan --json`` prints it: exactly the keys inputs, plans, recommendation,
-    activations_counted (False: every plan's "activations" is None and its peaks leave them out) and
-    notes (sentences on what the figures leave out or assume); with ``inputs.offload`` each plan also has
-    "offload" and the report "offload_recommendation" (a "+OptR" plan's "offload" is null); with
-    ``inputs.optimizer_across_replicas`` each plan and the recommendation say whether they are "+OptR"
-    (``optimizer_across_replicas``) and each plan has its bytes per collective."""
+    activations_counted (False: every plan's "activations" is None and its peaks leave them out),
+    step_schedule (the schedule every "step_time_s" assumes: a sentence starting "scheduled" or
+    "overlapped") and notes (sentences on what the figures leave out or assume); with ``inputs.offload``
+    each plan also has "offload" and the report "offload_recommendation" (a "+OptR" plan's "offload" is
+    null); with ``inputs.optimizer_across_replicas`` each plan and the recommendation say whether they
+    are "+OptR" (``optimizer_across_replicas``) and each plan has its bytes per collective."""
     offload = report.inputs.offload
     counted = not activations_missing(report.inputs)
     across = report.inputs.optimizer_across_replicas
@@ -531,6 +532,7 @@ def to_json_dict(report: PlanReport) -> dict[str, Any]:
         "plans": plans,
         "recommendation": _recommendation_json(report.recommendation, across),
         "activations_counted": counted,
+        "step_schedule": schedule_label(report.inputs),
         "notes": notes(report.inputs),
     }
     if offload:

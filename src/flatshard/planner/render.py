@@ -15,6 +15,7 @@ from flatshard.planner.inputs import OPTIMIZERS
 from flatshard.planner.memory import activations_missing
 from flatshard.planner.plan import PlanReport, notes, recommend_offload
 from flatshard.planner.quantities import fmt_bytes, fmt_count, fmt_seconds
+from flatshard.planner.steptime import schedule_label
 
 VERDICTS = {"yes": "green", "no": "red"}
 
@@ -72,7 +73,8 @@ def comm_table(report: PlanReport) -> Table:
     table = Table(
         "communication per rank per step: calls of all-gather (AG, forward/backward), reduce-scatter (RS) and "
         "all-reduce (AR); GB (10^9 bytes) within and between nodes, and what a node sends to other nodes (node GB); "
-        "seconds per step serial, overlapped and expected (the engine's schedule, JSON step_time_s)",
+        f"seconds per step serial, overlapped and expected ({schedule_label(report.inputs).split(':')[0]}: "
+        "see step below; JSON step_time_s)",
         (
             "strategy",
             "F",
@@ -183,14 +185,20 @@ def closing(report: PlanReport) -> list[tuple[str, str]]:
     return out
 
 
+def step_line(report: PlanReport) -> tuple[str, str]:
+    """("step", the schedule the expected step assumes), said where the tables end."""
+    return ("step", schedule_label(report.inputs))
+
+
 def print_report(report: PlanReport) -> None:
     tables = [memory_table(report), comm_table(report)] + ([offload_table(report)] if report.inputs.offload else [])
+    lines = [step_line(report), *closing(report)]
     try:
         import rich  # noqa: F401  (optional: pip install flatshard[cli])
     except ImportError:
-        _print_plain(header(report), tables, closing(report))
+        _print_plain(header(report), tables, lines)
     else:
-        _print_rich(header(report), tables, closing(report))
+        _print_rich(header(report), tables, lines)
 
 
 def _print_rich(head: str, tables: list[Table], lines: list[tuple[str, str]]) -> None:

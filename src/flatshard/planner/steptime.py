@@ -75,6 +75,33 @@ def compute_known(inputs: PlanInputs) -> bool:
     return inputs.compute_time_s is not None or bool(inputs.device_flops and tokens)
 
 
+def schedule_label(inputs: PlanInputs) -> str:
+    """Which schedule the expected step (JSON ``step_time_s``) assumes, in words that start with its
+    name, "scheduled" or "overlapped" ([Note: planner step schedule])."""
+    if inputs.prefetch_depth >= 1:
+        out = (
+            f"overlapped: prefetch depth {inputs.prefetch_depth}, every collective hidden behind compute but "
+            "the first gather and the last unit's reductions"
+            + ("" if inputs.overlap_all_reduce else ", and every all-reduce (--exposed-all-reduce)")
+        )
+    else:
+        crossing = (
+            "what crosses nodes left in flight"
+            if inputs.inter_node_in_flight
+            else "every reduction finished before the next unit (--no-inter-node-in-flight)"
+        )
+        out = (
+            "scheduled: the engine's schedule at prefetch depth 0 as it runs on CPU (gloo), each collective "
+            f"waited for, {crossing}"
+        )
+    if not compute_known(inputs):
+        out += "; compute not known (--compute-time, or --tflops with --micro-batch and --seq-len): "
+        out += "communication and the optimizer step only" if inputs.optimizer_time_s else "communication only"
+    if inputs.prefetch_depth < 1:
+        out += ". A GPU run overlaps more: its figure is the overlapped step"
+    return out
+
+
 def compute_times(inputs: PlanInputs) -> tuple[float, float]:
     """(forward, backward) compute seconds: 6 P tokens FLOPs (2 forward, 4 backward), plus a
     second forward (2 P tokens) in backward under activation checkpointing."""
