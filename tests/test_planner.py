@@ -745,10 +745,10 @@ def test_offload_cli(capsys):
     )  # both fit at F = 2; SHARD_GRAD_OP has fewer collectives and copies
     assert "offload" not in cli_plan(cli_json(argv[:-1], capsys, status=1), "FULL_SHARD")  # without --offload
     assert plan_main(argv) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the prose is wrapped to 100 columns
     assert "with CPU offload" in out and "recommendation: none" in out and "CPU offload fits: F=2" in out
     assert plan_main(["--params", "7B", "--units", "32", "--world", "8", "--offload"]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     assert "with CPU offload: none" in out and "host memory unknown" in out
     assert plan_main(["--params", "7B", "--world", "8", "--host-mem=-1TB"]) == 2
     assert "negative" in capsys.readouterr().err
@@ -807,7 +807,13 @@ def test_exit_status_is_one_when_nothing_fits_and_the_table_still_prints(capsys)
 def test_column_titles_say_counts_or_gb(rich_installed, capsys, monkeypatch):
     if not rich_installed:
         monkeypatch.setitem(sys.modules, "rich", None)  # the plain-text tables, as without flatshard[cli]
-    assert plan_main(["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"]) == 0
+    argv = ["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"]
+    assert plan_main(argv) == 0  # the summary
+    out = capsys.readouterr().out
+    for title in ("memory per rank, GB (10^9 bytes)", "comm GB"):
+        assert title in out, title
+    assert "recommendation: HYBRID_SHARD, F=4" in out
+    assert plan_main(argv + ["--full"]) == 0  # the full tables
     out = capsys.readouterr().out
     for title in ("memory per rank, GB (10^9 bytes)", "AG calls f/b", "RS calls", "AR calls", "total GB", "intra GB"):
         assert title in out, title
@@ -944,7 +950,7 @@ def test_boundaries_with_unit_sizes_only_are_flats_and_said(capsys):
     assert doc["inputs"]["param_shapes_known"] is False
     assert any("only unit sizes are known" in n for n in doc["notes"]), doc["notes"]
     assert plan_main(["--params", "7B", "--units", "32", "--world", "8", "--shard-boundaries", "params"]) == 0
-    assert "only unit sizes are known, so the figures are flat's" in capsys.readouterr().out
+    assert "only unit sizes are known, so the figures are flat's" in " ".join(capsys.readouterr().out.split())
 
 
 def test_params_boundaries_of_a_preset_through_the_cli(capsys):

@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
+
+import pytest
 
 from flatshard.planner import STEP_ERROR, PlanInputs, Strategy, plan, preset
 from flatshard.planner.cli import main as plan_main
@@ -71,6 +74,44 @@ def test_readme_example_fits(capsys):
     assert rc == 0 and "recommendation: none" not in out
 
 
+# ---------------------------------------------------------------- 100 columns
+CASES = [
+    readme_plan_argv(),
+    ["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"],
+    SEVEN_B,
+    ["--params", "70B", "--units", "80", "--world", "8", "--gpu-mem", "40GB"],  # nothing fits
+    ["--params", "70B", "--units", "80", "--world", "8", "--offload", "--host-mem", "2TB"],
+    ["--params", "7B", "--units", "32", "--world", "16", "--gpu-mem", "40GB", "--optimizer-across-replicas"],
+    ["--model", "llama-7b", "--world", "8", "--shard-boundaries", "params", "--tflops", "300"]
+    + ["--micro-batch", "1", "--seq-len", "2048"],
+    ["--model", "llama2-70b", "--world", "512", "--precision", "bf16-mixed"],
+]
+
+
+@pytest.mark.parametrize("rich_installed", [True, False])
+@pytest.mark.parametrize("argv", CASES, ids=lambda a: " ".join(a[:6]))
+def test_default_output_fits_100_columns(argv, rich_installed, capsys, monkeypatch):
+    if not rich_installed:
+        monkeypatch.setitem(sys.modules, "rich", None)
+    rc, out, _ = run(argv, capsys)
+    assert rc in (0, 1)
+    wide = [line for line in out.splitlines() if len(line) > WIDTH]
+    assert not wide, f"{len(wide)} lines over {WIDTH} columns, the first: {wide[0]!r}"
+    assert "recommendation:" in out and "step:" in out
+    # the full tables, under --full, still hold every column
+    rc_full, full, _ = run(argv + ["--full"], capsys)
+    assert rc_full == rc
+    for title in ("AG calls f/b", "RS calls", "AR calls", "intra GB", "inter GB", "serial", "overlapped"):
+        assert title in full, title
+    assert "AG calls f/b" not in out
+
+
+def test_full_with_json_is_refused(capsys):
+    rc, out, err = run(["--params", "7B", "--world", "8", "--json", "--full"], capsys)
+    assert rc == 2 and out == ""
+    assert "\nflatshard plan: error: --full" in err and "\n  fix: " in err
+
+
 # ---------------------------------------------------------------- the schedule the step assumes
 def test_the_step_names_its_schedule(capsys):
     argv = ["--params", "7B", "--units", "32", "--world", "8", "--gpu-mem", "40GB"]
@@ -83,6 +124,8 @@ def test_the_step_names_its_schedule(capsys):
     assert doc["step_schedule"].startswith("scheduled: ") and "prefetch depth 0" in doc["step_schedule"]
     doc = json.loads(run(argv + ["--prefetch", "1", "--json"], capsys)[1])
     assert doc["step_schedule"].startswith("overlapped: ") and "prefetch depth 1" in doc["step_schedule"]
+    _, full, _ = run(argv + ["--full"], capsys)
+    assert "expected (scheduled" in flat(full)  # the full table's column says which schedule too
 
 
 # ---------------------------------------------------------------- the private strategy's margin

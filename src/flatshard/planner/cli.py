@@ -9,10 +9,10 @@
     flatshard plan --params 3241472 --units 4 --root-params 82432 --world 4 --gpus-per-node 2 \\
         --exchange direct --calibration bench/results/cluster_200mbit.json --compute-time 0.33 --optimizer-time 0.03
 
-A readable table by default (render.py); ``--json`` prints exactly one JSON object (see
-``to_json_dict``). Exit status: 0 when a plan fits, 1 when nothing fits (the table or JSON is still
-printed), 2 for bad input: then ``usage: ...`` and ``flatshard plan: error: ...`` with a ``fix:`` line
-on stderr, no traceback.
+A summary within 100 columns by default, the full tables with ``--full`` (render.py); ``--json``
+prints exactly one JSON object (see ``to_json_dict``). Exit status: 0 when a plan fits, 1 when
+nothing fits (the table or JSON is still printed), 2 for bad input: then ``usage: ...`` and
+``flatshard plan: error: ...`` with a ``fix:`` line on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -162,7 +162,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="count the replicate all-reduces as not overlapped with backward",
     )
-    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    output = p.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print exactly one JSON object instead of tables")
+    output.add_argument(
+        "--full",
+        action="store_true",
+        help="print the full tables (every byte and collective count, serial and overlapped times; "
+        "up to 140 columns) instead of the summary",
+    )
     return p
 
 
@@ -191,10 +198,17 @@ def _shape(args: argparse.Namespace) -> ModelShape | None:
     return None
 
 
+def _check_takes_effect(args: argparse.Namespace) -> None:
+    """A flag the other flags leave without effect is a PlanError, never ignored."""
+    if args.full and args.json:
+        raise PlanError("--full chooses the tables, and --json prints none", "pass one of --full and --json")
+
+
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     """Turn parsed arguments into PlanInputs; every mistake is a PlanError with its fix."""
     if args.world is None:
         raise PlanError("--world is required", "pass the number of ranks, e.g. --world 8")
+    _check_takes_effect(args)
     given = [
         flag for flag, v in (("--model", args.model), ("--hf-config", args.hf_config), ("--params", args.params)) if v
     ]
@@ -308,5 +322,5 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(to_json_dict(report), indent=2))
     else:
-        print_report(report)
+        print_report(report, full=args.full)
     return exit_status(report)

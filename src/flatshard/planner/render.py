@@ -1,14 +1,18 @@
 """The readable form of a plan: ``flatshard plan`` without ``--json``.
 
-Tables are built as plain data (title, column titles, rows of strings) and printed with rich when it
-is installed (``pip install flatshard[cli]``), as aligned plain text otherwise: the figures are the
-same either way. Column titles say what each column holds: a count of collective calls, or GB
-(10^9 bytes, [Note: planner units]).
+By default a summary within WIDTH (100) columns: one table of every plan (memory, communication, step)
+and, with ``--offload``, one of the same with CPU offload; ``--full`` prints the full tables instead
+(every byte and collective count, serial and overlapped times: up to 140 columns). Tables are built as
+plain data (title, column titles, rows of strings) and printed with rich when it is installed
+(``pip install flatshard[cli]``), as aligned plain text otherwise: the figures are the same either way.
+Column titles say what each column holds: a count of collective calls, or GB (10^9 bytes,
+[Note: planner units]). After the tables, the schedule the step assumes, the recommendation and notes.
 """
 
 from __future__ import annotations
 
 import sys
+import textwrap
 from dataclasses import dataclass, field
 
 from flatshard.planner.inputs import OPTIMIZERS
@@ -18,6 +22,8 @@ from flatshard.planner.quantities import fmt_bytes, fmt_count, fmt_seconds
 from flatshard.planner.steptime import schedule_label
 
 VERDICTS = {"yes": "green", "no": "red"}
+WIDTH = 100  # the summary's columns; the full tables take up to FULL_WIDTH
+FULL_WIDTH = 140
 
 
 @dataclass
@@ -66,6 +72,65 @@ def memory_table(report: PlanReport) -> Table:
             _gb(b.peak),
             _verdict(p.fits),
         )
+    return table
+
+
+def summary_table(report: PlanReport) -> Table:
+    """Every plan in one table within WIDTH columns: memory per rank, bytes moved, the expected step."""
+    counted = not activations_missing(report.inputs)
+    ragged = report.inputs.boundaries_modelled != "flat"
+    table = Table(
+        "memory per rank, GB (10^9 bytes): steady (between steps"
+        + ("; steady min: the smallest rank's" if ragged else "")
+        + "), activations, peak; comm GB: moved per rank per step; step: seconds, on the schedule below",
+        (
+            "strategy",
+            "F",
+            "steady",
+            *(("steady min",) if ragged else ()),
+            "activations",
+            "peak",
+            "fits",
+            "comm GB",
+            "step",
+        ),
+    )
+    for p in report.plans:
+        b = p.memory
+        table.add(
+            p.label,
+            str(p.sharding_factor),
+            _gb(b.steady),
+            *((_gb(min(b.steady_per_rank, default=b.steady)),) if ragged else ()),
+            _gb(b.activations) if counted else "not counted",
+            _gb(b.peak),
+            _verdict(p.fits),
+            _gb(p.comm.total),
+            fmt_seconds(p.time.expected_s),
+        )
+    return table
+
+
+def offload_summary_table(report: PlanReport) -> Table:
+    """The plans with CPU offload within WIDTH columns: device peak, host per node, the step."""
+    i = report.inputs
+    host = "unknown" if i.host_memory_bytes is None else f"<= {fmt_bytes(i.host_budget_bytes or 0)}"
+    table = Table(
+        f"with CPU offload, GB (10^9 bytes): device peak per rank; host per node of {i.ranks_per_node} "
+        f"(fits: {host}); step with the copies and the CPU optimizer",
+        ("strategy", "F", "device peak", "host/node", "fits", "step"),
+    )
+    for p in report.plans:
+        o = p.offload
+        if o is not None:  # None: a "+OptR" plan, not built with CPU offload
+            table.add(
+                p.strategy.value,
+                str(p.sharding_factor),
+                _gb(o.device_peak),
+                _gb(o.host_per_node),
+                _verdict(o.fits),
+                fmt_seconds(o.step_time_s),
+            )
     return table
 
 
@@ -185,29 +250,37 @@ def closing(report: PlanReport) -> list[tuple[str, str]]:
     return out
 
 
-def step_line(report: PlanReport) -> tuple[str, str]:
+def step_line(report: PlanReport, full: bool) -> tuple[str, str]:
     """("step", the schedule the expected step assumes), said where the tables end."""
-    return ("step", schedule_label(report.inputs))
+    more = "" if full or report.inputs.prefetch_depth >= 1 else " (--full prints it)"
+    return ("step", schedule_label(report.inputs) + more)
 
 
-def print_report(report: PlanReport) -> None:
-    tables = [memory_table(report), comm_table(report)] + ([offload_table(report)] if report.inputs.offload else [])
-    lines = [step_line(report), *closing(report)]
+def print_report(report: PlanReport, full: bool = False) -> None:
+    """The summary (``full`` False, within WIDTH columns) or the full tables, then the closing lines."""
+    offload = report.inputs.offload
+    if full:
+        tables = [memory_table(report), comm_table(report)] + ([offload_table(report)] if offload else [])
+    else:
+        tables = [summary_table(report)] + ([offload_summary_table(report)] if offload else [])
+    lines = [step_line(report, full), *closing(report)]
     try:
         import rich  # noqa: F401  (optional: pip install flatshard[cli])
     except ImportError:
         _print_plain(header(report), tables, lines)
     else:
-        _print_rich(header(report), tables, lines)
+        _print_rich(header(report), tables, lines, FULL_WIDTH if full else WIDTH)
 
 
-def _print_rich(head: str, tables: list[Table], lines: list[tuple[str, str]]) -> None:
+def _print_rich(head: str, tables: list[Table], lines: list[tuple[str, str]], width: int) -> None:
     from rich import box
     from rich.console import Console
     from rich.markup import escape
+    from rich.measure import Measurement
     from rich.table import Table as RichTable
 
-    console = Console() if sys.stdout.isatty() else Console(width=140)  # logs: room for every column
+    tty = sys.stdout.isatty()
+    console = Console() if tty else Console(width=width)  # logs: a fixed width
     console.print(head, markup=False, highlight=False)
     for t in tables:
         out = RichTable(title=t.title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
@@ -218,24 +291,32 @@ def _print_rich(head: str, tables: list[Table], lines: list[tuple[str, str]]) ->
                 out.add_column(col, justify="right")
         for row in t.rows:
             out.add_row(*(f"[{VERDICTS[c]}]{c}[/]" if c in VERDICTS else escape(c) for c in row))
-        console.print(out)
+        need = Measurement.get(console, console.options.update_width(10_000), out).maximum
+        # in a log a full table keeps its columns whole, however wide ("+OptR" names widen them)
+        (console if tty or need <= console.width else Console(width=need)).print(out)
     for label, text in lines:
         console.print(f"[bold]{label}:[/] {escape(text)}")
 
 
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, WIDTH, break_on_hyphens=False)
+
+
 def _print_plain(head: str, tables: list[Table], lines: list[tuple[str, str]]) -> None:
-    print(head)
+    """Aligned text; the prose wrapped to WIDTH columns (a full table may be wider)."""
+    print(_wrap(head))
     for t in tables:
         widths = [max([len(c)] + [len(r[k]) for r in t.rows]) for k, c in enumerate(t.columns)]
 
         def line(cells: tuple[str, ...], widths: list[int] = widths) -> str:
             return "  ".join(c.ljust(w) if k == 0 else c.rjust(w) for k, (c, w) in enumerate(zip(cells, widths)))
 
-        print(f"\n{t.title}")
+        print()
+        print(_wrap(t.title))
         print(line(t.columns))
         print("-" * len(line(t.columns)))
         for row in t.rows:
             print(line(row))
     print()
     for label, text in lines:
-        print(f"{label}: {text}")
+        print(_wrap(f"{label}: {text}"))
