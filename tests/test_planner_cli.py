@@ -7,6 +7,7 @@ Arithmetic only: no processes, no torch; each test runs in well under a second.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from flatshard.planner import STEP_ERROR, PlanInputs, Strategy, plan, preset
+from flatshard.planner import STEP_ERROR, PlanInputs, Strategy, notes, plan, preset
+from flatshard.planner.cli import _parser
 from flatshard.planner.cli import main as plan_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,6 +112,72 @@ def test_full_with_json_is_refused(capsys):
     rc, out, err = run(["--params", "7B", "--world", "8", "--json", "--full"], capsys)
     assert rc == 2 and out == ""
     assert "\nflatshard plan: error: --full" in err and "\n  fix: " in err
+
+
+# ---------------------------------------------------------------- help
+def _options() -> list[argparse.Action]:
+    return [a for a in _parser()._actions if a.option_strings and a.dest != "help"]
+
+
+@pytest.mark.parametrize("action", _options(), ids=lambda a: a.option_strings[-1])
+def test_every_option_has_help_and_its_default(action):
+    text = action.help or ""
+    assert text and text != argparse.SUPPRESS, f"{action.option_strings} has no help"
+    if isinstance(action, argparse._StoreTrueAction):
+        return  # a switch: off unless given
+    if action.default is None:
+        assert "default" in text or "required" in text, f"{action.option_strings}: say what happens without it"
+    else:
+        shown = action.default if not isinstance(action.default, float) else f"{action.default:g}"
+        assert f"default {shown}" in text or f"default: {shown}" in text, (action.option_strings, text)
+
+
+def test_help_has_examples_that_run(capsys):
+    rc, out, _ = run(["--help"], capsys)
+    assert rc == 0 and "examples:" in out
+    examples = [line.strip() for line in out.split("examples:", 1)[1].splitlines() if "flatshard plan " in line]
+    assert len(examples) >= 4
+    for line in examples:
+        argv = shlex.split(line.split("flatshard plan ", 1)[1], comments=True)
+        rc, _, err = run(argv, capsys)
+        assert rc in (0, 1), (line, err)
+
+
+# ---------------------------------------------------------------- flags that cannot take effect
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--tflops", "300"], "--tflops needs --micro-batch and --seq-len"),
+        (["--tflops", "300", "--micro-batch", "4"], "--tflops needs --micro-batch and --seq-len"),
+        (["--tflops", "300", "--seq-len", "4096"], "--tflops needs --micro-batch and --seq-len"),
+        (
+            ["--tflops", "300", "--micro-batch", "4", "--seq-len", "4096", "--compute-time", "1"],
+            "--tflops and --compute-time",
+        ),
+    ],
+)
+def test_a_flag_that_cannot_take_effect_is_an_error(extra, needle, capsys):
+    rc, out, err = run(["--params", "7B", "--units", "32", "--world", "8", *extra], capsys)
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("usage: flatshard plan ") and f"\nflatshard plan: error: {needle}" in err, err
+    assert "\n  fix: " in err
+
+
+def test_device_flops_that_cannot_count_is_a_note():
+    """Through the API (no CLI to refuse it), the same is said in the notes."""
+    base = PlanInputs.from_params(7 * GB, 32, 8, device_flops=300e12)
+    assert any("device_flops is not used" in n for n in notes(base))
+    assert any("compute_time_s gives" in n for n in notes(base.replace(micro_batch=1, seq_len=8, compute_time_s=1.0)))
+    assert not any("device_flops" in n for n in notes(base.replace(micro_batch=1, seq_len=8)))
+
+
+def test_tflops_with_tokens_counts_compute(capsys):
+    base = ["--params", "7B", "--units", "32", "--world", "8", "--micro-batch", "1", "--seq-len", "2048", "--json"]
+    without = json.loads(run(base, capsys)[1])
+    with_compute = json.loads(run(base + ["--tflops", "300"], capsys)[1])
+    compute = 6 * without["inputs"]["params"] * 2048 / 300e12
+    for a, b in zip(without["plans"], with_compute["plans"]):
+        assert b["step_time_s"] == pytest.approx(a["step_time_s"] + compute)  # d = 0, one node: serial
 
 
 # ---------------------------------------------------------------- the schedule the step assumes

@@ -12,7 +12,9 @@
 A summary within 100 columns by default, the full tables with ``--full`` (render.py); ``--json``
 prints exactly one JSON object (see ``to_json_dict``). Exit status: 0 when a plan fits, 1 when
 nothing fits (the table or JSON is still printed), 2 for bad input: then ``usage: ...`` and
-``flatshard plan: error: ...`` with a ``fix:`` line on stderr, no traceback.
+``flatshard plan: error: ...`` with a ``fix:`` line on stderr, no traceback. A flag the others leave
+without effect (``--tflops`` without a micro-batch and a sequence length, ``--full`` with ``--json``)
+is bad input, never ignored.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ from flatshard.planner.render import print_report
 
 USAGE = "flatshard plan (--model NAME | --hf-config PATH | --params N) --world W [options]"
 EXIT_FITS, EXIT_NOTHING_FITS, EXIT_BAD_INPUT = 0, 1, 2
+EPILOG = """\
+examples:
+  flatshard plan --model llama-7b --world 8 --gpu-mem 40GB --micro-batch 4 --seq-len 4096 --checkpointing
+  flatshard plan --model llama2-7b --world 16 --micro-batch 1 --seq-len 4096 --tflops 300  # + compute
+  flatshard plan --params 7B --units 32 --world 8 --gpu-mem 40GB --json   # one JSON object
+  flatshard plan --model llama2-70b --world 32 --precision bf16-mixed --full   # every column
+  flatshard plan --params 70B --units 80 --world 8 --offload --host-mem 2TB   # and with CPU offload
+
+Exit status: 0 a plan fits, 1 nothing fits (the plans are still printed), 2 bad input.
+docs/planner.md has the formulas and what each figure leaves out."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,28 +56,36 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="flatshard plan",
         usage=USAGE,
-        description="Per-rank memory, communication and step time of every "
-        "sharding strategy and sharding factor, and the recommended one (the smallest F that fits).",
-        epilog="Exit status: 0 a plan fits, 1 nothing fits (the plans are still printed), 2 bad input.",
+        description="Per-rank memory, communication and step time of every sharding strategy and sharding\n"
+        "factor, and the recommended one (the smallest F that fits). A summary within 100 columns;\n"
+        "--full for every column, --json for one JSON object.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    model = p.add_argument_group("model (one of --model, --hf-config, --params)")
-    model.add_argument("--model", help=f"a preset: {', '.join(PRESETS)}")
+    model = p.add_argument_group("model (one of --model, --hf-config, --params is required)")
+    model.add_argument("--model", help=f"a preset: {', '.join(PRESETS)} (or --hf-config, or --params: required)")
     model.add_argument(
         "--hf-config",
         metavar="PATH",
-        help="a Hugging Face config.json (or its model directory) of a Llama, Mistral or GPT-2 model",
+        help="a Hugging Face config.json (or its model directory) of a Llama, Mistral or GPT-2 model "
+        "(or --model, or --params: required)",
     )
-    model.add_argument("--params", help="parameter count: 7e9, 7B, 175B, 350M")
+    model.add_argument("--params", help="parameter count: 7e9, 7B, 175B, 350M (or --model, or --hf-config: required)")
     model.add_argument("--units", type=int, help="FSDP units M (default: one per layer for a preset, 1 with --params)")
     model.add_argument("--root-params", default="0", help="elements kept in the root unit (with --params; default 0)")
     model.add_argument(
-        "--param-tensors", type=int, default=0, help="original parameter count, for AdamW's step tensors"
+        "--param-tensors",
+        type=int,
+        default=0,
+        help="original parameter count, for AdamW's 4-byte step per parameter (default 0: not counted)",
     )
     for name in ("layers", "hidden", "vocab", "heads", "kv-heads", "intermediate", "max-positions"):
-        model.add_argument(f"--{name}", type=int, help="Hugging Face-style config number")
+        model.add_argument(
+            f"--{name}", type=int, help="Hugging Face-style config number (default: the preset's or config's)"
+        )
     model.add_argument("--arch", choices=("llama", "gpt"), help="architecture for config numbers (default llama)")
     cluster = p.add_argument_group("cluster")
-    cluster.add_argument("--world", type=int, required=False, help="world size W (number of ranks)")
+    cluster.add_argument("--world", type=int, required=False, help="world size W, the number of ranks (required)")
     cluster.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node G (default 8)")
     cluster.add_argument(
         "--gpu-mem",
@@ -73,7 +93,12 @@ def _parser() -> argparse.ArgumentParser:
         help="device memory per rank, with its unit: 40GB (10^9 B) or 40GiB (2^30 B); default 80GB",
     )
     cluster.add_argument("--headroom", type=float, default=0.1, help="fraction of memory kept free (default 0.1)")
-    cluster.add_argument("--sharding-factor", action="append", type=int, help="plan only this F (repeatable)")
+    cluster.add_argument(
+        "--sharding-factor",
+        action="append",
+        type=int,
+        help="plan only this F (repeatable; default: every F dividing --world)",
+    )
     links = p.add_argument_group("links (or --calibration)")
     links.add_argument("--intra-bw", help="intra-node bandwidth per rank per direction (default 300GB/s)")
     links.add_argument(
@@ -89,14 +114,15 @@ def _parser() -> argparse.ArgumentParser:
     links.add_argument(
         "--calibration",
         metavar="PATH",
-        help="take the link figures from a calibration: bench/results/cluster_<rate>.json of make cluster",
+        help="take the link figures from a calibration: bench/results/cluster_<rate>.json of make cluster "
+        "(default: the link flags above)",
     )
     links.add_argument(
         "--exchange",
         choices=EXCHANGES,
         default="ring",
-        help='how all-gathers and reduce-scatters move: "ring" (NCCL, default) or "direct" (flatshard on gloo: '
-        "point-to-point, only the chunks to other nodes cross)",
+        help='how all-gathers and reduce-scatters move: "ring" (NCCL) or "direct" (flatshard on gloo: '
+        "point-to-point, only the chunks to other nodes cross); default ring",
     )
     links.add_argument(
         "--no-inter-node-in-flight",
@@ -125,9 +151,24 @@ def _parser() -> argparse.ArgumentParser:
         help="host memory bandwidth per node the CPU optimizer step achieves (default 100GB/s, an assumption)",
     )
     training = p.add_argument_group("training")
-    training.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS))
-    training.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS))
-    training.add_argument("--prefetch", type=int, default=0, help="prefetch depth d (engine default 0)")
+    training.add_argument(
+        "--precision",
+        default="fp32",
+        choices=tuple(PRECISIONS),
+        help="fp32 everywhere, or bf16-mixed: bf16 gathers, compute and reductions over fp32 shards and "
+        "optimizer state (default fp32)",
+    )
+    training.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=tuple(OPTIMIZERS),
+        help="its state per shard element: "
+        + ", ".join(f"{name} {state} bytes" for name, (state, _) in OPTIMIZERS.items())
+        + " (default adam)",
+    )
+    training.add_argument(
+        "--prefetch", type=int, default=0, help="prefetch depth d, units gathered ahead (default 0, the engine's)"
+    )
     training.add_argument(
         "--shard-boundaries",
         default="flat",
@@ -141,22 +182,43 @@ def _parser() -> argparse.ArgumentParser:
         help="also plan the hybrids with shard_optimizer_across_replicas=True (rows +OptR): gradients and "
         "optimizer state split over all W ranks",
     )
-    training.add_argument("--micro-batch", type=int, default=0, help="sequences per rank per step")
-    training.add_argument("--seq-len", type=int, default=0, help="tokens per sequence")
+    training.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        help="sequences per rank per step (default 0: activations and --tflops compute not counted)",
+    )
+    training.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        help="tokens per sequence (default 0: activations and --tflops compute not counted)",
+    )
     training.add_argument("--checkpointing", action="store_true", help="per-layer activation checkpointing")
     training.add_argument(
         "--no-flash-attention", action="store_true", help="attention keeps its s x s score matrices (eager attention)"
     )
     training.add_argument(
-        "--activation-bytes", help="per-rank activation memory with its unit (e.g. 12GB), overriding the estimate"
+        "--activation-bytes",
+        help="per-rank activation memory with its unit (e.g. 12GB), overriding the estimate "
+        "(default: estimated from the shape, --micro-batch and --seq-len)",
     )
-    training.add_argument("--compute-time", type=float, help="forward+backward compute seconds per step")
+    training.add_argument(
+        "--compute-time",
+        type=float,
+        help="forward+backward compute seconds per step (default: from --tflops, else not counted)",
+    )
     training.add_argument(
         "--optimizer-time",
         type=float,
-        help="seconds of the whole model's optimizer step on one rank (a rank steps 1/F)",
+        help="seconds of the whole model's optimizer step on one rank, a rank steps 1/F (default: not counted)",
     )
-    training.add_argument("--tflops", type=float, help="achieved TFLOP/s per device, for 6*P*tokens compute")
+    training.add_argument(
+        "--tflops",
+        type=float,
+        help="achieved TFLOP/s per device: compute is 6*P*tokens FLOPs, so it needs --micro-batch and "
+        "--seq-len (default: compute not counted)",
+    )
     training.add_argument(
         "--exposed-all-reduce",
         action="store_true",
@@ -202,6 +264,18 @@ def _check_takes_effect(args: argparse.Namespace) -> None:
     """A flag the other flags leave without effect is a PlanError, never ignored."""
     if args.full and args.json:
         raise PlanError("--full chooses the tables, and --json prints none", "pass one of --full and --json")
+    if args.tflops is None:
+        return
+    if args.compute_time is not None:
+        raise PlanError(
+            "--tflops and --compute-time both given",
+            "pass one: --compute-time SECONDS (measured), or --tflops X with --micro-batch and --seq-len",
+        )
+    if not (args.micro_batch and args.seq_len):
+        raise PlanError(
+            "--tflops needs --micro-batch and --seq-len (compute is 6 x parameters x tokens FLOPs)",
+            "pass --micro-batch N --seq-len S with it, or --compute-time SECONDS instead",
+        )
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:

@@ -161,7 +161,7 @@ def _remedies(inputs: PlanInputs, best: StrategyPlan) -> str:
 
 def notes(inputs: PlanInputs) -> list[str]:
     """What the figures leave out or assume, in sentences: activations not counted, units defaulted,
-    shard boundaries that needed parameter shapes the inputs lack."""
+    shard boundaries that needed parameter shapes the inputs lack, device_flops that cannot count."""
     out = []
     note = activations_note(inputs)
     if note:
@@ -175,6 +175,10 @@ def notes(inputs: PlanInputs) -> list[str]:
         )
     if inputs.optimizer_across_replicas:
         out.append(_across_replicas_note(inputs))
+    if inputs.device_flops and inputs.compute_time_s is not None:
+        out.append("device_flops is not used: compute_time_s gives the compute")
+    elif inputs.device_flops and not compute_known(inputs):
+        out.append("device_flops is not used: compute is 6 P tokens FLOPs, and micro_batch x seq_len is 0")
     return out
 
 
