@@ -33,6 +33,7 @@ from flatshard.planner.inputs import (
     PrecisionRecipe,
     Strategy,
 )
+from flatshard.planner.json_form import to_json_dict
 from flatshard.planner.memory import MemoryEstimate, activation_bytes, activations_missing, activations_note
 from flatshard.planner.models import (
     PRESETS,
@@ -55,7 +56,6 @@ from flatshard.planner.plan import (
     plan_strategy,
     recommend_offload,
     strategies_at,
-    to_json_dict,
 )
 from flatshard.planner.quantities import parse_bandwidth, parse_bytes, parse_count
 from flatshard.planner.steptime import TimeEstimate, schedule_label

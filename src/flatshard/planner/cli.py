@@ -28,8 +28,9 @@ from flatshard.planner.boundaries import BOUNDARIES
 from flatshard.planner.calibration import read_calibration
 from flatshard.planner.errors import PlanError
 from flatshard.planner.inputs import EXCHANGES, OPTIMIZERS, PRECISIONS, Links, PlanInputs
+from flatshard.planner.json_form import to_json_dict
 from flatshard.planner.models import PRESETS, ModelShape, preset, read_hf_config, with_overrides
-from flatshard.planner.plan import PlanReport, plan, recommend_offload, to_json_dict
+from flatshard.planner.plan import PlanReport, plan, recommend_offload
 from flatshard.planner.quantities import parse_bandwidth, parse_bytes, parse_count
 from flatshard.planner.render import print_report
 

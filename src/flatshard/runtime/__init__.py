@@ -116,4 +116,5 @@ Index of every [Note: ...] in the package
   planner step schedule ........... planner/steptime.py
   planner CPU offload model ....... planner/offload.py
   planner units ................... planner/quantities.py
+  planner private strategy margin . planner/plan.py
 """
