@@ -301,10 +301,13 @@ class _RaiseInBackward(torch.autograd.Function):
 
 def raised_step_worker(rank: int, world: int, where: str) -> dict:  # noqa: ARG001
     """A loop that catches an exception in step 1 and goes on (zero_grad, next batch) equals, every step
-    after, a run that skipped that batch; the extension's parameters are back on the modules."""
+    after, a run that skipped that batch; the extension's parameters are back on the modules. What step 1
+    raised comes back as (step, phase, message), forward and backward caught apart: the injected fault, or
+    anything else that raised in its place."""
     import flatshard
 
     runs = []
+    caught = []
     for skip in (False, True):
         model = _model("bf16")
         model.insert(1, _Boom())
@@ -317,9 +320,15 @@ def raised_step_worker(rank: int, world: int, where: str) -> dict:  # noqa: ARG0
                     continue
                 model[1].armed = where
                 try:
-                    model(x).sum().backward()
-                except RuntimeError:
-                    pass
+                    y = model(x)
+                except RuntimeError as e:
+                    caught.append((step, "forward", str(e)))
+                else:
+                    try:
+                        y.sum().backward()
+                    except RuntimeError as e:
+                        caught.append((step, "backward", str(e)))
+                    del y  # as the one-line loop drops it: nothing holds the failed step's graph
                 model[1].armed = None
                 opt.zero_grad()
                 continue
@@ -329,12 +338,15 @@ def raised_step_worker(rank: int, world: int, where: str) -> dict:  # noqa: ARG0
         registered = all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
         runs.append(([_plain(p) for p in model.parameters()], registered))
     (after, registered), (skipped, _) = runs
-    return {"equal": all(map(torch.equal, after, skipped)), "registered": registered}
+    return {"equal": all(map(torch.equal, after, skipped)), "registered": registered, "caught": caught}
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_a_step_that_raised_is_skipped(where):
     for out in run_distributed(raised_step_worker, 2, where):
+        # the fault fired once, in step 1, in the phase it was armed for, with its own message (the other
+        # steps run outside any try: an exception there fails the rank)
+        assert out.pop("caught") == [(1, where, f"boom in {where}")], out
         assert out == {"equal": True, "registered": True}, out
 
 

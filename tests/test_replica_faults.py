@@ -5,6 +5,10 @@ from group 1 over the network and rejoins at a step boundary; afterwards rank k 
 bitwise the same parameters and optimizer state. bench/faults/replica_faults.py runs the same on the emulated
 cluster for 200 steps with a kill every 20.
 
+Replicas equal to each other would hold as well if the groups summed their gradients, so one step of 2 groups
+x 2 ranks (pooled processes, no torchrun, a few seconds) is also checked against a single-process reference
+that averages over every rank of the quorum.
+
 Needs torchft (the ``ft`` extra, in the ``test`` extra too); skips and says so without it."""
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from __future__ import annotations
 from argparse import Namespace
 
 import pytest
+import torch
 
 from bench.faults import replica_faults
+from tests.helpers.dist import run_distributed
 
 pytest.importorskip("torchft", reason="flatshard.ft needs torchft: pip install 'flatshard[ft]'")
 
@@ -48,3 +54,70 @@ def test_a_group_dropped_and_rejoined_holds_bitwise_the_same_state(tmp_path):
         assert state != "missing", rank
         assert state["parameters_equal"] and state["optimizer_equal"], (rank, state)
         assert len(set(state["steps"])) == 1, (rank, state)
+
+
+def quorum_average_worker(rank: int, world: int) -> dict:
+    """Two replica groups of two ranks (FULL_SHARD over each group's ranks), a Lighthouse that waits for
+    both, one SGD step through flatshard.ft: every rank's gradient and parameters then equal, at fp32
+    tolerances, one process's step on the mean of the four ranks' losses (the group's reduce-scatter
+    averages over its 2 ranks, the quorum's all-reduce over its 2 groups; a sum over the groups would
+    double the gradient)."""
+    import copy
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import ft
+
+    per_group, lr = 2, 0.5
+    group, group_rank = divmod(rank, per_group)
+    replicas = world // per_group
+    inside = [dist.new_group(list(range(g * per_group, (g + 1) * per_group))) for g in range(replicas)]
+    # a store per group (under torchrun, its rendezvous store) and one Lighthouse, on rank 0
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if group_rank == 0 else None
+    lighthouse = ft.Lighthouse(bind="[::]:0", min_replicas=replicas) if rank == 0 else None
+    found = [None] * world
+    dist.all_gather_object(found, (store and store.port, lighthouse and lighthouse.address()))
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = FSDP(copy.deepcopy(ref), process_group=inside[group])
+    optim = torch.optim.SGD(model.parameters(), lr=lr)
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=30))
+    manager = ft.Manager(
+        model, optim, min_replica_size=replicas, pg=pg, lighthouse_addr=found[0][1], replica_id=f"g{group}",
+        hostname="127.0.0.1", store_addr="127.0.0.1", store_port=found[group * per_group][0], rank=group_rank,
+        world_size=per_group, init_sync=False, timeout=timedelta(seconds=30),
+    )  # fmt: skip
+    optimizer = ft.Optimizer(manager, optim)
+    xs = torch.randn(world, 4, 6, generator=torch.Generator().manual_seed(1))  # one batch per rank
+
+    optimizer.zero_grad()
+    model(xs[rank]).square().mean().backward()
+    committed = optimizer.step()
+    participants = manager.num_participants()
+    with FSDP.summon_full_params(model, with_grads=True):
+        ours = {name: (p.detach().clone(), p.grad.clone()) for name, p in model.named_parameters()}
+    dist.barrier()  # every rank done with the quorum before any stops its server
+    manager.shutdown()
+    pg.shutdown()
+    dist.barrier()
+    if lighthouse is not None:
+        lighthouse.shutdown()
+
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=lr)
+    torch.stack([ref(x).square().mean() for x in xs]).mean().backward()
+    ref_optim.step()
+    for name, p in ref.named_parameters():
+        param, grad = ours[name]
+        torch.testing.assert_close(grad, p.grad, msg=lambda m, n=name: f"rank {rank}: grad {n}: {m}")
+        torch.testing.assert_close(param, p.detach(), msg=lambda m, n=name: f"rank {rank}: param {n}: {m}")
+    return {"committed": committed, "participants": participants, "names": sorted(ours)}
+
+
+def test_a_step_averages_the_gradients_over_the_quorum():
+    outs = run_distributed(quorum_average_worker, 4, timeout=120, fresh=True)
+    for out in outs:
+        assert out == {"committed": True, "participants": 2, "names": ["0.bias", "0.weight", "2.bias", "2.weight"]}
