@@ -9,6 +9,7 @@ built raise ``NotBuiltError`` naming what to do instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -146,13 +147,42 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """This module's reduce-scatter and all-reduce use only sums, the division a step of its own
+        (FSDP2's, for collectives such as NCCL's zero-copy ones that offer only SUM). flatshard's always do,
+        so gradients do not change; what changes is what ``set_all_reduce_hook``'s hook sees: the sum,
+        divided after the hook, instead of the divided gradient (runtime/reduce.py: ``ReduceSpec.hook_sees_sum``).
+        This module only, not those under it, as in FSDP2."""
+        self._unit.settings.force_sum_reduction_for_comms = enable
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """Run ``hook(reduce_output)`` on this rank's reduced shard of this module's gradients (reduce dtype,
+        FSDP2's chunk layout: every parameter's chunk, padded) as each backward reduces it: after the
+        all-reduce across replicas under HSDP, after the reduce-scatter otherwise; before the division by
+        the data-parallel size or after it as FSDP2 divides (``set_force_sum_reduction_for_comms``). It may
+        change the tensor in place; ``.grad`` gets the result. FSDP2's hook sees only the parameters that
+        got a gradient in that backward; flatshard's, every parameter of the module (zeros for the others).
+        This module only, not those under it, as in FSDP2. ``stream`` is not built (leave it unset: the hook
+        runs on the compute stream, after the reduction); under HSDP it raises FSDP2's ValueError."""
+        unit = self._unit
+        if stream is not None:
+            if _replicas(unit) > 1:
+                raise ValueError("stream cannot be set when using native HSDP")
+            raise NotBuiltError(
+                "set_all_reduce_hook(stream=...) is not built in flatshard's fully_shard; leave stream unset: "
+                "the hook runs on the compute stream once the reduction is done"
+            )
+        if unit.self_gathered is not None:
+            raise NotBuiltError(
+                f"set_all_reduce_hook is not built for {unit.name!r}, whose parameters include tensor subclasses "
+                "that gather themselves (FSDP2's all-gather extensions; reduced apart from the others): "
+                "apply the hook's change to the gradients after backward instead"
+            )
+        unit.settings.all_reduce_hook = hook
+
     set_custom_all_gather = _not_built("set_custom_all_gather", "see runtime/comm/collectives.py")
     set_custom_reduce_scatter = _not_built("set_custom_reduce_scatter", "see runtime/comm/collectives.py")
-    set_all_reduce_hook = _not_built("set_all_reduce_hook", "use MixedPrecisionPolicy(reduce_dtype=...)")
     set_requires_all_reduce = _not_built("set_requires_all_reduce", "use set_requires_gradient_sync(False)")
-    set_force_sum_reduction_for_comms = _not_built(
-        "set_force_sum_reduction_for_comms", "use set_gradient_divide_factor(1)"
-    )
     set_allocate_memory_from_process_group_for_comm = _not_built(
         "set_allocate_memory_from_process_group_for_comm", "collective buffers are ordinary tensors"
     )
@@ -160,6 +190,11 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
     set_reduce_scatter_unused_params = _not_built("set_reduce_scatter_unused_params", "every rank must use every unit")
     set_separate_reduce_scatter_group = _not_built("set_separate_reduce_scatter_group", "leave the default")
     set_symm_mem_for_comm = _not_built("set_symm_mem_for_comm", "leave the default")
+
+
+def _replicas(unit: Unit) -> int:
+    """The size of the unit's replicate group: more than 1 under HSDP."""
+    return unit.flat_groups[0].groups.replicate_size
 
 
 def _host_unit(module: nn.Module, what: str) -> Unit:

@@ -13,8 +13,11 @@ imports unit.py or schedule.py.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
+
+import torch
 
 from flatshard.api import MixedPrecision, ShardingStrategy
 from flatshard.runtime import consistency
@@ -59,6 +62,10 @@ class UnitSettings:
     requires_gradient_sync: bool = True  # False: gradients accumulate unreduced (set_requires_gradient_sync)
     unsynced_in_reduce_dtype: bool = False  # fully_shard: that accumulation kept in the reduce dtype, as FSDP2
     gradient_divide_factor: Optional[float] = None  # None: divide by the data-parallel size
+    force_sum_reduction_for_comms: bool = (
+        False  # set_force_sum_reduction_for_comms (reduce.py: ReduceSpec.hook_sees_sum)
+    )
+    all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None  # set_all_reduce_hook: on the reduced shard
     forward_prefetch: list[Any] = field(default_factory=list)  # explicit targets (units), else the schedule's
     backward_prefetch: list[Any] = field(default_factory=list)
     mixed_precision: Optional[MixedPrecision] = None  # the policy the groups' precision was resolved from

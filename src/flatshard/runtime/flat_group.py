@@ -377,15 +377,18 @@ class FlatGroup:
 
     # ---- accounting ------------------------------------------------------------------------
     def _reduce_spec(self) -> reduce.ReduceSpec:
+        settings = self.settings
         return reduce.ReduceSpec(
             self.groups,
             self.layout.shard_sizes,
             self.precision.reduce,
             self.link.name,
-            self.settings.gradient_divide_factor,
+            settings.gradient_divide_factor,
             self.inter_node,
             self.pieces is not None,
             self.link.run.streams,
+            force_sum=settings.force_sum_reduction_for_comms,
+            hook=settings.all_reduce_hook,
         )
 
     def _reduction_kind(self) -> str:

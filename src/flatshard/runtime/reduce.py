@@ -7,7 +7,8 @@ group); ``advance`` waits for the reduce-scatter and, when there are replicas to
 all-reduce of the shard across them; ``finish`` waits for whatever is left, divides by the
 data-parallel size and casts to the master dtype. The full-size gradient is released as soon as the
 reduce-scatter is done. With ``ReduceSpec.inter_node`` compressing, what crosses nodes goes as int8
-([Note: inter-node compression], comm/int8.py).
+([Note: inter-node compression], comm/int8.py). fully_shard's ``set_all_reduce_hook``'s hook runs in
+``finish`` (``ReduceSpec.hook_sees_sum`` says where).
 """
 
 from __future__ import annotations
@@ -39,6 +40,18 @@ class ReduceSpec:
     # across replicas a reduce-scatter, not an all-reduce ([Note: optimizer state across replicas], across_replicas.py)
     scatter_replicas: bool = False
     streams: Streams = NO_STREAMS  # the run context's ([Note: stream discipline], comm/streams.py)
+    force_sum: bool = False  # fully_shard's set_force_sum_reduction_for_comms (``hook_sees_sum``)
+    hook: Optional[Callable[[torch.Tensor], None]] = None  # fully_shard's set_all_reduce_hook: on the reduced shard
+
+    @property
+    def hook_sees_sum(self) -> bool:
+        """Whether ``hook`` runs before the division after the sum (else after it), as in PyTorch FSDP2:
+        for fp32 and bf16 FSDP2 divides inside its collectives (``ReduceOp.AVG``, ``PREMUL_SUM``), so its
+        hook sees the divided gradient, unless ``set_force_sum_reduction_for_comms(True)`` makes them plain
+        sums followed by a division, when the hook sees the sum; a reduce dtype of little range (fp16) is
+        always summed so, divided before and after (``divide_factors``), and the hook sees it between.
+        flatshard's collectives always sum and divide after, so the setting moves only the hook."""
+        return self.force_sum or self.reduce_dtype not in (torch.float32, torch.bfloat16)
 
     @property
     def divide_factors(self) -> tuple[float, float]:
@@ -192,6 +205,13 @@ def finish(
     if not (spec.groups.shard_size > 1 or spec.groups.replicate_size > 1):
         after *= before  # nothing was summed, so nothing was divided before
     streams.use(COMPUTE, out, "read", f"reduced gradient {spec.label}")
+    hook = spec.hook
+    if hook is not None and spec.hook_sees_sum:
+        hook(out)
     if after != 1:
         out.div_(after)
+    if hook is not None and not spec.hook_sees_sum:
+        hook(out)
+    if hook is not None:
+        streams.use(COMPUTE, out, "write", f"reduced gradient {spec.label}")
     return out if out.dtype == master_dtype else out.to(master_dtype)
