@@ -32,6 +32,7 @@ NOT_BUILT = {
     ("fsdp.py", "FullyShardedDataParallel.register_comm_hook"): ["`register_comm_hook`"],
     ("fsdp2/module.py", "_not_built.method"): ["FSDP2's `set_custom_all_gather` and kin"],
     ("fsdp2/module.py", "FSDPModule.set_reshard_after_forward"): ["`set_reshard_after_forward` with an int"],
+    ("fsdp2/module.py", "FSDPModule.set_requires_all_reduce"): ["`set_requires_all_reduce(False)` (under HSDP)"],
     ("fsdp2/module.py", "FSDPModule.set_all_reduce_hook"): [
         "`set_all_reduce_hook(stream=...)`",
         "`set_all_reduce_hook` on a module whose parameters gather themselves",

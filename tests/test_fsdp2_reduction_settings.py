@@ -5,8 +5,11 @@ compared after every step (loss, every rank's local gradient before the step, lo
 * ``set_force_sum_reduction_for_comms(True)`` on every module, alone and with torchtitan's
   ``set_gradient_divide_factor(1.0)`` (which PyTorch's FSDP2 cannot run on gloo without it), at W = 2 and
   W = 3; with ``set_all_reduce_hook`` the hook sees the sum (force-sum) or the mean (default) as FSDP2's.
+* ``set_requires_all_reduce(False)`` for the first micro-batch of an accumulation: under HSDP (2x2, W = 4)
+  reduce-scatters but no all-reduce until the last; on a 1-D mesh (W = 2) nothing changes.
+  ``set_all_reduce_hook`` runs on the all-reduce's output (HSDP) or the reduce-scatter's (1-D).
 
-Bitwise: at W = 2 (sums of two numbers, and divisions by two, round alike).
+Bitwise: at W = 2 and in HSDP's 2x2 (sums of two numbers, and divisions by powers of two, round alike).
 At W = 3 within PyTorch's default fp32 tolerance: gloo's reduce-scatter and flatshard's exchange add the
 three ranks' gradients in different orders, so no step is bitwise there.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tests.helpers.cases import fsdp2_pair, token_loss
-from tests.helpers.dist import run_distributed
+from tests.helpers.dist import raised, run_distributed
 
 STEPS, PER_RANK = 2, 2
 
@@ -135,3 +138,81 @@ def test_force_sum_reduction_matches_fsdp2_at_2_ranks():
 
 def test_force_sum_reduction_matches_fsdp2_at_3_ranks():
     _check_force_sum(3)
+
+
+# ---- set_requires_all_reduce and set_all_reduce_hook -----------------------------------------------------
+def _accumulate_without_all_reduce(model, i: int) -> None:
+    """The first of two micro-batches reduce-scatters only; the second all-reduces both."""
+    model.set_requires_all_reduce(i == 1)
+
+
+def all_reduce_worker(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import flatshard
+
+    hsdp = world == 4
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    out: dict = {}
+    pair = fsdp2_pair(mesh)
+    out["accumulate"] = _compare(pair, rank, "accumulate", micros=2, before_micro=_accumulate_without_all_reduce)
+    ours = pair[1]
+    with ours.record_comms() as rec:  # one more accumulation, counted
+        for i in range(2):
+            ours.set_requires_all_reduce(i == 1)
+            token_loss(ours, _batch(rank, 9, i)).backward()
+            if i == 0:
+                out["all_reduce after the first"] = rec.count("all_reduce", "backward")
+                out["grads after the first"] = sorted(
+                    {str(p.grad.to_local().count_nonzero().item()) for p in ours.parameters()}
+                )
+    out["reduce_scatter"] = rec.count("reduce_scatter", "backward")
+    out["all_reduce"] = rec.count("all_reduce", "backward")
+    # the loop's zero_grad() between the two drops the first micro-batch's sums (flatshard's window,
+    # [Note: an open accumulation window]): the step equals FSDP2's that saw only the second micro-batch
+    opt = torch.optim.SGD(ours.parameters(), lr=0.0)
+    ours.set_requires_all_reduce(False)
+    token_loss(ours, _batch(rank, 11, 0)).backward()
+    opt.zero_grad()
+    ours.set_requires_all_reduce(True)
+    token_loss(ours, _batch(rank, 11, 1)).backward()
+    dropped = [_local(p.grad) for p in ours.parameters()]
+    token_loss(pair[0], _batch(rank, 11, 1)).backward()
+    out["zero_grad drops the window"] = all(map(torch.equal, [_local(p.grad) for p in pair[0].parameters()], dropped))
+
+    pair = fsdp2_pair(mesh)  # the hook on every module, on the all-reduce's output (HSDP) or the reduce-scatter's
+    seen = _hooked(pair, add=0.25)
+    out["hook"] = _compare(pair, rank, "hook", micros=2, before_micro=_accumulate_without_all_reduce)
+    out["hook saw (close, bitwise)"] = _same_tensors(*seen)
+    out["hook calls"] = len(seen[1])
+    shapes = {u.shard_numel for u in flatshard.units(pair[1])}
+    out["hook saw the shards"] = {t.numel() for t in seen[1]} == shapes
+    out["stream"] = [raised(lambda m=m: m.set_all_reduce_hook(print, stream=object())) for m in pair]
+
+    return out
+
+
+def test_requires_all_reduce_and_all_reduce_hook_match_fsdp2_hsdp():
+    for out in run_distributed(all_reduce_worker, 4, timeout=300):
+        assert out["accumulate"] == STEPS and out["hook"] == STEPS, out  # 2x2: to the bit
+        # the first micro-batch: a reduce-scatter per unit, no all-reduce, no gradient on .grad
+        assert out["all_reduce after the first"] == 0 and out["grads after the first"] == ["0"], out
+        assert out["reduce_scatter"] == 6 and out["all_reduce"] == 3, out  # 3 units, 2 micro-batches
+        assert out["zero_grad drops the window"], out
+        assert out["hook saw (close, bitwise)"] == (True, True) and out["hook calls"] == STEPS * 3, out
+        assert out["hook saw the shards"], out
+        assert (
+            out["stream"][0]
+            == out["stream"][1]
+            == "ValueError/Exception/BaseException: " + ("stream cannot be set when using native HSDP")
+        ), out
+
+
+def test_requires_all_reduce_and_all_reduce_hook_match_fsdp2_1d():
+    for out in run_distributed(all_reduce_worker, 2, timeout=240):
+        assert out["accumulate"] == STEPS and out["hook"] == STEPS, out  # nothing skipped on a 1-D mesh
+        assert out["all_reduce after the first"] == 0 and out["all_reduce"] == 0, out
+        assert out["reduce_scatter"] == 6 and out["grads after the first"] != ["0"], out  # reduced at once
+        assert out["hook saw (close, bitwise)"] == (True, True) and out["hook calls"] == STEPS * 2 * 3, out
+        assert out["hook saw the shards"], out
+        assert out["stream"][1].startswith("NotBuiltError/") and "leave stream unset" in out["stream"][1], out

@@ -80,9 +80,28 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: gradients accumulate unreduced over the following backwards (gradient accumulation);
-        the first backward after setting True again reduces the sum."""
+        the first backward after setting True again reduces the sum. Sets ``set_requires_all_reduce``
+        alike, as FSDP2's does."""
         for unit in self._units(recurse):
             unit.settings.requires_gradient_sync = requires_gradient_sync
+            unit.settings.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters each backward's gradients within the shard group but does not
+        all-reduce them across replicas; this rank's shard of the sum is kept (reduce dtype, undivided) and
+        the next backward that all-reduces adds it first, so gradient accumulation sends one all-reduce per
+        window. Nothing reaches ``.grad`` meanwhile ([Note: an open accumulation window],
+        runtime/grad_state.py). On a 1-D mesh there is no all-reduce and nothing changes, as in FSDP2."""
+        units = self._units(recurse)
+        for unit in units:
+            if not requires_all_reduce and unit.self_gathered is not None and _replicas(unit) > 1:
+                raise NotBuiltError(
+                    f"set_requires_all_reduce(False) is not built for {unit.name!r}, whose parameters include "
+                    "tensor subclasses that gather themselves (FSDP2's all-gather extensions) on a 2-D mesh: "
+                    "use set_requires_gradient_sync(False) for the accumulation's micro-batches"
+                )
+        for unit in units:
+            unit.settings.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
@@ -182,7 +201,6 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
 
     set_custom_all_gather = _not_built("set_custom_all_gather", "see runtime/comm/collectives.py")
     set_custom_reduce_scatter = _not_built("set_custom_reduce_scatter", "see runtime/comm/collectives.py")
-    set_requires_all_reduce = _not_built("set_requires_all_reduce", "use set_requires_gradient_sync(False)")
     set_allocate_memory_from_process_group_for_comm = _not_built(
         "set_allocate_memory_from_process_group_for_comm", "collective buffers are ordinary tensors"
     )

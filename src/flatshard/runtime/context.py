@@ -60,6 +60,9 @@ class UnitSettings:
     reshard_after_forward: bool = True  # free after forward, gather again in backward (the root never)
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True  # False: gradients accumulate unreduced (set_requires_gradient_sync)
+    # False (HSDP): reduce-scatter, but keep the shard group's sum for the next all-reduce across replicas
+    # (set_requires_all_reduce; [Note: an open accumulation window], grad_state.py)
+    requires_all_reduce: bool = True
     unsynced_in_reduce_dtype: bool = False  # fully_shard: that accumulation kept in the reduce dtype, as FSDP2
     gradient_divide_factor: Optional[float] = None  # None: divide by the data-parallel size
     force_sum_reduction_for_comms: bool = (
