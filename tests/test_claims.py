@@ -31,7 +31,6 @@ NOT_BUILT = {
     ("fsdp.py", "FullyShardedDataParallel._deprecated_optim.method"): ["the deprecated `full_optim_state_dict`"],
     ("fsdp.py", "FullyShardedDataParallel.register_comm_hook"): ["`register_comm_hook`"],
     ("fsdp2/module.py", "_not_built.method"): ["FSDP2's `set_custom_all_gather` and kin"],
-    ("fsdp2/module.py", "FSDPModule.set_reshard_after_forward"): ["`set_reshard_after_forward` with an int"],
     ("fsdp2/module.py", "FSDPModule.set_requires_all_reduce"): ["`set_requires_all_reduce(False)` (under HSDP)"],
     ("fsdp2/module.py", "FSDPModule.set_all_reduce_hook"): [
         "`set_all_reduce_hook(stream=...)`",

@@ -8,10 +8,12 @@ compared after every step (loss, every rank's local gradient before the step, lo
 * ``set_requires_all_reduce(False)`` for the first micro-batch of an accumulation: under HSDP (2x2, W = 4)
   reduce-scatters but no all-reduce until the last; on a 1-D mesh (W = 2) nothing changes.
   ``set_all_reduce_hook`` runs on the all-reduce's output (HSDP) or the reduce-scatter's (1-D).
+* ``set_reshard_after_forward``: an int raises FSDP2's ValueError; True after ``reshard_after_forward=2``
+  gathers the whole unit in backward again (W = 4).
 
 Bitwise: at W = 2 and in HSDP's 2x2 (sums of two numbers, and divisions by powers of two, round alike).
-At W = 3 within PyTorch's default fp32 tolerance: gloo's reduce-scatter and flatshard's exchange add the
-three ranks' gradients in different orders, so no step is bitwise there.
+At W = 3 and in the 4-way reduce-scatter within PyTorch's default fp32 tolerance: gloo's reduce-scatter and
+flatshard's exchange add three or four ranks' gradients in different orders, so no step is bitwise there.
 """
 
 from __future__ import annotations
@@ -216,3 +218,39 @@ def test_requires_all_reduce_and_all_reduce_hook_match_fsdp2_1d():
         assert out["hook saw (close, bitwise)"] == (True, True) and out["hook calls"] == STEPS * 2 * 3, out
         assert out["hook saw the shards"], out
         assert out["stream"][1].startswith("NotBuiltError/") and "leave stream unset" in out["stream"][1], out
+
+
+# ---- set_reshard_after_forward ----------------------------------------------------------------------------
+def reshard_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """reshard_after_forward=2 at W = 4, then set_reshard_after_forward(True) on each block: backward gathers
+    the whole unit again, within the 4 ranks, as FSDP2's does; an int raises FSDP2's ValueError."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    import flatshard
+    from tests.helpers.models import TinyGPT
+
+    torch.manual_seed(0)
+    models = (TinyGPT(), TinyGPT())
+    models[1].load_state_dict(models[0].state_dict())
+    out: dict = {}
+    for model, shard in zip(models, (torch_fsdp.fully_shard, flatshard.fully_shard)):
+        for block in model.blocks:
+            shard(block, reshard_after_forward=2)
+        shard(model)
+        out.setdefault("int", []).append(raised(lambda m=model: m.set_reshard_after_forward(2)))
+        for block in model.blocks:
+            block.set_reshard_after_forward(True, recurse=False)
+    with models[1].record_comms(events=True) as rec:
+        _compare(models, rank, "reshard True after int")  # 4-way sums: fp32 tolerance, checked every step
+    out["backward gathers (post_forward, shard)"] = (
+        rec.count("all_gather", "backward", "post_forward"),
+        rec.count("all_gather", "backward", "shard"),
+    )
+    return out
+
+
+def test_set_reshard_after_forward_takes_a_bool_and_replaces_an_int():
+    for out in run_distributed(reshard_worker, 4, timeout=240):
+        said = "ValueError/Exception/BaseException: reshard_after_forward should be a bool, got <class 'int'>"
+        assert out["int"] == [said, said], out
+        assert out["backward gathers (post_forward, shard)"] == (0, 2 * STEPS), out  # no pairs: each block whole

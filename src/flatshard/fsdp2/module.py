@@ -104,10 +104,15 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
             unit.settings.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """True: free the parameters after forward (every unit but the root); False: keep them for
+        backward. A bool, as FSDP2's (an int raises its ValueError: pass it to ``fully_shard``); it
+        replaces a ``reshard_after_forward=int`` the unit was built with, as in FSDP2."""
         if not isinstance(reshard_after_forward, bool):
-            raise NotBuiltError("set_reshard_after_forward takes True or False in flatshard")
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for unit in self._units(recurse):
             unit.settings.reshard_after_forward = reshard_after_forward
+            for group in unit.flat_groups:  # [Note: reshard after forward to a smaller group]: no longer
+                group.gather.post_forward = None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for unit in self._units(recurse):
