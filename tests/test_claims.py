@@ -36,6 +36,9 @@ NOT_BUILT = {
         "`set_all_reduce_hook(stream=...)`",
         "`set_all_reduce_hook` on a module whose parameters gather themselves",
     ],
+    ("fsdp2/module.py", "FSDPModule.set_allocate_memory_from_process_group_for_comm"): [
+        "`set_allocate_memory_from_process_group_for_comm(True)` on a backend with its own allocator"
+    ],
     ("fsdp2/checks.py", "check_no_all_gather_extension"): [
         "an all-gather extension set on the local tensor of a plain parameter after `fully_shard`"
     ],

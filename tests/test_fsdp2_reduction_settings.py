@@ -10,6 +10,8 @@ compared after every step (loss, every rank's local gradient before the step, lo
   ``set_all_reduce_hook`` runs on the all-reduce's output (HSDP) or the reduce-scatter's (1-D).
 * ``set_reshard_after_forward``: an int raises FSDP2's ValueError; True after ``reshard_after_forward=2``
   gathers the whole unit in backward again (W = 4).
+* NCCL's settings on gloo: ``set_allocate_memory_from_process_group_for_comm`` changes nothing in either,
+  ``set_symm_mem_for_comm`` raises a RuntimeError in both and leaves the module as it was.
 
 Bitwise: at W = 2 and in HSDP's 2x2 (sums of two numbers, and divisions by powers of two, round alike).
 At W = 3 and in the 4-way reduce-scatter within PyTorch's default fp32 tolerance: gloo's reduce-scatter and
@@ -254,3 +256,25 @@ def test_set_reshard_after_forward_takes_a_bool_and_replaces_an_int():
         said = "ValueError/Exception/BaseException: reshard_after_forward should be a bool, got <class 'int'>"
         assert out["int"] == [said, said], out
         assert out["backward gathers (post_forward, shard)"] == (0, 2 * STEPS), out  # no pairs: each block whole
+
+
+# ---- NCCL's settings on gloo ----------------------------------------------------------------------------
+def nccl_settings_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    out: dict = {}
+    pair = fsdp2_pair()
+    for model in pair:
+        for m in _fsdp_modules(model):
+            m.set_allocate_memory_from_process_group_for_comm(True)
+    out["allocate from the process group"] = _compare(pair, rank, "allocate from the process group")
+    pair = fsdp2_pair()
+    out["symm_mem"] = [raised(model.set_symm_mem_for_comm) for model in pair]
+    out["after symm_mem"] = _compare(pair, rank, "after symm_mem")
+    return out
+
+
+def test_nccl_settings_on_gloo_do_what_fsdp2_does():
+    for out in run_distributed(nccl_settings_worker, 2, timeout=240):
+        assert out["allocate from the process group"] == STEPS, out  # gloo has no allocator: plain buffers
+        theirs, ours = out["symm_mem"]  # no NCCL symmetric memory in torch's CPU build: a RuntimeError in both
+        assert theirs.startswith("RuntimeError/") and ours.startswith("NotBuiltError/NotImplementedError/RuntimeError")
+        assert out["after symm_mem"] == STEPS, out

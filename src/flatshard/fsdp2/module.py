@@ -204,15 +204,32 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
             )
         unit.settings.all_reduce_hook = hook
 
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """FSDP2 then allocates this module's collective buffers with the process group's own allocator
+        where its backend has one (NCCL's, for zero-copy transfers), and ordinary tensors where it has none
+        (gloo): there it changes nothing, here neither. flatshard's buffers are always ordinary tensors, so
+        on a backend with an allocator it raises NotBuiltError."""
+        if not enable:
+            return
+        for group in self._unit.flat_groups:
+            pg, device = group.groups.shard_group or group.groups.process_group, group.compute_device
+            if pg._get_backend(device).supports_tensor_alloc(device):
+                raise NotBuiltError(
+                    "set_allocate_memory_from_process_group_for_comm(True) is not built in flatshard's fully_shard "
+                    f"on a {pg._get_backend(device).name()} process group (flatshard's collective buffers are "
+                    "ordinary tensors): leave it unset"
+                )
+
     set_custom_all_gather = _not_built("set_custom_all_gather", "see runtime/comm/collectives.py")
     set_custom_reduce_scatter = _not_built("set_custom_reduce_scatter", "see runtime/comm/collectives.py")
-    set_allocate_memory_from_process_group_for_comm = _not_built(
-        "set_allocate_memory_from_process_group_for_comm", "collective buffers are ordinary tensors"
-    )
     set_reduce_scatter_max_input_buffers = _not_built("set_reduce_scatter_max_input_buffers", "leave the default")
     set_reduce_scatter_unused_params = _not_built("set_reduce_scatter_unused_params", "every rank must use every unit")
     set_separate_reduce_scatter_group = _not_built("set_separate_reduce_scatter_group", "leave the default")
-    set_symm_mem_for_comm = _not_built("set_symm_mem_for_comm", "leave the default")
+    # FSDP2's needs NCCL's symmetric memory; with torch's CPU build its setter raises RuntimeError ("does not
+    # find allocation backend NCCL") and leaves the module as it was, as this NotBuiltError (a RuntimeError) does
+    set_symm_mem_for_comm = _not_built(
+        "set_symm_mem_for_comm", "leave the default (collective buffers are ordinary tensors)"
+    )
 
 
 def _replicas(unit: Unit) -> int:
