@@ -12,6 +12,7 @@ compared after every step (loss, every rank's local gradient before the step, lo
   gathers the whole unit in backward again (W = 4).
 * NCCL's settings on gloo: ``set_allocate_memory_from_process_group_for_comm`` changes nothing in either,
   ``set_symm_mem_for_comm`` raises a RuntimeError in both and leaves the module as it was.
+* ``set_reduce_scatter_max_input_buffers`` checks its value as FSDP2's and caps the reductions in flight.
 
 Bitwise: at W = 2 and in HSDP's 2x2 (sums of two numbers, and divisions by powers of two, round alike).
 At W = 3 and in the 4-way reduce-scatter within PyTorch's default fp32 tolerance: gloo's reduce-scatter and
@@ -19,6 +20,8 @@ flatshard's exchange add three or four ranks' gradients in different orders, so 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -278,3 +281,43 @@ def test_nccl_settings_on_gloo_do_what_fsdp2_does():
         theirs, ours = out["symm_mem"]  # no NCCL symmetric memory in torch's CPU build: a RuntimeError in both
         assert theirs.startswith("RuntimeError/") and ours.startswith("NotBuiltError/NotImplementedError/RuntimeError")
         assert out["after symm_mem"] == STEPS, out
+
+
+def max_input_buffers_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    from flatshard.runtime.schedule import run_context
+
+    pair = fsdp2_pair()
+    out: dict = {
+        str(k): [raised(lambda m=m, k=k: m.set_reduce_scatter_max_input_buffers(k)) for m in pair]
+        for k in (True, 1.5, 0, 2)
+    }
+    out["after"] = _compare(pair, rank, "after max input buffers")
+    # where reductions are left in flight (an accelerator; forced here), the cap is how many
+    ours = pair[1]
+    ctx = run_context(ours._unit)
+    ctx.config = dataclasses.replace(ctx.config, overlap_reductions=True)
+    settle, seen = ctx.settle_reductions, []
+
+    def counting(keep: int) -> None:
+        seen.append(len(ctx.pending_reductions))
+        settle(keep)
+
+    ctx.settle_reductions = counting  # type: ignore[method-assign]  # counts, then settles
+    out["in flight"] = {}
+    for k in (1, 2):
+        ours.set_reduce_scatter_max_input_buffers(k)
+        seen.clear()
+        token_loss(ours, _batch(rank, 0)).backward()
+        out["in flight"][k] = max(seen)
+    return out
+
+
+def test_reduce_scatter_max_input_buffers():
+    """FSDP2's checks of the value; on CPU neither changes a result; where reductions are left in flight,
+    flatshard leaves up to that many (3 units: the root's post-backward finds both blocks' in flight)."""
+    for out in run_distributed(max_input_buffers_worker, 2, timeout=240):
+        assert out["True"] == ["TypeError/Exception/BaseException: max_input_buffers must be an int, got bool"] * 2
+        assert out["1.5"][0] == out["1.5"][1] and out["1.5"][1].startswith("TypeError/"), out
+        assert out["0"][0] == out["0"][1] and out["0"][1].startswith("ValueError/"), out
+        assert out["2"] == ["no error", "no error"] and out["after"] == STEPS, out
+        assert out["in flight"] == {1: 1, 2: 2}, out

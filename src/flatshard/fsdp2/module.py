@@ -204,6 +204,21 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
             )
         unit.settings.all_reduce_hook = hook
 
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reductions may be in flight at once (FSDP2's cap on its reduce-scatter input buffers,
+        default 1): where flatshard leaves a reduction in flight while the next unit's backward computes
+        (an accelerator; [Note: reductions in flight], runtime/schedule.py), up to this many full-size
+        gradients wait for their collectives before the oldest is finished. The largest value among a
+        root's modules counts, as in FSDP2 (flatshard reads it at each backward; FSDP2 at its first forward).
+        On CPU each reduction finishes before the next unit computes, so nothing changes there but the
+        check of the value (FSDP2 then only keeps that many spent input buffers alive)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for unit in self._units(recurse):
+            unit.settings.reduce_scatter_max_input_buffers = max_input_buffers
+
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """FSDP2 then allocates this module's collective buffers with the process group's own allocator
         where its backend has one (NCCL's, for zero-copy transfers), and ordinary tensors where it has none
@@ -222,7 +237,6 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
 
     set_custom_all_gather = _not_built("set_custom_all_gather", "see runtime/comm/collectives.py")
     set_custom_reduce_scatter = _not_built("set_custom_reduce_scatter", "see runtime/comm/collectives.py")
-    set_reduce_scatter_max_input_buffers = _not_built("set_reduce_scatter_max_input_buffers", "leave the default")
     set_reduce_scatter_unused_params = _not_built("set_reduce_scatter_unused_params", "every rank must use every unit")
     set_separate_reduce_scatter_group = _not_built("set_separate_reduce_scatter_group", "leave the default")
     # FSDP2's needs NCCL's symmetric memory; with torch's CPU build its setter raises RuntimeError ("does not
