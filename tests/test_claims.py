@@ -30,8 +30,15 @@ NOT_BUILT = {
     ],
     ("fsdp.py", "FullyShardedDataParallel._deprecated_optim.method"): ["the deprecated `full_optim_state_dict`"],
     ("fsdp.py", "FullyShardedDataParallel.register_comm_hook"): ["`register_comm_hook`"],
-    ("fsdp2/frontend.py", "_not_built.method"): ["FSDP2's `set_custom_all_gather` and kin"],
-    ("fsdp2/frontend.py", "FSDPModule.set_reshard_after_forward"): ["`set_reshard_after_forward` with an int"],
+    ("fsdp2/module.py", "_not_built.method"): ["FSDP2's `set_custom_all_gather` and kin"],
+    ("fsdp2/module.py", "FSDPModule.set_requires_all_reduce"): ["`set_requires_all_reduce(False)` (under HSDP)"],
+    ("fsdp2/module.py", "FSDPModule.set_all_reduce_hook"): [
+        "`set_all_reduce_hook(stream=...)`",
+        "`set_all_reduce_hook` on a module whose parameters gather themselves",
+    ],
+    ("fsdp2/module.py", "FSDPModule.set_allocate_memory_from_process_group_for_comm"): [
+        "`set_allocate_memory_from_process_group_for_comm(True)` on a backend with its own allocator"
+    ],
     ("fsdp2/checks.py", "check_no_all_gather_extension"): [
         "an all-gather extension set on the local tensor of a plain parameter after `fully_shard`"
     ],

@@ -8,7 +8,7 @@ below it; tests/test_layering.py holds it so):
                inspect, env); envreport.py, what ``flatshard env`` prints for a bug report
   fsdp.py      front end 1: FullyShardedDataParallel, FSDP1's API, translated onto the engine
   fsdp2/       front end 2: fully_shard, FSDP2's API (DTensor parameters) on the same engine: frontend.py,
-               checks.py, tensor_parallel.py, extensions.py (its __init__ says what each holds)
+               module.py, checks.py, tensor_parallel.py, extensions.py (its __init__ says what each holds)
   ft.py        replica groups that drop out and rejoin, on torchft (an add-on beside the front ends)
   testing.py   what flatshard's own tests read of the engine, in one documented place
   checkpoint/  files on disk: save, load, consolidate, inspect, resume

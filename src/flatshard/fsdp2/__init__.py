@@ -2,7 +2,8 @@
 
     from flatshard import fully_shard, MixedPrecisionPolicy      # was: from torch.distributed.fsdp import ...
 
-  frontend.py         fully_shard(), FSDPModule and its set_* methods, the policies, DTensor views
+  frontend.py         fully_shard(), the policies, DTensor views
+  module.py           FSDPModule: FSDP2's methods on a sharded module (unshard, reshard, set_*)
   checks.py           what fully_shard refuses before it builds anything
   tensor_parallel.py  FSDP over tensor-parallel DTensor parameters (a 2-D mesh: TP inside, FSDP across)
   extensions.py       parameters that gather themselves (FSDP2's fsdp_pre/post_all_gather)
@@ -14,13 +15,12 @@ replace it as ``flatshard.fsdp2.fully_shard``.)
 from flatshard.fsdp2.checks import FullyShardUsageError
 from flatshard.fsdp2.frontend import (
     CPUOffloadPolicy,
-    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
-    UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
 )
+from flatshard.fsdp2.module import FSDPModule, UnshardHandle
 
 __all__ = [
     "CPUOffloadPolicy",

@@ -8,7 +8,7 @@
 Each call makes the module's parameters not already under an inner ``fully_shard`` one unit (the engine's,
 runtime/build/units.py) in FSDP2's layout ([Note: chunked layout], runtime/chunked.py), registers them on the
 module as DTensors (``Shard(0)`` over the shard mesh dim, ``Replicate()`` over the replicate dim), swaps
-the module's class for one that also is an ``FSDPModule`` (as FSDP2 does) and hooks its forward. The
+the module's class for one that also is an ``FSDPModule`` (module.py; as FSDP2 does) and hooks its forward. The
 outermost call is the root: it hands one run context to every unit under it. DTensor parameters are
 what PyTorch's own tools read: ``torch.nn.utils.clip_grad_norm_``, ``p.full_tensor()`` and
 ``torch.distributed.checkpoint``'s ``get_model_state_dict`` / ``get_optimizer_state_dict`` / ``set_*``.
@@ -30,14 +30,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from flatshard import interop
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.fsdp2 import checks, extensions, tensor_parallel
-from flatshard.runtime import build, hooks, precision, recording
+from flatshard.fsdp2.module import FSDPModule
+from flatshard.runtime import build, hooks, precision
 from flatshard.runtime.build import deferred
 from flatshard.runtime.comm.mesh import group_timeout
 from flatshard.runtime.flat_group import FlatGroup
 from flatshard.runtime.layout import set_views_on_modules
 from flatshard.runtime.post_forward import PostForwardGroup
-from flatshard.runtime.schedule import run_context
-from flatshard.runtime.tree import UnitHost, units_under
+from flatshard.runtime.tree import units_under
 from flatshard.runtime.unit import Unit
 
 
@@ -63,151 +63,6 @@ class CPUOffloadPolicy(OffloadPolicy):
     """Parameters, gradients and optimizer state in (pinned) CPU memory; needs an accelerator."""
 
     pin_memory: bool = True
-
-
-class UnshardHandle:
-    """What ``unshard(async_op=True)`` returns: ``wait()`` blocks until the parameters have arrived."""
-
-    def __init__(self, unit: Unit):
-        self._unit = unit
-
-    def wait(self) -> None:
-        self._unit.wait_for_unshard()
-
-
-def _not_built(name: str, instead: str):
-    def method(self, *args, **kwargs):  # noqa: ARG001 - any call raises
-        raise NotBuiltError(f"FSDPModule.{name} is not built in flatshard's fully_shard; {instead}")
-
-    method.__name__ = name
-    return method
-
-
-class FSDPModule(UnitHost, interop.TorchFSDPModule):
-    """FSDP2's methods on a module ``fully_shard`` was applied to (a mixin of its new class); also a
-    ``torch.distributed.fsdp.FSDPModule`` (interop.TorchFSDPModule says why)."""
-
-    _orig_cls: type[nn.Module]  # the class fully_shard made this one from (_fsdp_class sets it on each)
-    fsdp_output_dtype: Optional[torch.dtype] = None  # MixedPrecisionPolicy.output_dtype
-    post_optim_event: Optional[Any] = None  # set_post_optim_event's, waited on by the next forward
-
-    def __new__(cls, *args, **kwargs):
-        """A sharded container indexed or sliced (``model[:2]`` builds ``type(model)(...)``) gives a
-        module of the original class, as FSDP2's does: the new module holds no unit."""
-        orig = cls._orig_cls
-        self = orig.__new__(orig)
-        orig.__init__(self, *args, **kwargs)
-        return self
-
-    def __deepcopy__(self, memo):
-        raise checks.FullyShardUsageError(
-            f"FSDP does not support deepcopy of a module fully_shard was applied to ({type(self).__name__}): its "
-            "parameters are shards over a process group. Copy the model before calling fully_shard, or build a "
-            "second one and load the first one's state dict into it."
-        )
-
-    def _units(self, recurse: bool) -> list[Unit]:
-        return units_under(self) if recurse else [self._unit]
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:  # type: ignore[override]  # flatshard's handle
-        """All-gather this module's parameters now (its forward then finds them gathered)."""
-        self._unit.unshard(wait=not async_op)
-        return UnshardHandle(self._unit) if async_op else None
-
-    def reshard(self) -> None:
-        """Free this module's gathered parameters."""
-        self._unit.use_shard_views()
-        self._unit.reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: gradients accumulate unreduced over the following backwards (gradient accumulation);
-        the first backward after setting True again reduces the sum."""
-        for unit in self._units(recurse):
-            unit.settings.requires_gradient_sync = requires_gradient_sync
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        if not isinstance(reshard_after_forward, bool):
-            raise NotBuiltError("set_reshard_after_forward takes True or False in flatshard")
-        for unit in self._units(recurse):
-            unit.settings.reshard_after_forward = reshard_after_forward
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        for unit in self._units(recurse):
-            unit.settings.reshard_after_backward = reshard_after_backward
-
-    def set_modules_to_forward_prefetch(  # type: ignore[override]  # flatshard's FSDPModules (others raise)
-        self, modules: list[FSDPModule]
-    ) -> None:
-        """Gather these modules' parameters as this module's forward begins (instead of the recorded order)."""
-        self._unit.settings.forward_prefetch = [_host_unit(m, "set_modules_to_forward_prefetch") for m in modules]
-
-    def set_modules_to_backward_prefetch(  # type: ignore[override]  # flatshard's FSDPModules (others raise)
-        self, modules: list[FSDPModule]
-    ) -> None:
-        """Gather these modules' parameters as this module's backward begins."""
-        self._unit.settings.backward_prefetch = [_host_unit(m, "set_modules_to_backward_prefetch") for m in modules]
-
-    # ---- flatshard's recorders, as on FullyShardedDataParallel (the root's) -----------------------------
-    def record_comms(self, *, events: bool = False):
-        """Count every collective flatshard issues for this model inside the block (the root's run context)."""
-        return recording.record_comms(run_context(self._unit), events=events)
-
-    def record_memory(self, optimizer: Optional[torch.optim.Optimizer] = None, *, timeline: bool = False):
-        """Follow the bytes flatshard manages on this rank (and the optimizer's state) and their peak."""
-        return recording.record_memory(run_context(self._unit), optimizer, [], timeline=timeline)
-
-    def memory_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
-        return recording.memory_bytes(run_context(self._unit), optimizer, [])
-
-    def reset_iter_state(self) -> None:
-        """After a forward or backward that raised, put the step's state back now: wait for collectives in
-        flight, discard the gradients not yet on ``.grad`` (with any unreduced accumulation), reshard every
-        unit. flatshard also does this by itself when the next forward begins ([Note: a step that raised],
-        runtime/schedule.py); call it to free the gathered parameters at once. On the root, as FSDP2's."""
-        if not self._unit.is_root:
-            raise RuntimeError("reset_iter_state must be called on the root module (the outermost fully_shard)")
-        run_context(self._unit).recover(force=True)
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:  # noqa: ARG002 - accepted, unused
-        """Accepted for FSDP2's scripts: flatshard finishes every backward's reductions at its end, so
-        whether a backward is the last of an accumulation changes no result and no schedule."""
-
-    def set_post_optim_event(self, event) -> None:
-        """The next forward's all-gathers wait for ``event`` (recorded after ``optimizer.step()``), FSDP2's
-        method; flatshard waits on the host once, as the root's next forward begins."""
-        self.post_optim_event = event
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:  # noqa: ARG002 - accepted, unused
-        """Accepted for FSDP2's scripts: flatshard gathers every unit in backward, so False (an embedding,
-        whose backward needs no weights) saves that all-gather in FSDP2 but changes no result here."""
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide the summed gradients by ``factor`` instead of the data-parallel size."""
-        for unit in self._units(True):
-            unit.settings.gradient_divide_factor = float(factor)
-
-    set_reduce_scatter_divide_factor = set_gradient_divide_factor
-
-    set_custom_all_gather = _not_built("set_custom_all_gather", "see runtime/comm/collectives.py")
-    set_custom_reduce_scatter = _not_built("set_custom_reduce_scatter", "see runtime/comm/collectives.py")
-    set_all_reduce_hook = _not_built("set_all_reduce_hook", "use MixedPrecisionPolicy(reduce_dtype=...)")
-    set_requires_all_reduce = _not_built("set_requires_all_reduce", "use set_requires_gradient_sync(False)")
-    set_force_sum_reduction_for_comms = _not_built(
-        "set_force_sum_reduction_for_comms", "use set_gradient_divide_factor(1)"
-    )
-    set_allocate_memory_from_process_group_for_comm = _not_built(
-        "set_allocate_memory_from_process_group_for_comm", "collective buffers are ordinary tensors"
-    )
-    set_reduce_scatter_max_input_buffers = _not_built("set_reduce_scatter_max_input_buffers", "leave the default")
-    set_reduce_scatter_unused_params = _not_built("set_reduce_scatter_unused_params", "every rank must use every unit")
-    set_separate_reduce_scatter_group = _not_built("set_separate_reduce_scatter_group", "leave the default")
-    set_symm_mem_for_comm = _not_built("set_symm_mem_for_comm", "leave the default")
-
-
-def _host_unit(module: nn.Module, what: str) -> Unit:
-    if not isinstance(module, FSDPModule):
-        raise ValueError(f"{what} takes modules fully_shard was applied to; {type(module).__name__} is not one")
-    return module._unit
 
 
 _CLASSES: dict[type, type] = {}

@@ -13,8 +13,11 @@ imports unit.py or schedule.py.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
+
+import torch
 
 from flatshard.api import MixedPrecision, ShardingStrategy
 from flatshard.runtime import consistency
@@ -57,8 +60,16 @@ class UnitSettings:
     reshard_after_forward: bool = True  # free after forward, gather again in backward (the root never)
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True  # False: gradients accumulate unreduced (set_requires_gradient_sync)
+    # False (HSDP): reduce-scatter, but keep the shard group's sum for the next all-reduce across replicas
+    # (set_requires_all_reduce; [Note: an open accumulation window], grad_state.py)
+    requires_all_reduce: bool = True
     unsynced_in_reduce_dtype: bool = False  # fully_shard: that accumulation kept in the reduce dtype, as FSDP2
     gradient_divide_factor: Optional[float] = None  # None: divide by the data-parallel size
+    force_sum_reduction_for_comms: bool = (
+        False  # set_force_sum_reduction_for_comms (reduce.py: ReduceSpec.hook_sees_sum)
+    )
+    all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None  # set_all_reduce_hook: on the reduced shard
+    reduce_scatter_max_input_buffers: int = 1  # reductions left in flight at most, where any are (schedule.py)
     forward_prefetch: list[Any] = field(default_factory=list)  # explicit targets (units), else the schedule's
     backward_prefetch: list[Any] = field(default_factory=list)
     mixed_precision: Optional[MixedPrecision] = None  # the policy the groups' precision was resolved from

@@ -251,8 +251,11 @@ class FlatGroup:
         if self.groups.shard_size > 1 or self.groups.replicate_size > 1:
             link.check(consistency.REDUCE)
         grad = self._take_gradient(unsharded, spec.reduce_dtype)
+        partial = self.grads.take_partial() if spec.all_reduces else None  # set_requires_all_reduce(False) before
         with link.errors(self._reduction_kind()):
-            self.pending = reduce.start(grad, spec, link.record, async_op=async_op, tag=link.next_tag())
+            self.pending = reduce.start(
+                grad, spec, link.record, async_op=async_op, tag=link.next_tag(), partial=partial
+            )
 
     def keep_unsynced_gradient(self, unsharded: torch.Tensor) -> None:
         """A backward that does not synchronise (no_sync, set_requires_gradient_sync(False)): the full-size
@@ -302,6 +305,13 @@ class FlatGroup:
             return
         pending, self.pending = self.pending, None
         link = self.link
+        if pending.shard_sum_only:  # set_requires_all_reduce(False): kept for the next all-reduce, not exposed
+            with link.errors(self._reduction_kind()):
+                self.grads.add_partial(
+                    reduce.finish_shard_sum(pending, self._reduce_spec(), link.record, link.next_tag())
+                )
+            link.run.sample_memory()
+            return
         with link.errors(self._reduction_kind()):
             reduced = reduce.finish(pending, self._reduce_spec(), self.precision.grad, link.record, tag=link.next_tag())
         if self.offload:
@@ -342,7 +352,8 @@ class FlatGroup:
             self.grads.mark_window(self.shard_views)
 
     def drop_cleared(self) -> None:
-        self.grads.drop_cleared(self.shard_views, self.unsharded, self.layout.split_sizes)
+        slices = self.layout.local_slices(self.groups.shard_rank)
+        self.grads.drop_cleared(self.shard_views, self.unsharded, self.layout.split_sizes, slices)
 
     # ---- whole flats for summon and state dicts --------------------------------------------
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
@@ -377,15 +388,19 @@ class FlatGroup:
 
     # ---- accounting ------------------------------------------------------------------------
     def _reduce_spec(self) -> reduce.ReduceSpec:
+        settings = self.settings
         return reduce.ReduceSpec(
             self.groups,
             self.layout.shard_sizes,
             self.precision.reduce,
             self.link.name,
-            self.settings.gradient_divide_factor,
+            settings.gradient_divide_factor,
             self.inter_node,
             self.pieces is not None,
             self.link.run.streams,
+            across_replicas=settings.requires_all_reduce,
+            force_sum=settings.force_sum_reduction_for_comms,
+            hook=settings.all_reduce_hook,
         )
 
     def _reduction_kind(self) -> str:
@@ -399,6 +414,8 @@ class FlatGroup:
                 storage = local(v.grad).untyped_storage()
                 grad_storages[storage.data_ptr()] = storage.nbytes()
         grads = sum(grad_storages.values())
+        if self.grads.partial is not None:  # shard-group sums waiting for an all-reduce across replicas
+            grads += self.grads.partial.untyped_storage().nbytes()
         gathered = self.gather.nbytes()
         for held in (self.unsharded.grad, self.grads.unsynced):
             if held is not None:

@@ -41,7 +41,9 @@ def set_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
 # [Note: an open accumulation window]
 # Between a backward that does not synchronise (no_sync, set_requires_gradient_sync(False)) and the one
 # that does, the micro-batches' gradients accumulate unreduced inside the units (the unsharded flat's
-# ``.grad``, or ``GradState.unsynced``), out of the optimizer's sight. On an unwrapped model they would be
+# ``.grad``, or ``GradState.unsynced``), out of the optimizer's sight; so do, under HSDP, the shard-group
+# sums of backwards that skip the all-reduce across replicas (fully_shard's set_requires_all_reduce(False):
+# ``GradState.partial``, this rank's shard). On an unwrapped model they would be
 # on ``.grad``, where the loop's ``zero_grad()`` drops them -- the loop that gives up a window part-way (a
 # backward raising before it reaches any unit, a non-finite loss whose backward it skips) relies on that.
 # So while a window is open each trainable shard view's ``.grad`` is *marked* (``WindowMarks``): a view with
@@ -143,12 +145,14 @@ class WindowMarks:
 
 class GradState:
     """A flat group's gradients on this rank: the grad shard its trainable shard views' ``.grad`` slice,
-    the unreduced accumulation of an open window kept in the reduce dtype (``unsynced``, fully_shard), and
-    the window's marks."""
+    the unreduced accumulation of an open window kept in the reduce dtype (``unsynced``, fully_shard), the
+    shard-group sums kept from the all-reduce across replicas (``partial``, fully_shard's
+    ``set_requires_all_reduce(False)``: also an open window), and the window's marks."""
 
     def __init__(self, wrap: Optional[WrapGrad] = None):
         self._shard: Optional[weakref.ref] = None
         self.unsynced: Optional[torch.Tensor] = None
+        self.partial: Optional[torch.Tensor] = None  # this rank's shard, in the reduce dtype, undivided
         self.marks = WindowMarks(wrap)
 
     @property
@@ -194,32 +198,53 @@ class GradState:
         if self.wrap is not None:
             _run_post_accumulate_grad_hooks([v for _, v, _, _ in trainable])
 
+    def add_partial(self, shard_sum: torch.Tensor) -> None:
+        """A backward that stopped at the shard group's sum: add it to those kept (PyTorch FSDP2's order)."""
+        self.partial = shard_sum if self.partial is None else self.partial.add_(shard_sum)
+
+    def take_partial(self) -> Optional[torch.Tensor]:
+        """The kept shard-group sums, for a reduction that all-reduces them with its own."""
+        partial, self.partial = self.partial, None
+        return partial
+
     def window_open(self, unsharded: torch.Tensor) -> bool:
-        """Whether an unreduced accumulation is held (an open window): on the unsharded flat, or apart."""
-        return unsharded.grad is not None or self.unsynced is not None
+        """Whether an unreduced accumulation is held (an open window): on the unsharded flat, apart, or as
+        shard-group sums not yet all-reduced across replicas."""
+        return unsharded.grad is not None or self.unsynced is not None or self.partial is not None
 
     def mark_window(self, views: Sequence[torch.Tensor]) -> None:
         """End of a backward that left the window open: mark each trainable shard view's ``.grad``."""
         self.marks.mark(views, [i for i, v in enumerate(views) if v.requires_grad])
 
-    def drop_cleared(self, views: Sequence[torch.Tensor], unsharded: torch.Tensor, split_sizes: list[int]) -> None:
+    def drop_cleared(
+        self,
+        views: Sequence[torch.Tensor],
+        unsharded: torch.Tensor,
+        split_sizes: list[int],
+        local_slices: list[tuple[int, int]],
+    ) -> None:
         """Before the root's next forward: zero the part of the open window whose views the loop cleared
-        since the last backward; the whole window (and the marks) when every one was."""
+        since the last backward; the whole window (and the marks) when every one was. ``split_sizes`` cut
+        the full-size accumulations, ``local_slices`` this rank's shard (``partial``)."""
         if not self.marks or not self.window_open(unsharded):
             return
         cleared = self.marks.drop_cleared(views)
         if not self.marks:  # every marked view was cleared: the window is gone, as on an unwrapped model
-            unsharded.grad = self.unsynced = None
+            unsharded.grad = self.unsynced = self.partial = None
             return
         for held in (unsharded.grad, self.unsynced):
             if held is not None and cleared:
                 pieces = torch.split(held, split_sizes)
                 for i in cleared:
                     pieces[i].zero_()
+        if self.partial is not None:
+            for i in cleared:
+                lo, hi = local_slices[i]
+                self.partial[lo:hi].zero_()
 
     def drop_unreduced(self, views: Sequence[torch.Tensor], unsharded: torch.Tensor) -> None:
         """A step that raised: what backward had not reduced is dropped, with the window's marks."""
-        unsharded.grad = self.unsynced = None
+        unsharded.grad = self.unsynced = self.partial = None
         self.marks.unmark(views)
 
 

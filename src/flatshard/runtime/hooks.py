@@ -257,8 +257,9 @@ def post_backward(unit: Unit, group: FlatGroup, unsharded: torch.Tensor) -> None
         group.view_grad_bytes = 0  # joined into the flat gradient by now
         begin_backward(ctx)
         # The reduction left in flight by the previous unit has had this unit's backward to finish:
-        # finish it now, so at most one full-size gradient is ever waiting for its reduce-scatter.
-        ctx.settle_reductions(keep=0)
+        # finish it now, so at most one full-size gradient is ever waiting for its reduce-scatter (or as
+        # many as fully_shard's set_reduce_scatter_max_input_buffers allows).
+        ctx.settle_reductions(keep=ctx.max_reductions_in_flight - 1)
         ctx.finish_in_flight(group)
         ctx.sample_memory()
         unit.use_shard_views()

@@ -7,7 +7,9 @@ group); ``advance`` waits for the reduce-scatter and, when there are replicas to
 all-reduce of the shard across them; ``finish`` waits for whatever is left, divides by the
 data-parallel size and casts to the master dtype. The full-size gradient is released as soon as the
 reduce-scatter is done. With ``ReduceSpec.inter_node`` compressing, what crosses nodes goes as int8
-([Note: inter-node compression], comm/int8.py).
+([Note: inter-node compression], comm/int8.py). fully_shard's ``set_requires_all_reduce(False)`` ends a
+hybrid reduction at the shard group's sum (``finish_shard_sum``), which the next one adds before its
+all-reduce; ``set_all_reduce_hook``'s hook runs in ``finish`` (``ReduceSpec.hook_sees_sum`` says where).
 """
 
 from __future__ import annotations
@@ -39,6 +41,26 @@ class ReduceSpec:
     # across replicas a reduce-scatter, not an all-reduce ([Note: optimizer state across replicas], across_replicas.py)
     scatter_replicas: bool = False
     streams: Streams = NO_STREAMS  # the run context's ([Note: stream discipline], comm/streams.py)
+    # False (fully_shard's set_requires_all_reduce(False), hybrid): stop at the shard group's sum
+    across_replicas: bool = True
+    force_sum: bool = False  # fully_shard's set_force_sum_reduction_for_comms (``hook_sees_sum``)
+    hook: Optional[Callable[[torch.Tensor], None]] = None  # fully_shard's set_all_reduce_hook: on the reduced shard
+
+    @property
+    def hook_sees_sum(self) -> bool:
+        """Whether ``hook`` runs before the division after the sum (else after it), as in PyTorch FSDP2:
+        for fp32 and bf16 FSDP2 divides inside its collectives (``ReduceOp.AVG``, ``PREMUL_SUM``), so its
+        hook sees the divided gradient, unless ``set_force_sum_reduction_for_comms(True)`` makes them plain
+        sums followed by a division, when the hook sees the sum; a reduce dtype of little range (fp16) is
+        always summed so, divided before and after (``divide_factors``), and the hook sees it between.
+        flatshard's collectives always sum and divide after, so the setting moves only the hook."""
+        return self.force_sum or self.reduce_dtype not in (torch.float32, torch.bfloat16)
+
+    @property
+    def all_reduces(self) -> bool:
+        """Whether the reduction goes on across replicas after the shard group (hybrid, and not stopped
+        by ``across_replicas``)."""
+        return self.groups.replicate_size > 1 and self.across_replicas
 
     @property
     def divide_factors(self) -> tuple[float, float]:
@@ -64,6 +86,9 @@ class PendingReduction:
     all_reduce_after: bool  # hybrid: the shard still has to be all-reduced (or scattered) across replicas
     source: Optional[torch.Tensor] = None  # the shard a reduce-scatter across replicas sends from
     event: Any = None  # the reduce stream's event after the collective in flight ([Note: stream discipline])
+    # earlier backwards' shard-group sums (set_requires_all_reduce(False)), added before the all-reduce
+    partial: Optional[torch.Tensor] = None
+    shard_sum_only: bool = False  # the reduction ends at the shard group's sum (``finish_shard_sum``)
 
     def nbytes(self) -> tuple[int, int]:
         """(full-size gradient and receive buffer bytes, reduced shard bytes) held now."""
@@ -71,17 +96,28 @@ class PendingReduction:
         full += 0 if self.source is None else self.source.untyped_storage().nbytes()
         work = self.work
         buffers = work.nbytes() if work is not None and hasattr(work, "nbytes") else 0  # a point-to-point exchange's
-        return full + buffers, self.out.untyped_storage().nbytes()
+        partial = 0 if self.partial is None else self.partial.untyped_storage().nbytes()
+        return full + buffers, self.out.untyped_storage().nbytes() + partial
 
 
 Record = Callable[[collectives.CollectiveResult, str], None]
 
 
-def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: bool, tag: int = 0) -> PendingReduction:
+def start(
+    grad: torch.Tensor,
+    spec: ReduceSpec,
+    record: Record,
+    *,
+    async_op: bool,
+    tag: int = 0,
+    partial: Optional[torch.Tensor] = None,
+) -> PendingReduction:
     """Issue the reduction of ``grad``, already in ``spec.reduce_dtype``: the unit makes it so (a cast, or the
     rank-major copy) and releases its own gradient before the collective starts (Unit._take_gradient).
-    On the reduce stream, after compute's event ([Note: stream discipline], comm/streams.py)."""
+    On the reduce stream, after compute's event ([Note: stream discipline], comm/streams.py). ``partial``:
+    the shard-group sums of earlier backwards that stopped there, added before the all-reduce."""
     groups, inter, streams = spec.groups, spec.inter_node, spec.streams
+    stops = groups.replicate_size > 1 and not spec.all_reduces  # at the shard group's sum
     full = grad
     before, _after = spec.divide_factors
     if before != 1 and (groups.shard_size > 1 or groups.replicate_size > 1):
@@ -105,9 +141,14 @@ def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: boo
             )
             streams.use(REDUCE, out, "write", f"reduced gradient {spec.label}")
         record(result, "shard")
-        return PendingReduction(result.work, full, out, groups.replicate_size > 1, event=streams.record(REDUCE))
-    if groups.replicate_size > 1:
+        event = streams.record(REDUCE)
+        return PendingReduction(
+            result.work, full, out, spec.all_reduces, event=event, partial=partial, shard_sum_only=stops
+        )
+    if spec.all_reduces:
         assert groups.replicate_group is not None  # R > 1: the replicate group exists
+        if partial is not None:  # F = 1: the shard group's sum is the gradient itself
+            full.add_(partial)
         streams.order(COMPUTE, REDUCE)
         with streams.on(REDUCE), torch.profiler.record_function(f"flatshard::all_reduce ({spec.label})"):
             streams.use(REDUCE, full, "read", f"gradient {spec.label}")
@@ -117,7 +158,7 @@ def start(grad: torch.Tensor, spec: ReduceSpec, record: Record, *, async_op: boo
             streams.use(REDUCE, full, "write", f"gradient {spec.label}")
         record(result, "replicate")
         return PendingReduction(result.work, None, full, False, event=streams.record(REDUCE))
-    return PendingReduction(None, full, full, False)
+    return PendingReduction(None, full, full, False, shard_sum_only=stops)
 
 
 def advance(pending: PendingReduction, spec: ReduceSpec, record: Record, *, async_op: bool, tag: int = 0) -> None:
@@ -139,6 +180,11 @@ def advance(pending: PendingReduction, spec: ReduceSpec, record: Record, *, asyn
     groups, inter = spec.groups, spec.inter_node
     assert groups.replicate_group is not None  # all_reduce_after: R > 1, so the replicate group exists
     async_op = async_op and streams.host_ordered
+    if pending.partial is not None:  # set_requires_all_reduce(False) before: its sums join this one's
+        with streams.on(REDUCE):
+            streams.use(REDUCE, pending.partial, "read", f"shard-group sum {spec.label}")
+            pending.out.add_(pending.partial)
+            streams.use(REDUCE, pending.out, "write", f"reduced gradient {spec.label}")
     if spec.scatter_replicas:  # [Note: optimizer state across replicas] (across_replicas.py): S elements to this piece
         shard, r = pending.out, groups.replicate_size
         pending.source, pending.out = shard, torch.empty(shard.numel() // r, dtype=shard.dtype, device=shard.device)
@@ -169,9 +215,21 @@ def discard(pending: PendingReduction, spec: ReduceSpec) -> None:
     if pending.work is not None:
         pending.work.wait()
     spec.streams.wait(COMPUTE, pending.event)
-    for t in {id(t): t for t in (pending.full, pending.source, pending.out) if t is not None}.values():
+    held = (pending.full, pending.source, pending.out, pending.partial)
+    for t in {id(t): t for t in held if t is not None}.values():
         spec.streams.use(COMPUTE, t, "free", f"reduction {spec.label}")
-    pending.work = pending.full = pending.source = None
+    pending.work = pending.full = pending.source = pending.partial = None
+
+
+def finish_shard_sum(pending: PendingReduction, spec: ReduceSpec, record: Record, tag: int = 0) -> torch.Tensor:
+    """A reduction that ends at the shard group (``pending.shard_sum_only``): compute waits for the
+    reduce-scatter and gets the shard group's sum, in the reduce dtype, undivided and without the hook, as
+    PyTorch FSDP2 keeps it under ``set_requires_all_reduce(False)`` until a backward all-reduces it."""
+    advance(pending, spec, record, async_op=False, tag=tag)  # nothing to issue: it only waits
+    streams = spec.streams
+    streams.wait(COMPUTE, pending.event)
+    streams.use(COMPUTE, pending.out, "read", f"shard-group sum {spec.label}")
+    return pending.out
 
 
 def finish(
@@ -184,14 +242,22 @@ def finish(
         pending.work.wait()
         pending.work = None
     streams.wait(COMPUTE, pending.event)
-    if pending.source is not None:
-        streams.use(COMPUTE, pending.source, "free", f"reduced gradient {spec.label}")
-    pending.source = None
+    for held in (pending.source, pending.partial):
+        if held is not None:
+            streams.use(COMPUTE, held, "free", f"reduced gradient {spec.label}")
+    pending.source = pending.partial = None
     out = pending.out
     before, after = spec.divide_factors
     if not (spec.groups.shard_size > 1 or spec.groups.replicate_size > 1):
         after *= before  # nothing was summed, so nothing was divided before
     streams.use(COMPUTE, out, "read", f"reduced gradient {spec.label}")
+    hook = spec.hook
+    if hook is not None and spec.hook_sees_sum:
+        hook(out)
     if after != 1:
         out.div_(after)
+    if hook is not None and not spec.hook_sees_sum:
+        hook(out)
+    if hook is not None:
+        streams.use(COMPUTE, out, "write", f"reduced gradient {spec.label}")
     return out if out.dtype == master_dtype else out.to(master_dtype)

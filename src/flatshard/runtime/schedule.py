@@ -326,6 +326,12 @@ class RunContext:
             return
         target.unshard(wait=False)
 
+    @property
+    def max_reductions_in_flight(self) -> int:
+        """How many reductions may be in flight at once where any are: 1, or the most any unit asks for
+        (fully_shard's set_reduce_scatter_max_input_buffers)."""
+        return max((u.settings.reduce_scatter_max_input_buffers for u in self.units), default=1)
+
     def settle_reductions(self, keep: int) -> None:
         """Finish all but the ``keep`` newest reductions in flight, oldest first (same order on every rank).
 
@@ -353,7 +359,9 @@ class RunContext:
 
     def finish_in_flight(self, group: FlatGroup) -> None:
         """Before ``group`` reduces again in this backward (a unit whose gradient arrives twice): finish
-        its reduction still in flight, so the two add up."""
+        its reduction still in flight, so the two add up (those issued before it first, in order)."""
+        while group in self.pending_reductions:
+            self.settle(self.pending_reductions.pop(0))
         if group in self.cross_node_reductions:
             self.cross_node_reductions.remove(group)
             group.finish_reduction()
