@@ -52,4 +52,4 @@ fuzz: install  # differential fuzzer: N random configurations against the single
 
 .PHONY: soak
 soak: install  # restart and resume through 24 injected faults at W = 4, checked bitwise against a run without (~15 min)
-	$(PY) -m bench.faults.soak $(ARGS)
+	$(PY) -m bench.faults.soak --out bench/results/soak.json $(ARGS)
