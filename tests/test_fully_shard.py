@@ -236,12 +236,26 @@ def methods_worker(rank: int, world: int) -> dict:
     ours.set_reshard_after_forward(True)
     ours.blocks[0].set_modules_to_forward_prefetch([ours.blocks[1]])
     ours.blocks[1].set_modules_to_backward_prefetch([ours.blocks[0]])
-    ours.set_gradient_divide_factor(1.0)  # a sum, not a mean, over the ranks
-    token_loss(ours, x).backward()
-    summed = [p.grad.full_tensor() for p in ours.parameters()]
     torch.manual_seed(0)
     ref = TinyGPT()  # the same initial weights; every rank used the same x: the sum is W times its gradient
     token_loss(ref, x).backward()
+    # the root's own parameters only, as in FSDP2 (its param groups): the blocks still take the mean
+    ours.set_gradient_divide_factor(1.0)  # a sum, not a mean, over the ranks
+    token_loss(ours, x).backward()
+    scale = {n: 1 if n.startswith("blocks.") else world for n, _ in ours.named_parameters()}
+    out["divide factor on the root only"] = [
+        n
+        for (n, p), r in zip(ours.named_parameters(), ref.parameters())
+        if not torch.allclose(p.grad.full_tensor(), r.grad * scale[n], rtol=1e-4, atol=1e-5)
+    ]
+    assert 1 in scale.values() and world in scale.values(), scale  # both kinds are there to tell apart
+    for p in ours.parameters():
+        p.grad = None
+    for m in ours.modules():  # as torchtitan sets it: on every FSDPModule
+        if isinstance(m, flatshard.FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+    token_loss(ours, x).backward()
+    summed = [p.grad.full_tensor() for p in ours.parameters()]
     out["divide factor"] = all(
         torch.allclose(s, r.grad * world, rtol=1e-4, atol=1e-5) for s, r in zip(summed, ref.parameters())
     )
@@ -260,5 +274,6 @@ def methods_worker(rank: int, world: int) -> dict:
 def test_fsdp2_methods():
     for out in run_distributed(methods_worker, 2, timeout=200):
         assert out["unshard"] and out["reshard"] and out["kept after forward"] and out["divide factor"], out
+        assert out["divide factor on the root only"] == [], out
         assert out["not built"].startswith("FSDPModule.set_custom_all_gather is not built"), out
         assert "torch.distributed.checkpoint" in out["flatshard checkpoint"], out

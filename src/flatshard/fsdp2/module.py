@@ -165,9 +165,9 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         whose backward needs no weights) saves that all-gather in FSDP2 but changes no result here."""
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide the summed gradients by ``factor`` instead of the data-parallel size."""
-        for unit in self._units(True):
-            unit.settings.gradient_divide_factor = float(factor)
+        """Divide this module's summed gradients by ``factor`` instead of the data-parallel size. This
+        module only, not those under it, as in FSDP2 (torchtitan calls it on every ``FSDPModule``)."""
+        self._unit.settings.gradient_divide_factor = float(factor)
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
