@@ -19,7 +19,7 @@ Checks, one PASS / FAIL / NOT RUN line each, with its figures:
                    bus bandwidth as algbw * (W-1)/W; at W = 1 the figure is a local copy, not a network
   fronts_eager, fronts_compiled, overlap   beside PyTorch's FSDP2: bench/gpu/fronts.py
 On a GPU every flatshard check runs with the stream discipline ([Note: stream discipline] in
-src/flatshard/runtime/streams.py): gathers and reductions on streams of their own, ordered by events.
+src/flatshard/runtime/comm/streams.py): gathers and reductions on streams of their own, ordered by events.
 
 Exit status 1 if any check failed. Results as JSON: --json PATH, else $OUT/gpu_check.json when OUT is
 set, else bench/results/gpu_check.json.
