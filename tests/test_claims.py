@@ -57,9 +57,9 @@ NOT_BUILT = {
         "`ShardPlacementResult` with an `HSDPMeshInfo`",
         "with an `FSDPMeshInfo` over a mesh of more than one dim",
     ],
-    ("fsdp2/meshes.py", "placements"): ["parameters on a mesh of their own beside a 2-D `mesh`"],
     ("fsdp2/frontend.py", "_check_other_meshes"): [
-        "beside tensor-parallel parameters, parameters that gather themselves or an int `reshard_after_forward`"
+        "parameters on a mesh of their own beside tensor-parallel parameters, parameters that gather themselves "
+        "or an int `reshard_after_forward`"
     ],
     ("fsdp2/frontend.py", "fully_shard"): ["`dp_mesh_dims`"],
     ("interop.py", "_mixed_precision"): ["`MixedPrecision(_module_classes_to_ignore=...)`"],

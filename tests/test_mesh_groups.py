@@ -4,11 +4,13 @@ FSDP2 on the same script.
 
 At W = 4 the dense parameters are sharded over the call's mesh (4,) and each block's expert-like MLP over
 a 2-rank sub-mesh, the ``efsdp`` dim of a (rep, efsdp) = (2, 2) mesh, as MoE models shard their experts
-(its bias placed with ``placement=None``, FSDP2's Shard(0)); odd shapes pad both meshes' shards. At
-W = 2 the dense parameters pad over (2,) and the experts sit on a 1-rank ``efsdp`` dim of a (2, 1) mesh.
+(its bias placed with ``placement=None``, FSDP2's Shard(0)); odd shapes pad both meshes' shards. Then
+the same with the dense parameters under HSDP on a (replicate, shard) = (2, 2) mesh (AdamW). At W = 2
+the dense parameters pad over (2,) and the experts sit on a 1-rank ``efsdp`` dim of a (2, 1) mesh.
 Checked every step, with SGD-momentum and AdamW: the loss, every gradient and parameter (``full_tensor``)
-equal FSDP2's, bitwise where the reduction order matches FSDP2's (tolerance-free ``torch.equal``; the
-test asserts which configurations are bitwise), else to fp32's default tolerance; every parameter a
+equal FSDP2's, bitwise where the reduction order matches FSDP2's (tolerance-free ``torch.equal``: every
+group of 2 ranks, so W = 2 and HSDP throughout and the experts' first step at W = 4), else to fp32's
+default tolerance (gloo sums 4 ranks in another order); every parameter a
 DTensor on FSDP2's mesh and placement; collectives counted per group size: one all-gather per flat
 group per pass (none for a 1-rank group), one reduce-scatter per trainable group per backward. Also:
 ranks that place a parameter on meshes that disagree fail alike on every rank, naming it, and what is
@@ -89,11 +91,14 @@ def _shard(model: Net, shard, mesh, fn, **kw) -> Net:
     return model
 
 
-def _meshes(world: int, expert_shape: tuple[int, int]):
+def _meshes(world: int, expert_shape: tuple[int, int], hsdp: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
-    dense = init_device_mesh("cpu", (world,))
+    if hsdp:
+        dense = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        dense = init_device_mesh("cpu", (world,))
     efsdp = init_device_mesh("cpu", expert_shape, mesh_dim_names=("rep", "efsdp"))["efsdp"]
     return dense, efsdp, FSDPMeshInfo(mesh=efsdp, shard_mesh_dim=0)
 
@@ -103,9 +108,10 @@ def _comms(rec) -> Counter:
     return Counter((str(e.phase), e.kind, e.group_size) for e in rec.events if e.kind != "order_check")
 
 
-def _expected_comms(infos) -> Counter:
+def _expected_comms(infos, replicas: int) -> Counter:
     """Per flat group of F > 1 ranks: an all-gather per pass (the root stays gathered for backward) and a
-    reduce-scatter per backward; a 1-rank group issues nothing."""
+    reduce-scatter per backward; a 1-rank group issues nothing. Under HSDP (``replicas`` > 1) each dense
+    group's reduce-scatter is followed by an all-reduce over the replicas; the experts' mesh has none."""
     out: Counter = Counter()
     for u in infos:
         for g in u.flat_groups:
@@ -114,6 +120,8 @@ def _expected_comms(infos) -> Counter:
                 out[("forward", "all_gather", size)] += 1
                 out[("backward", "all_gather", size)] += 0 if u.is_root else 1
                 out[("backward", "reduce_scatter", size)] += int(g.requires_grad)
+            if replicas > 1 and not any(".expert." in f".{n}" for n in g.param_names):
+                out[("backward", "all_reduce", replicas)] += int(g.requires_grad)
     return +out
 
 
@@ -125,12 +133,12 @@ def _full(model, grads: bool) -> list:
     return out
 
 
-def _train(world: int, expert_shape, shapes, opt_kind: str, rank: int) -> dict:
+def _train(world: int, expert_shape, shapes, opt_kind: str, rank: int, hsdp: bool = False) -> dict:
     import torch.distributed.fsdp as torch_fsdp
 
     import flatshard
 
-    dense, efsdp, info = _meshes(world, expert_shape)
+    dense, efsdp, info = _meshes(world, expert_shape, hsdp)
     torch.manual_seed(0)
     base = Net(*shapes)
     theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
@@ -138,7 +146,7 @@ def _train(world: int, expert_shape, shapes, opt_kind: str, rank: int) -> dict:
     _shard(ours, flatshard.fully_shard, dense, _placement_fn(ours, info))
     infos = flatshard.units(ours)
     sizes = sorted({len(g.shard_group_ranks) for u in infos for g in u.flat_groups})
-    assert sizes == sorted({world, efsdp.size()}), sizes
+    assert sizes == sorted({dense.size(dense.ndim - 1), efsdp.size()}), sizes
     assert all(len(u.flat_groups) == 2 for u in infos if not u.is_root), [len(u.flat_groups) for u in infos]
 
     def make(ps):
@@ -157,7 +165,8 @@ def _train(world: int, expert_shape, shapes, opt_kind: str, rank: int) -> dict:
             opt.step()
             opt.zero_grad()
             seen.append((loss.detach(), grads, _full(model, grads=False)))
-        assert _comms(rec) == _expected_comms(infos), (step, _comms(rec), _expected_comms(infos))
+        expected = _expected_comms(infos, dense.size(0) if dense.ndim == 2 else 1)
+        assert _comms(rec) == expected, (step, _comms(rec), expected)
         (loss_a, grads_a, params_a), (loss_b, grads_b, params_b) = seen
         torch.testing.assert_close(loss_b, loss_a, msg=lambda m: f"{opt_kind} step {step}: loss {m}")
         for (n, a, mesh_a, pl_a), (n_b, b, mesh_b, pl_b) in zip(grads_a + params_a, grads_b + params_b):
@@ -205,6 +214,7 @@ def _refusals(world: int, rank: int) -> dict:
 def worker_4(rank: int, world: int) -> dict:
     shapes = (13, 7, 9)  # vocab, dim, hidden: odd, so both meshes' shards pad
     out = {kind: _train(world, (2, 2), shapes, kind, rank) for kind in ("sgd", "adamw")}
+    out["hsdp"] = _train(world, (2, 2), shapes, "adamw", rank, hsdp=True)
     out["refusals"] = _refusals(world, rank)
     return out
 
@@ -232,6 +242,7 @@ def test_experts_on_a_sub_mesh_train_as_fsdp2_at_w4():
             # tests/test_dtype_groups.py): the dense parameters match FSDP2's to fp32's default tolerance;
             # the experts' first step, summed over 2 ranks before any dense difference reaches them, to the bit
             assert not [d for d in out[kind]["differ"] if d[0] == 0 and d[2] == 2], (rank, kind, out[kind]["differ"])
+        assert out["hsdp"]["steps"] == STEPS and out["hsdp"]["bitwise"], (rank, out["hsdp"])  # every group of 2 ranks
 
 
 def test_experts_on_a_one_rank_mesh_beside_padded_shards_train_as_fsdp2_at_w2():

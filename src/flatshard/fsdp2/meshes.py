@@ -64,12 +64,6 @@ def placements(read: Callable[[], tuple[dict[int, int], Others]], call_mesh: Dev
     problem = _disagreement([s["meshes"] for s in said], dist.get_process_group_ranks(group))
     if problem is not None:
         raise ValueError(problem)
-    if others and call_mesh.ndim != 1:
-        raise NotBuiltError(
-            f"fully_shard(shard_placement_fn=...) placed {others[0][0]} on a mesh of its own beside a 2-D (HSDP) "
-            "mesh: flatshard builds per-parameter meshes beside a 1-D mesh only. Pass a 1-D mesh to this call, "
-            "or shard those parameters with HSDP in a fully_shard call of their own"
-        )
     return _grouped(dims, others, group)
 
 

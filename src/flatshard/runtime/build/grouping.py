@@ -92,9 +92,11 @@ def _laid_out(params: list[tuple[ParamInfo, nn.Parameter]]) -> list[tuple[ParamI
 # each with its own ShardGroups (the mesh's shard group, no replicate group, F its size, the call's
 # process group as the ranks that train the model), its own layout, all-gather and reduce-scatter, and
 # gradients divided by its own F, as FSDP2 keys its FSDPParamGroups by process group and divides by each
-# group's size. The call's mesh comes first (its trainable dtype's group is the unit's first group), the
-# others in the order of their first parameter. The front end builds the groups and checks that the
-# ranks agree on them (fsdp2/meshes.py); the engine only reads ``BuildOptions.param_groups``.
+# group's size. Beside a 2-D (HSDP) call mesh, the call's groups keep their all-reduce over the
+# replicas and the other mesh's have none (an FSDPMeshInfo's, in FSDP2 too). The call's mesh comes
+# first (its trainable dtype's group is the unit's first group), the others in the order of their first
+# parameter. The front end builds the groups and checks that the ranks agree on them (fsdp2/meshes.py);
+# the engine only reads ``BuildOptions.param_groups``.
 def mesh_groups(
     params: list[tuple[ParamInfo, nn.Parameter]], groups: ShardGroups, by_param: Optional[dict]
 ) -> list[tuple[ShardGroups, list[tuple[ParamInfo, nn.Parameter]]]]:
