@@ -53,7 +53,14 @@ NOT_BUILT = {
     ("fsdp2/tensor_parallel.py", "tensor_parallel_params"): [
         "DTensor parameters of a tensor-parallel mesh of more than one dim"
     ],
-    ("fsdp2/checks.py", "shard_dims"): ["`shard_placement_fn` returning a `ShardPlacementResult`"],
+    ("fsdp2/checks.py", "mesh_of"): [
+        "`ShardPlacementResult` with an `HSDPMeshInfo`",
+        "with an `FSDPMeshInfo` over a mesh of more than one dim",
+    ],
+    ("fsdp2/frontend.py", "_check_other_meshes"): [
+        "parameters on a mesh of their own beside tensor-parallel parameters, parameters that gather themselves "
+        "or an int `reshard_after_forward`"
+    ],
     ("fsdp2/frontend.py", "fully_shard"): ["`dp_mesh_dims`"],
     ("interop.py", "_mixed_precision"): ["`MixedPrecision(_module_classes_to_ignore=...)`"],
     ("runtime/build/units.py", "become_root"): ["units under one root with different process groups"],

@@ -1,5 +1,5 @@
 """Frozen parameters of other dtypes in one ``fully_shard`` call: one flat group per dtype ([Note: a flat
-group per dtype], runtime/build/units.py), against PyTorch's FSDP2 on the same script at W = 2 and W = 3.
+group per dtype], runtime/build/grouping.py), against PyTorch's FSDP2 on the same script at W = 2 and W = 3.
 
 Each block and the root hold trainable fp32 layers beside a frozen bf16 layer (the root a frozen bf16
 embedding) and a frozen fp32 LayerNorm (held in the trainable dtype's group); a second model holds

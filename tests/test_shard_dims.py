@@ -108,7 +108,7 @@ def test_parameters_sharded_along_their_last_dim_train_as_fsdp2_and_the_referenc
         assert tuple(out["uneven"]["params"][0][0].shape) == ((7, 3) if rank == 0 else (7, 2))
         assert out["bad dim"].startswith("FullyShardUsageError/ValueError/AssertionError"), out["bad dim"]
         assert "Shard dim 2 is invalid for 2D tensor" in out["bad dim"], out["bad dim"]
-        assert out["other mesh"].startswith("NotBuiltError/"), out["other mesh"]
-        assert "on the call's mesh only" in out["other mesh"], out["other mesh"]
+        assert out["other mesh"].startswith("ValueError/"), out["other mesh"]  # no mesh_info: nothing to shard on
+        assert "needs mesh_info=FSDPMeshInfo" in out["other mesh"], out["other mesh"]
         assert out["Replicate"].startswith("ValueError/"), out["Replicate"]  # FSDP2's class and words
         assert "Invalid shard_placement_fn result: Replicate()" in out["Replicate"], out["Replicate"]

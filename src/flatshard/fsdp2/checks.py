@@ -27,22 +27,23 @@ def call_parameters(module: nn.Module, ignored_params) -> list[tuple[str, nn.Par
     return [(n, p) for n, p in module.named_parameters() if id(p) not in ignored and id(p) not in inner]
 
 
-def shard_dims(module: nn.Module, shard_placement_fn, ignored_params) -> dict[int, int]:
+def shard_dims(module: nn.Module, shard_placement_fn, ignored_params) -> tuple[dict[int, int], list]:
     """The dim ``shard_placement_fn`` shards each of this call's parameters along, by ``id`` (FSDP2's
     keyword: None is ``Shard(0)``, a negative dim counts from the end; [Note: sharded along another dim],
-    runtime/chunked.py). A dim the parameter does not have is refused in FSDP2's words; so is a placement
-    on another mesh (``ShardPlacementResult``), which flatshard's one flat shard per unit cannot hold."""
+    runtime/chunked.py), and (name, parameter, mesh) for each placed on a mesh of its own by a
+    ``ShardPlacementResult`` ([Note: a flat group per mesh], runtime/build/grouping.py; fsdp2/meshes.py
+    checks that the ranks agree). A dim the parameter does not have is refused in FSDP2's words."""
     dims: dict[int, int] = {}
+    others = []
     for name, param in call_parameters(module, ignored_params):
         placement = shard_placement_fn(param)
         if placement is None:
             continue
         if type(placement).__name__ == "ShardPlacementResult":  # FSDP2's placement with a mesh of its own
-            raise NotBuiltError(
-                f"fully_shard(shard_placement_fn=...) returned {placement!r} for {name}: flatshard builds "
-                "Shard(dim) placements on the call's mesh only (one flat shard per unit); return Shard(dim) "
-                "or None, or shard such parameters in a fully_shard call of their own"
-            )
+            others.append((name, param, mesh_of(name, placement)))
+            placement = placement.placement
+            if placement is None:
+                continue
         if not isinstance(placement, Shard):
             raise ValueError(f"Invalid shard_placement_fn result: {placement!r} for {name}; return Shard(dim) or None")
         dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
@@ -52,7 +53,35 @@ def shard_dims(module: nn.Module, shard_placement_fn, ignored_params) -> dict[in
                 f"{tuple(param.shape)}; return Shard(d) with -{param.ndim} <= d < {param.ndim} from shard_placement_fn"
             )
         dims[id(param)] = dim
-    return dims
+    return dims, others
+
+
+def mesh_of(name: str, result):
+    """The 1-D mesh a ``ShardPlacementResult`` shards ``name`` over: an ``FSDPMeshInfo`` over a 1-D mesh
+    (a slice of a larger one, ``mesh["efsdp"]``); replicating over another dim (``HSDPMeshInfo``) and a
+    mesh of more dims are not built."""
+    info = result.mesh_info
+    kinds = {c.__name__ for c in type(info).__mro__}
+    if "FSDPMeshInfo" not in kinds:
+        raise ValueError(
+            f"Invalid shard_placement_fn result: {result!r} for {name}; a ShardPlacementResult needs "
+            "mesh_info=FSDPMeshInfo(mesh=<a 1-D DeviceMesh>, shard_mesh_dim=0)"
+        )
+    if "HSDPMeshInfo" in kinds or info.replicate_mesh_dim is not None:
+        raise NotBuiltError(
+            f"fully_shard(shard_placement_fn=...) returned {result!r} for {name}: a mesh of its own that replicates "
+            "over a dim (HSDPMeshInfo) is not built. Return FSDPMeshInfo(mesh=<the 1-D shard mesh>, shard_mesh_dim=0) "
+            "for it, or shard it with HSDP in a fully_shard call of its own (fully_shard(m, mesh=<the 2-D mesh>))"
+        )
+    if info.mesh.ndim != 1:
+        names = info.mesh.mesh_dim_names
+        dim = repr(names[info.shard_mesh_dim]) if names else "<its dim name>"
+        raise NotBuiltError(
+            f"fully_shard(shard_placement_fn=...) returned {result!r} for {name}: an FSDPMeshInfo over a "
+            f"{info.mesh.ndim}-D mesh is not built. Pass the dim it shards over as a 1-D slice: "
+            f"FSDPMeshInfo(mesh=mesh[{dim}], shard_mesh_dim=0)"
+        )
+    return info.mesh
 
 
 def check_no_all_gather_extension(named: list) -> None:

@@ -439,7 +439,7 @@ def attach(unit: Unit, target: nn.Module, named: list, mesh, placements, mp_poli
             "the 1-D shard mesh: flatshard cuts it from a 2-D mesh by its dim names. Name the mesh's dims "
             "(init_device_mesh(..., mesh_dim_names=('replicate', 'shard')))"
         )
-    group = unit.flat_groups[0]  # the trainable dtype's ([Note: a flat group per dtype], runtime/build/units.py)
+    group = unit.flat_groups[0]  # the trainable dtype's ([Note: a flat group per dtype], runtime/build/grouping.py)
     if group.offload:
         raise NotBuiltError(
             f"{named[0][0]} gathers itself (a tensor subclass, FSDP2's all-gather extension): flatshard does not "

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from flatshard import interop
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.fsdp2 import checks, extensions, tensor_parallel
+from flatshard.fsdp2 import checks, extensions, meshes, tensor_parallel
 from flatshard.fsdp2.module import FSDPModule
 from flatshard.runtime import build, hooks, precision
 from flatshard.runtime.build import deferred
@@ -113,11 +113,15 @@ def fully_shard(
     # [Note: parameters that gather themselves] (extensions.py): kept out of the flat shard
     self_gathered = [(n, p) for n, p in checks.call_parameters(target, ignored_params) if extensions.gathers_itself(p)]
     tp_specs = tensor_parallel.tensor_parallel_params(target, ignored_params, mesh)
-    dims = checks.shard_dims(target, shard_placement_fn, ignored_params) if shard_placement_fn else None
-    # [Note: FSDP over tensor-parallel parameters] (tensor_parallel.py): the unit is built on their local tensors
-    tp_uses, dims = tensor_parallel.localize(target, tp_specs, dims)
+    placed = meshes.Placed({}, {}, {})
+    if shard_placement_fn is not None:  # one exchange over the call's ranks ([Note: a flat group per mesh])
+        placed = meshes.placements(lambda: checks.shard_dims(target, shard_placement_fn, ignored_params), mesh)
     shard_size = mesh.size(mesh.ndim - 1)
     reshard, post_forward_size = _reshard_after_forward(reshard_after_forward, shard_size)
+    if placed.param_groups:
+        _check_other_meshes(tp_specs, self_gathered, post_forward_size)
+    # [Note: FSDP over tensor-parallel parameters] (tensor_parallel.py): the unit is built on their local tensors
+    tp_uses, dims = tensor_parallel.localize(target, tp_specs, placed.dims if shard_placement_fn else None)
     mp, output_dtype = _precision(mp_policy)
     options = build.BuildOptions(
         strategy=_strategy(mesh, reshard),
@@ -130,15 +134,17 @@ def fully_shard(
         shard_boundaries="chunks",
         keep_meta=True,  # [Note: meta parameters left to the user] (runtime/build/deferred.py)
         shard_dims=dims,  # [Note: sharded along another dim] (runtime/chunked.py)
+        param_groups=placed.param_groups or None,  # [Note: a flat group per mesh] (runtime/build/grouping.py)
     )
     built = build.build_units(target, options, _no_nested)
     unit = built.root
     checks.remember_flattened(unit)
     unit.settings.unsynced_in_reduce_dtype = True  # FSDP2 accumulates unsynced gradients in the reduce dtype
-    for group in unit.flat_groups:  # one per dtype ([Note: a flat group per dtype], runtime/build/units.py)
+    for group in unit.flat_groups:  # one per (mesh, dtype) ([Note: a flat group per dtype], runtime/build/grouping.py)
         if post_forward_size:
             group.gather.post_forward = _post_forward_group(mesh, post_forward_size, group.layout.padded)
-        _as_dtensors(group, mesh, placements, tp_uses)
+        on = placed.mesh_of(group.groups, mesh)
+        _as_dtensors(group, on, placements if on is mesh else (Shard(0),), tp_uses)
     extensions.attach(unit, target, self_gathered, mesh, placements, mp_policy, mp, dims)
     if any(group.flat_shard.is_meta for group in unit.flat_groups):
         _ON_META.add(unit)
@@ -157,6 +163,26 @@ def fully_shard(
     assert isinstance(root, FSDPModule)
     build.become_root(root, config, mp)
     return module
+
+
+def _check_other_meshes(tp_specs: dict, self_gathered: list, post_forward_size: int) -> None:
+    """Parameters on a mesh of their own ([Note: a flat group per mesh]) are built beside plain parameters
+    with a bool ``reshard_after_forward``; the ranks agreed on them, so every rank raises here alike."""
+    beside = [
+        what
+        for what, on in (
+            ("tensor-parallel parameters", bool(tp_specs)),
+            ("parameters that gather themselves", bool(self_gathered)),
+            ("an int reshard_after_forward", bool(post_forward_size)),
+        )
+        if on
+    ]
+    if beside:
+        raise NotBuiltError(
+            "fully_shard(shard_placement_fn=...) placed parameters on a mesh of their own (ShardPlacementResult) in a "
+            f"call with {' and '.join(beside)}: not built together. Shard the parameters of the other mesh in a "
+            "fully_shard call of their own, or pass reshard_after_forward as a bool"
+        )
 
 
 def _cast_inputs(dtype: torch.dtype, _module: nn.Module, args: tuple, kwargs: dict) -> tuple:

@@ -10,8 +10,9 @@ The words (DESIGN.md)
                communication: one all-gather per group per pass, one reduce-scatter per group per
                backward, never one collective per parameter. A unit holds one per (mesh, dtype, layout
                kind) -- usually exactly one; frozen parameters of another dtype in a ``fully_shard``
-               call add one per dtype ([Note: a flat group per dtype], build/units.py), and experts on
-               their own mesh or whole-tensor placement would each add a group, not a new kind of unit.
+               call add one per dtype ([Note: a flat group per dtype], build/grouping.py), parameters placed
+               on a mesh of their own one per (mesh, dtype) ([Note: a flat group per mesh]); whole-tensor
+               placement would add a group too, not a new kind of unit.
   run context  what spans the units of one root: phase, recorded order, prefetch, reductions in flight
                (schedule.py: ``RunContext``); a unit and its parts see it through context.py's ``Context``
                protocol and ``Link``, never by importing schedule.py.
@@ -39,7 +40,8 @@ Construction (once)
                                 (build/placement.py:Placement), sharding factor (build/autoshard.py),
                                 groups (comm/mesh.py)
   build/units.py:build_unit     flatten (layout.py:FlatLayout.flatten); flat_group.py:FlatGroup keeps the
-                                flat shard (fully_shard: one per dtype, build/units.py:dtype_groups);
+                                flat shard (fully_shard: one per (mesh, dtype), build/grouping.py:mesh_groups,
+                                dtype_groups);
                                 unit.py:Unit holds the groups; a RunContext of its own
   hooks.py:register_post_backward   each group's unsharded flat's post-accumulate-grad hook
   build/units.py:become_root    one run context (schedule.py:RunContext) for every unit under the root
@@ -92,7 +94,8 @@ Index of every [Note: ...] in the package
   free before the flat gradient ... runtime/hooks.py
   hooks hold units weakly ......... runtime/hooks.py
   hooks under compile ............. runtime/hooks.py
-  a flat group per dtype .......... runtime/build/units.py
+  a flat group per dtype .......... runtime/build/grouping.py
+  a flat group per mesh ........... runtime/build/grouping.py
   deferred initialisation ......... runtime/build/deferred.py
   meta parameters left to the user . runtime/build/deferred.py
   equal errors .................... runtime/comm/agree.py

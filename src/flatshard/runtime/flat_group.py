@@ -4,7 +4,7 @@ A flat group is one flat buffer with its layout, dtype, process groups, gather a
 shard and shard views ([Note: flatshard tensors], layout.py), its unsharded flat and all-gather
 (gather.py: ``Gather``), its gradients (grad_state.py: ``GradState``) and its reduction (reduce.py). A
 unit holds one flat group per (mesh, dtype, layout kind) -- one, or for a ``fully_shard`` call with frozen
-parameters of another dtype one per dtype ([Note: a flat group per dtype], build/units.py) -- and fans its
+parameters of another dtype one per dtype ([Note: a flat group per dtype], build/grouping.py) -- and fans its
 transitions out to them (unit.py); the communication atom is the group: one all-gather per group per
 pass, one reduce-scatter per group per backward, never one collective per parameter.
 

@@ -76,8 +76,9 @@ def units_under(module: nn.Module) -> list[Unit]:
 # ---- the public view ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FlatGroupInfo:
-    """One flat group of a unit (``UnitInfo.flat_groups``): the parameters of one dtype, stored as one
-    flat shard and gathered by one all-gather. Element counts as in ``UnitInfo``, for this group alone."""
+    """One flat group of a unit (``UnitInfo.flat_groups``): the parameters of one (mesh, dtype), stored as
+    one flat shard and gathered by one all-gather over ``shard_group_ranks``. Element counts as in
+    ``UnitInfo``, for this group alone."""
 
     param_names: tuple[str, ...]  # its parameters, relative to the unit's module, in flat order
     numel: int
@@ -88,6 +89,7 @@ class FlatGroupInfo:
     dtype: torch.dtype  # the master dtype: its parameters' own
     compute_dtype: torch.dtype  # the gathered parameters' dtype
     requires_grad: bool  # whether any of its parameters is trainable: only then is it reduced in backward
+    shard_group_ranks: tuple[int, ...] = ()  # global ranks it is sharded over ([Note: a flat group per mesh])
 
     @property
     def padding(self) -> int:
@@ -103,10 +105,13 @@ class UnitInfo:
 
     A unit holds one flat group, except a ``fully_shard`` call whose frozen parameters are of another
     dtype than its trainable ones: it holds one flat group per dtype, the trainable dtype's first
-    ([Note: a flat group per dtype], runtime/build/units.py). ``flat_groups`` describes each; the unit's
+    ([Note: a flat group per dtype], runtime/build/grouping.py). ``flat_groups`` describes each; the unit's
     element counts (and ``shard_sizes``, rank by rank) are then the sums over its groups, elements of
     different sizes in bytes, ``param_names`` the groups' names one group after the other, and ``dtype``
-    and ``compute_dtype`` the first group's. For a unit of one group every figure is that group's."""
+    and ``compute_dtype`` the first group's. Parameters placed on a mesh of their own ([Note: a flat group
+    per mesh]) are groups of their own too, over their mesh's ranks: ``shard_size``, ``shard_group_ranks``
+    and ``shard_sizes`` are the first group's mesh's (its groups' sizes summed); each group's
+    ``shard_group_ranks`` and ``shard_sizes`` are its own. For a unit of one group every figure is that group's."""
 
     name: str  # the unit's module path in the unwrapped model ("<root>" for the root)
     param_names: tuple[str, ...]  # its parameters, relative to its module, in flat order
@@ -145,6 +150,7 @@ def _group_info(group: FlatGroup) -> FlatGroupInfo:
         dtype=group.precision.master,
         compute_dtype=group.precision.compute,
         requires_grad=group.requires_grad,
+        shard_group_ranks=_ranks(group.groups.shard_group),
     )
 
 
@@ -158,7 +164,9 @@ def unit_info(unit: Unit) -> UnitInfo:
         numel=sum(g.numel for g in infos),
         padded_numel=sum(g.padded_numel for g in infos),
         shard_numel=sum(g.shard_numel for g in infos),
-        shard_sizes=tuple(map(sum, zip(*(g.shard_sizes for g in infos)))),
+        shard_sizes=tuple(
+            map(sum, zip(*(g.shard_sizes for g in infos if g.shard_group_ranks == infos[0].shard_group_ranks)))
+        ),
         shard_boundaries=first.layout.boundaries,
         local_numel=sum(g.local_numel for g in infos),
         dtype=infos[0].dtype,

@@ -11,7 +11,6 @@ and names them by their path. Nothing here imports a front end.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import weakref
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from flatshard.runtime import hooks, precision
 from flatshard.runtime.across_replicas import Pieces
 from flatshard.runtime.build import deferred, fingerprint, optim_check
 from flatshard.runtime.build.autoshard import auto_sharding_factor
+from flatshard.runtime.build.grouping import dtype_groups, mesh_groups, one_dtype
 from flatshard.runtime.build.placement import Placement, check_no_tie_into_wrapped
 from flatshard.runtime.chunked import ChunkedLayout
 from flatshard.runtime.comm import agree, collectives, int8, nodes
@@ -67,6 +67,8 @@ class BuildOptions:
     shard_optimizer_across_replicas: bool = False  # [Note: optimizer state across replicas] (across_replicas.py)
     keep_meta: bool = False  # fully_shard: [Note: meta parameters left to the user] (build/deferred.py)
     shard_dims: Optional[dict] = None  # "chunks": id(param) -> the dim it is cut along (default 0; chunked.py)
+    # "chunks": id(param) -> the ShardGroups of a mesh of its own (default the call's; [Note: a flat group per mesh])
+    param_groups: Optional[dict] = None
 
 
 @dataclass
@@ -148,10 +150,13 @@ def build_unit(
     owners: Optional[tuple[int, ...]] = None,
 ) -> Unit:
     """Flatten ``params`` (layout info, original parameter) into one unit on this rank: one flat group, or
-    under fully_shard's chunked layout one per dtype ([Note: a flat group per dtype]). ``owners``: the
+    under fully_shard's chunked layout one per (mesh, dtype) (build/grouping.py). ``owners``: the
     global rank of every owner rank, when the optimizer state is split over the replicas (across_replicas.py)."""
     name = name or "<root>"
-    parts = dtype_groups(params) if options.shard_boundaries == "chunks" else [one_dtype(name, params)]
+    if options.shard_boundaries == "chunks":
+        parts = [(g, d) for g, part in mesh_groups(params, groups, options.param_groups) for d in dtype_groups(part)]
+    else:
+        parts = [(groups, one_dtype(name, params))]
     device = params[0][1].device if params else torch.device("cpu")
     on_nodes = nodes.Nodes.resolve(options.ranks_per_node)
     inter = nodes.inter_node(groups.shard_group, groups.replicate_group, on_nodes, options.compress_inter_node)
@@ -162,7 +167,10 @@ def build_unit(
         strategy=options.strategy,
         mixed_precision=options.mixed_precision,
     )
-    flat_groups = [_flat_group(part, link, settings, groups, options, loads, owners, inter) for part in parts]
+    flat_groups = [
+        _flat_group(part, link, settings, on, options, loads, owners, _inter(on, groups, inter, on_nodes, options))
+        for on, part in parts
+    ]
     unit = Unit(link, settings, flat_groups)
     RunContext([unit], unit, ScheduleConfig())  # the unit's own, until a root adopts it (become_root)
     for group in flat_groups:
@@ -195,73 +203,11 @@ def _flat_group(params, link, settings, groups: ShardGroups, options: BuildOptio
     return group
 
 
-class MixedDtypeError(TypeError, AssertionError):
-    """Trainable parameters of several dtypes in one ``fully_shard`` call: a TypeError, as flatshard's
-    other dtype refusals, and an AssertionError, what FSDP2 raises for them, so code written against
-    FSDP2 catches it as it would FSDP2's."""
-
-
-def _names_by_dtype(params: list[tuple[ParamInfo, nn.Parameter]]) -> str:
-    by_dtype: dict[str, list[str]] = {}
-    for info, p in params:
-        by_dtype.setdefault(str(p.dtype), []).append(info.name)
-    return "; ".join(
-        f"{d}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}" for d, names in sorted(by_dtype.items())
-    )
-
-
-def one_dtype(name: str, params: list[tuple[ParamInfo, nn.Parameter]]) -> list[tuple[ParamInfo, nn.Parameter]]:
-    """``params``, checked to be of one dtype (the FSDP1 wrapper's flat parameter needs one)."""
-    if len({p.dtype for _, p in params}) > 1:
-        raise TypeError(
-            f"unit {name!r} holds parameters of several dtypes ({_names_by_dtype(params)}); one flat parameter "
-            "needs one dtype. Cast the model to one dtype first (model.float()), or wrap the modules of each "
-            "dtype as separate units."
-        )
-    return params
-
-
-# [Note: a flat group per dtype]
-# A flat group is one buffer of one dtype, so fully_shard splits a call's parameters by dtype: one flat
-# group per dtype, each with its own layout (offsets counted from 0 within the group, in the call's
-# parameter order), its own all-gather, and its own precision, resolved from the call's
-# MixedPrecisionPolicy against the group's dtype as FSDP2 resolves each parameter's (``param_dtype``
-# applies to every floating group, a frozen fp32 group under bf16 gathers in bf16; a group already in
-# ``param_dtype`` is not cast, nor is an integer group: precision.py, ``resolve``). As in FSDP2
-# (``FSDPParamGroup._init_mp_dtypes``) only the trainable parameters must share one dtype: the group of
-# that dtype comes first, holding the frozen parameters of that dtype too, so ``Unit.precision`` (the
-# inputs' cast) and the paths that take a unit's first group (the run context's device and process
-# group, fully_shard's extensions) read the trainable one. A frozen group is gathered like the others
-# (one all-gather per pass) and never reduced: its unsharded flat needs no gradient, so it has no
-# post-backward hook, and in backward it stays gathered from its unit's pre-backward to the end of
-# backward, as a unit whose parameters are all frozen does (nothing tells the engine earlier that no
-# operator of the backward still reads it; FSDP2 frees the call's parameters once gradients reach the
-# module's inputs). Where FSDP2 moves a call's mixed dtypes in one uint8 all-gather, flatshard issues one
-# per group. The FSDP1 wrapper keeps one flat parameter per unit, which needs one dtype (``one_dtype``).
-def dtype_groups(params: list[tuple[ParamInfo, nn.Parameter]]) -> list[list[tuple[ParamInfo, nn.Parameter]]]:
-    """``params`` split by dtype, the trainable dtype's group first, each with offsets laid out within it."""
-    trainable = list(dict.fromkeys(p.dtype for info, p in params if info.requires_grad))
-    if len(trainable) > 1:
-        listed = _names_by_dtype([(i, p) for i, p in params if i.requires_grad])
-        raise MixedDtypeError(
-            f"FSDP expects uniform original parameter dtype but got {{{', '.join(sorted(map(str, trainable)))}}}: "
-            f"the trainable parameters of one fully_shard call must share one dtype, and this call's are of "
-            f"several ({listed}). Frozen parameters (requires_grad=False) may be of any dtype. Cast the trainable "
-            "ones to one dtype before fully_shard (module.to(torch.float32)), freeze those of the other dtype, or "
-            "shard the modules of each dtype in fully_shard calls of their own."
-        )
-    dtypes = list(dict.fromkeys([*trainable, *(p.dtype for _, p in params)]))
-    if len(dtypes) <= 1:
-        return [params]
-    out = []
-    for dtype in dtypes:
-        part, offset = [], 0
-        for info, p in params:
-            if p.dtype == dtype:
-                part.append((dataclasses.replace(info, offset=offset), p))
-                offset += info.numel
-        out.append(part)
-    return out
+def _inter(on: ShardGroups, groups: ShardGroups, inter, on_nodes, options: BuildOptions):
+    """The inter-node spans of a flat group on ``on`` (the unit's, ``inter``, when on the call's groups)."""
+    if on is groups:
+        return inter
+    return nodes.inter_node(on.shard_group, on.replicate_group, on_nodes, options.compress_inter_node)
 
 
 def _layout(infos, originals, groups: ShardGroups, options: BuildOptions, loads, owners) -> tuple:
