@@ -602,7 +602,7 @@ def test_parsing():
         (["--params", "7B", "--world", "8", "--precision", "fp8"], "invalid choice"),
         (["--model", "llama2-7b", "--params", "7B", "--world", "8"], "both given"),
         (["--params", "7B", "--world", "8", "--gpu-mem", "40"], "--gpu-mem '40' has no unit"),
-        (["--params", "7B", "--world", "8", "--host-mem", "2000"], "--host-mem '2000' has no unit"),
+        (["--params", "7B", "--world", "8", "--offload", "--host-mem", "2000"], "--host-mem '2000' has no unit"),
         (["--params", "7B", "--world", "8", "--activation-bytes", "5"], "--activation-bytes '5' has no unit"),
         (["--hf-config", "/nonexistent/config.json", "--world", "8"], "no such file"),
         (["--hf-config", "x.json", "--model", "gpt2", "--world", "8"], "--model and --hf-config both given"),
@@ -743,14 +743,15 @@ def test_offload_cli(capsys):
         "SHARD_GRAD_OP",
         2,
     )  # both fit at F = 2; SHARD_GRAD_OP has fewer collectives and copies
-    assert "offload" not in cli_plan(cli_json(argv[:-1], capsys, status=1), "FULL_SHARD")  # without --offload
+    without = argv[:10]  # without --offload and its flags (which are refused without it: test_planner_cli.py)
+    assert "offload" not in cli_plan(cli_json(without, capsys, status=1), "FULL_SHARD")
     assert plan_main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())  # the prose is wrapped to 100 columns
     assert "with CPU offload" in out and "recommendation: none" in out and "CPU offload fits: F=2" in out
     assert plan_main(["--params", "7B", "--units", "32", "--world", "8", "--offload"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "with CPU offload: none" in out and "host memory unknown" in out
-    assert plan_main(["--params", "7B", "--world", "8", "--host-mem=-1TB"]) == 2
+    assert plan_main(["--params", "7B", "--world", "8", "--offload", "--host-mem=-1TB"]) == 2
     assert "negative" in capsys.readouterr().err
 
 

@@ -154,6 +154,15 @@ def test_help_has_examples_that_run(capsys):
             ["--tflops", "300", "--micro-batch", "4", "--seq-len", "4096", "--compute-time", "1"],
             "--tflops and --compute-time",
         ),
+        # --checkpointing changes the activations (estimated from a shape, --micro-batch and --seq-len) and
+        # the recompute (counted with --tflops or --compute-time); with neither it would change nothing
+        (["--checkpointing"], "--checkpointing has no effect here"),
+        (["--checkpointing", "--micro-batch", "4", "--seq-len", "4096"], "--checkpointing has no effect here"),
+        (["--checkpointing", "--activation-bytes", "12GB"], "--checkpointing has no effect here"),
+        # the offload figures are printed only with --offload
+        (["--pcie-bw", "10GB/s"], "--pcie-bw is used by the CPU offload figures"),
+        (["--host-bw", "50GB/s"], "--host-bw is used by the CPU offload figures"),
+        (["--host-mem", "1TB"], "--host-mem is used by the CPU offload figures"),
     ],
 )
 def test_a_flag_that_cannot_take_effect_is_an_error(extra, needle, capsys):
@@ -161,6 +170,38 @@ def test_a_flag_that_cannot_take_effect_is_an_error(extra, needle, capsys):
     assert rc == 2 and out == "" and "Traceback" not in err
     assert err.startswith("usage: flatshard plan ") and f"\nflatshard plan: error: {needle}" in err, err
     assert "\n  fix: " in err
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--checkpointing", "--compute-time", "1"],
+        ["--checkpointing", "--model", "llama2-7b", "--micro-batch", "1", "--seq-len", "2048"],
+        ["--pcie-bw", "10GB/s", "--host-bw", "50GB/s", "--host-mem", "1TB", "--offload"],
+    ],
+)
+def test_the_same_flags_where_they_take_effect_are_accepted(extra, capsys):
+    """The control of the test above: each refused flag is accepted where it changes a figure."""
+    base = ["--world", "8"] + ([] if "--model" in extra else ["--params", "7B", "--units", "32"])
+    rc, _, err = run([*base, *extra], capsys)
+    assert rc in (0, 1), err
+
+
+def test_a_flag_that_changes_only_another_schedule_is_a_note(capsys):
+    """--exposed-all-reduce changes the overlapped step, which the expected step is only with prefetch;
+    --no-inter-node-in-flight the scheduled one, which it is only without. Each is said where it does not
+    reach the summary, and nothing is said where it does."""
+    base = ["--params", "7B", "--units", "32", "--world", "16", "--compute-time", "1"]
+    note = "changes only the overlapped step"
+    _, out, _ = run([*base, "--exposed-all-reduce"], capsys)
+    assert note in flat(out)
+    _, out, _ = run([*base, "--exposed-all-reduce", "--prefetch", "1"], capsys)
+    assert note not in flat(out)
+    note = "changes only the scheduled step"
+    _, out, _ = run([*base, "--no-inter-node-in-flight", "--prefetch", "1"], capsys)
+    assert note in flat(out)
+    _, out, _ = run([*base, "--no-inter-node-in-flight"], capsys)
+    assert note not in flat(out)
 
 
 def test_device_flops_that_cannot_count_is_a_note():

@@ -53,6 +53,9 @@ class _Parser(argparse.ArgumentParser):
         raise PlanError(message, "see `flatshard plan --help`")
 
 
+PCIE_BW, HOST_BW = "25GB/s", "100GB/s"  # --pcie-bw and --host-bw when --offload is given without them
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="flatshard plan",
@@ -138,18 +141,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     offload.add_argument(
         "--host-mem",
-        help="host memory per node, shared by its ranks, e.g. 1TB "
+        help="with --offload: host memory per node, shared by its ranks, e.g. 1TB "
         "(default unknown: the host need is reported, not judged)",
     )
     offload.add_argument(
         "--pcie-bw",
-        default="25GB/s",
-        help="host<->device copy bandwidth per rank per direction (default 25GB/s, PCIe Gen4 x16)",
+        help=f"with --offload: host<->device copy bandwidth per rank per direction (default {PCIE_BW}, PCIe Gen4 x16)",
     )
     offload.add_argument(
         "--host-bw",
-        default="100GB/s",
-        help="host memory bandwidth per node the CPU optimizer step achieves (default 100GB/s, an assumption)",
+        help=f"with --offload: host memory bandwidth per node the CPU optimizer step achieves (default {HOST_BW}, "
+        "an assumption)",
     )
     training = p.add_argument_group("training")
     training.add_argument(
@@ -265,6 +267,12 @@ def _check_takes_effect(args: argparse.Namespace) -> None:
     """A flag the other flags leave without effect is a PlanError, never ignored."""
     if args.full and args.json:
         raise PlanError("--full chooses the tables, and --json prints none", "pass one of --full and --json")
+    for flag, value in (("--pcie-bw", args.pcie_bw), ("--host-bw", args.host_bw), ("--host-mem", args.host_mem)):
+        if value is not None and not args.offload:
+            raise PlanError(
+                f"{flag} is used by the CPU offload figures, which only --offload prints",
+                f"add --offload to plan with CPU offload, or drop {flag}",
+            )
     if args.tflops is None:
         return
     if args.compute_time is not None:
@@ -276,6 +284,24 @@ def _check_takes_effect(args: argparse.Namespace) -> None:
         raise PlanError(
             "--tflops needs --micro-batch and --seq-len (compute is 6 x parameters x tokens FLOPs)",
             "pass --micro-batch N --seq-len S with it, or --compute-time SECONDS instead",
+        )
+
+
+def _check_checkpointing_takes_effect(args: argparse.Namespace, shape: ModelShape | None) -> None:
+    """--checkpointing changes the activations (estimated from a model shape, --micro-batch and --seq-len,
+    unless --activation-bytes replaces the estimate) and the compute (the recomputed forward, counted with
+    --tflops or --compute-time); with neither counted it would change no figure."""
+    if not args.checkpointing:
+        return
+    estimated = shape is not None and args.micro_batch and args.seq_len and args.activation_bytes is None
+    compute = args.compute_time is not None or args.tflops is not None  # --tflops is checked to count above
+    if not (estimated or compute):
+        raise PlanError(
+            "--checkpointing has no effect here: it changes the estimated activations (a model shape with "
+            "--micro-batch and --seq-len, not --activation-bytes) and the recomputed forward's time (--tflops "
+            "or --compute-time), and neither is counted",
+            "pass --micro-batch N --seq-len S with --model/--hf-config, or --compute-time SECONDS, or drop "
+            "--checkpointing",
         )
 
 
@@ -292,6 +318,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
             f"{' and '.join(given)} both given", "pass one: a preset, a Hugging Face config, or a parameter count"
         )
     shape = _shape(args)
+    _check_checkpointing_takes_effect(args, shape)
     links = _links(args)
     common: dict[str, Any] = dict(
         gpus_per_node=args.gpus_per_node,
@@ -320,8 +347,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         else parse_bytes(args.activation_bytes, "--activation-bytes"),
         offload=args.offload,
         host_memory_bytes=None if args.host_mem is None else parse_bytes(args.host_mem, "--host-mem"),
-        pcie_bandwidth=parse_bandwidth(args.pcie_bw, "--pcie-bw"),
-        host_bandwidth=parse_bandwidth(args.host_bw, "--host-bw"),
+        pcie_bandwidth=parse_bandwidth(args.pcie_bw or PCIE_BW, "--pcie-bw"),
+        host_bandwidth=parse_bandwidth(args.host_bw or HOST_BW, "--host-bw"),
     )
     if args.params is not None:
         units = 1 if args.units is None else args.units

@@ -171,6 +171,19 @@ def notes(inputs: PlanInputs) -> list[str]:
         )
     if inputs.optimizer_across_replicas:
         out.append(_across_replicas_note(inputs))
+    # [Note: a flag for the other schedule] The expected step is the overlapped one with prefetch and the
+    # scheduled one without (steptime.py); a setting of the other one's model changes only --full's and
+    # --json's figures, so the summary says so rather than printing an unchanged step.
+    if not inputs.overlap_all_reduce and inputs.prefetch_depth == 0:
+        out.append(
+            "--exposed-all-reduce changes only the overlapped step, which is the expected one with --prefetch 1 "
+            "or more; at prefetch 0 it shows in --full and --json only"
+        )
+    if not inputs.inter_node_in_flight and inputs.prefetch_depth >= 1:
+        out.append(
+            "--no-inter-node-in-flight changes only the scheduled step, which is the expected one at --prefetch 0; "
+            "with prefetch it shows in --full and --json only"
+        )
     if inputs.device_flops and inputs.compute_time_s is not None:
         out.append("device_flops is not used: compute_time_s gives the compute")
     elif inputs.device_flops and not compute_known(inputs):
