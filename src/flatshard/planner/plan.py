@@ -171,9 +171,10 @@ def notes(inputs: PlanInputs) -> list[str]:
         )
     if inputs.optimizer_across_replicas:
         out.append(_across_replicas_note(inputs))
-    # [Note: a flag for the other schedule] The expected step is the overlapped one with prefetch and the
-    # scheduled one without (steptime.py); a setting of the other one's model changes only --full's and
-    # --json's figures, so the summary says so rather than printing an unchanged step.
+    # [Note: a flag for the other schedule]
+    # The expected step is the overlapped one with prefetch and the scheduled one without (steptime.py); a
+    # setting of the other one's model changes only --full's and --json's figures, so the summary says so
+    # rather than printing an unchanged step.
     if not inputs.overlap_all_reduce and inputs.prefetch_depth == 0:
         out.append(
             "--exposed-all-reduce changes only the overlapped step, which is the expected one with --prefetch 1 "

@@ -121,4 +121,5 @@ Index of every [Note: ...] in the package
   planner CPU offload model ....... planner/offload.py
   planner units ................... planner/quantities.py
   planner private strategy margin . planner/plan.py
+  a flag for the other schedule ... planner/plan.py
 """
