@@ -223,7 +223,18 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         """FSDP2 then allocates this module's collective buffers with the process group's own allocator
         where its backend has one (NCCL's, for zero-copy transfers), and ordinary tensors where it has none
         (gloo): there it changes nothing, here neither. flatshard's buffers are always ordinary tensors, so
-        on a backend with an allocator it raises NotBuiltError."""
+        on a backend with an allocator it raises NotBuiltError. After ``set_custom_all_gather`` or
+        ``set_custom_reduce_scatter`` it raises FSDP2's AssertionError, either way."""
+        settings = self._unit.settings
+        for kind, comm in (
+            ("all gather", settings.custom_all_gather),
+            ("reduce scatter", settings.custom_reduce_scatter),
+        ):
+            if comm is not None:
+                raise AssertionError(
+                    "cannot call set_allocate_memory_from_process_group() "
+                    f"when {kind} comm is custom: {comm.__class__.__name__}"
+                )
         if not enable:
             return
         for group in self._unit.flat_groups:
@@ -235,8 +246,21 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
                     "ordinary tensors): leave it unset"
                 )
 
-    set_custom_all_gather = _not_built("set_custom_all_gather", "see runtime/comm/collectives.py")
-    set_custom_reduce_scatter = _not_built("set_custom_reduce_scatter", "see runtime/comm/collectives.py")
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Issue this module's all-gather with ``comm``, an FSDP2 ``AllGather``: it allocates the gathered
+        buffer and is called with ``output_tensor``, ``input_tensor``, ``group`` and ``async_op`` as FSDP2
+        calls it (runtime/reduce.py: [Note: custom collectives]). This module only, as in FSDP2; a module
+        with several parameter groups (parameters on meshes of their own) raises FSDP2's ValueError."""
+        _set_custom(self._unit, "set_custom_all_gather", "custom_all_gather", comm)
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Issue this module's reduce-scatter with ``comm``, an FSDP2 ``ReduceScatter``: it allocates the
+        collective's input and output and is called with ``output_tensor``, ``input_tensor``, ``group``,
+        ``op`` and ``async_op``, ``op`` being FSDP2's (an average over the shard group for fp32 and bf16;
+        runtime/reduce.py: [Note: custom collectives]). HSDP's all-reduce across replicas is not the
+        comm's, as in FSDP2. This module only; several parameter groups raise FSDP2's ValueError."""
+        _set_custom(self._unit, "set_custom_reduce_scatter", "custom_reduce_scatter", comm)
+
     set_reduce_scatter_unused_params = _not_built("set_reduce_scatter_unused_params", "every rank must use every unit")
     set_separate_reduce_scatter_group = _not_built("set_separate_reduce_scatter_group", "leave the default")
     # FSDP2's needs NCCL's symmetric memory; with torch's CPU build its setter raises RuntimeError ("does not
@@ -244,6 +268,22 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
     set_symm_mem_for_comm = _not_built(
         "set_symm_mem_for_comm", "leave the default (collective buffers are ordinary tensors)"
     )
+
+
+def _set_custom(unit: Unit, method: str, setting: str, comm: Any) -> None:
+    if len(unit.flat_groups) > 1:  # FSDP2's error, word for word where it can be
+        raise ValueError(
+            f"{method} is not supported with multiple param groups (from per-param mesh via shard_placement_fn, "
+            "or, in flatshard, frozen parameters of another dtype). The custom comm would be ambiguous across "
+            "groups with different meshes."
+        )
+    if unit.self_gathered is not None:
+        raise NotBuiltError(
+            f"{method} is not built for {unit.name!r}, whose parameters include tensor subclasses that gather "
+            "themselves (FSDP2's all-gather extensions; gathered and reduced apart from the others). Leave the "
+            "default collectives for this module"
+        )
+    setattr(unit.settings, setting, comm)
 
 
 def _replicas(unit: Unit) -> int:

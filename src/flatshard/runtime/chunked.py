@@ -148,10 +148,16 @@ class ChunkedLayout:
                 out[lo:hi].view(self._chunk_shape(i, n_rows)).copy_(self._chunks(param, i, rank, n_rows))
         return out
 
-    def to_rank_major(self, full: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def to_rank_major(
+        self, full: torch.Tensor, dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """``full`` (param-major, e.g. the flat gradient) as F·S elements, rank after rank, padding zero, in
-        ``dtype`` (the reduce dtype: the copy casts, so no cast of its own follows)."""
-        out = torch.zeros(self.shard_size, self.seg_numel, dtype=dtype or full.dtype, device=full.device)
+        ``dtype`` (the reduce dtype: the copy casts, so no cast of its own follows); into ``out`` (F·S
+        elements of that dtype) when given."""
+        if out is None:
+            out = torch.zeros(self.shard_size, self.seg_numel, dtype=dtype or full.dtype, device=full.device)
+        else:
+            out = out.view(self.shard_size, self.seg_numel).zero_()
         for i, info in enumerate(self.infos):
             self._move(out, full[info.offset : info.offset + info.numel], i, to_rank_major=True)
         return out.view(-1)

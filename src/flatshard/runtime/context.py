@@ -69,6 +69,10 @@ class UnitSettings:
         False  # set_force_sum_reduction_for_comms (reduce.py: ReduceSpec.hook_sees_sum)
     )
     all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None  # set_all_reduce_hook: on the reduced shard
+    # set_custom_all_gather / set_custom_reduce_scatter: FSDP2's AllGather / ReduceScatter objects, which
+    # allocate the buffers of the shard group's collective and issue it ([Note: custom collectives], reduce.py)
+    custom_all_gather: Optional[Any] = None
+    custom_reduce_scatter: Optional[Any] = None
     reduce_scatter_max_input_buffers: int = 1  # reductions left in flight at most, where any are (schedule.py)
     forward_prefetch: list[Any] = field(default_factory=list)  # explicit targets (units), else the schedule's
     backward_prefetch: list[Any] = field(default_factory=list)

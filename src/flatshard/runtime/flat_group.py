@@ -129,6 +129,7 @@ class FlatGroup:
             aliased=self.storage.aliased,
             offload=self.offload,
             inter_node=self.inter_node,
+            settings=self.settings,
         )
 
     def replace_storage(self, flat: torch.Tensor, views: list, precision: UnitPrecision) -> None:
@@ -281,7 +282,10 @@ class FlatGroup:
         if self.grads.unsynced is not None:  # fully_shard's unreduced accumulation, in the reduce dtype
             grad, self.grads.unsynced = self.grads.unsynced.add_(grad), None
         if self.layout.rank_major and self.groups.shard_size > 1:  # [Note: chunked layout]: copy in
-            grad = self.layout.to_rank_major(grad, dtype)
+            custom = self.settings.custom_reduce_scatter  # [Note: custom collectives] (reduce.py): its buffer
+            size = (self.groups.shard_size * self.layout.shard_numel,)
+            out = None if custom is None else custom.allocate(size, dtype=dtype, device=grad.device)
+            grad = self.layout.to_rank_major(grad, dtype, out=out)
         elif grad.dtype != dtype:
             grad = grad.to(dtype)
         # what the reduction sends, made by compute (autograd, the cast or the copy): [Note: stream discipline]
@@ -401,6 +405,7 @@ class FlatGroup:
             across_replicas=settings.requires_all_reduce,
             force_sum=settings.force_sum_reduction_for_comms,
             hook=settings.all_reduce_hook,
+            custom=settings.custom_reduce_scatter if self.layout.rank_major else None,
         )
 
     def _reduction_kind(self) -> str:

@@ -29,7 +29,7 @@ from flatshard.runtime.comm import collectives
 from flatshard.runtime.comm.mesh import ShardGroups
 from flatshard.runtime.comm.nodes import InterNode
 from flatshard.runtime.comm.streams import Lane
-from flatshard.runtime.context import Link
+from flatshard.runtime.context import Link, UnitSettings
 from flatshard.runtime.layout import FlatLayout
 from flatshard.runtime.post_forward import PostForwardGroup
 from flatshard.runtime.precision import UnitPrecision
@@ -77,6 +77,7 @@ class Gather:
         aliased: bool,
         offload: bool,
         inter_node: InterNode,
+        settings: Optional[UnitSettings] = None,
     ):
         self.link = link
         self.layout = layout
@@ -85,6 +86,7 @@ class Gather:
         self.aliased = aliased
         self.offload = offload
         self.inter_node = inter_node
+        self.settings = settings  # the unit's: set_custom_all_gather's comm
         self.unsharded = unsharded
         self.target = unsharded.data  # what collectives write into (own version counter)
         self.state = GatherState.UNSHARDED if aliased else GatherState.SHARDED
@@ -196,8 +198,13 @@ class Gather:
         group, tag = self.groups.shard_group, link.next_tag()
         assert group is not None  # F > 1: the shard group exists
         target, then, staging = self.target, None, None
+        custom = None if self.settings is None else self.settings.custom_all_gather
         if rank_major:  # [Note: chunked layout]: gather rank after rank, then copy out
-            staging = torch.empty(self.groups.shard_size * layout.shard_numel, dtype=source.dtype, device=source.device)
+            size, dtype, device = self.groups.shard_size * layout.shard_numel, source.dtype, source.device
+            if custom is not None:  # [Note: custom collectives] (reduce.py): the comm allocates what it writes
+                staging = custom.allocate((size,), dtype=dtype, device=device)
+            else:
+                staging = torch.empty(size, dtype=dtype, device=device)
             streams.use(COMPUTE, staging, "alloc", self.buffer_label(prefetch=not wait))
             target, then = staging, lambda: self._copy_out(staging)
             temporaries.append(staging)
@@ -213,6 +220,7 @@ class Gather:
                     tag=tag,
                     sizes=layout.shard_sizes,
                     remote=self.inter_node.gather_remote(),
+                    custom=custom if rank_major else None,  # set only on fully_shard's (rank-major) units
                 )
             streams.use(GATHER, target, "write", self.buffer_label())
         link.record(result, "shard")

@@ -10,6 +10,20 @@ reduce-scatter is done. With ``ReduceSpec.inter_node`` compressing, what crosses
 ([Note: inter-node compression], comm/int8.py). fully_shard's ``set_requires_all_reduce(False)`` ends a
 hybrid reduction at the shard group's sum (``finish_shard_sum``), which the next one adds before its
 all-reduce; ``set_all_reduce_hook``'s hook runs in ``finish`` (``ReduceSpec.hook_sees_sum`` says where).
+
+[Note: custom collectives]
+fully_shard's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` hand the shard group's collective to
+the user's FSDP2 ``AllGather`` / ``ReduceScatter`` (``torch.distributed.fsdp._fully_shard._fsdp_api``), as
+FSDP2 does: the object allocates the buffers of that collective (``allocate(size, dtype=, device=)``: the
+gathered rank-major staging; the reduce-scatter's rank-major input and its output) and is called with
+keyword arguments ``output_tensor``, ``input_tensor``, ``group`` (the shard group), ``async_op`` and, for
+the reduce-scatter, ``op``. The op is FSDP2's (``ReduceSpec.custom_op``): with an fp32 or bf16 reduce dtype
+and no ``set_force_sum_reduction_for_comms``, ``ReduceOp.AVG`` over the shard group, or under
+``set_gradient_divide_factor(f)`` ``PREMUL_SUM(1/f)`` (AVG when f is the shard group's size); otherwise a
+sum, divided before and after as flatshard's own reductions are. What the collective divided by is not
+divided again in ``finish``. The all-reduce across replicas (HSDP) stays flatshard's, as in FSDP2, where
+the custom comm is the reduce-scatter only. Built where a unit has one flat group (FSDP2 raises for
+several parameter groups alike) and its shards are equal (fully_shard's chunked layout).
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch.distributed import ReduceOp
 
 from flatshard.runtime.comm import collectives, nodes
 from flatshard.runtime.comm.mesh import ShardGroups
@@ -45,6 +60,17 @@ class ReduceSpec:
     across_replicas: bool = True
     force_sum: bool = False  # fully_shard's set_force_sum_reduction_for_comms (``hook_sees_sum``)
     hook: Optional[Callable[[torch.Tensor], None]] = None  # fully_shard's set_all_reduce_hook: on the reduced shard
+    custom: Optional[Any] = None  # fully_shard's set_custom_reduce_scatter ([Note: custom collectives])
+
+    def custom_op(self) -> tuple[Any, float]:
+        """(the op a custom reduce-scatter is called with, what that op divides the sum by): FSDP2's choice
+        ([Note: custom collectives])."""
+        if self.force_sum or self.reduce_dtype not in (torch.float32, torch.bfloat16):
+            return ReduceOp.SUM, 1.0
+        f = self.groups.shard_size
+        if self.divide_factor is None or self.divide_factor == f:
+            return ReduceOp.AVG, float(f)
+        return ReduceOp.PREMUL_SUM(1 / self.divide_factor), self.divide_factor
 
     @property
     def hook_sees_sum(self) -> bool:
@@ -125,7 +151,11 @@ def start(
     async_op = async_op and streams.host_ordered
     if groups.shard_size > 1:
         assert groups.shard_group is not None  # F > 1: the shard group exists
-        out = torch.empty(spec.shard_sizes[groups.shard_rank], dtype=spec.reduce_dtype, device=grad.device)
+        size = spec.shard_sizes[groups.shard_rank]
+        if spec.custom is not None:  # [Note: custom collectives]: the comm allocates its output too
+            out = spec.custom.allocate((size,), dtype=spec.reduce_dtype, device=grad.device)
+        else:
+            out = torch.empty(size, dtype=spec.reduce_dtype, device=grad.device)
         streams.use(COMPUTE, out, "alloc", f"reduced gradient {spec.label}")
         streams.order(COMPUTE, REDUCE)
         with streams.on(REDUCE), torch.profiler.record_function(f"flatshard::reduce_scatter ({spec.label})"):
@@ -138,6 +168,8 @@ def start(
                 tag=tag,
                 sizes=spec.shard_sizes,
                 remote=inter.gather_remote(),
+                custom=spec.custom,
+                op=spec.custom_op()[0] if spec.custom is not None else ReduceOp.SUM,
             )
             streams.use(REDUCE, out, "write", f"reduced gradient {spec.label}")
         record(result, "shard")
@@ -250,6 +282,8 @@ def finish(
     before, after = spec.divide_factors
     if not (spec.groups.shard_size > 1 or spec.groups.replicate_size > 1):
         after *= before  # nothing was summed, so nothing was divided before
+    elif spec.custom is not None and spec.groups.shard_size > 1:
+        after /= spec.custom_op()[1]  # what the custom reduce-scatter's op divided by ([Note: custom collectives])
     streams.use(COMPUTE, out, "read", f"reduced gradient {spec.label}")
     hook = spec.hook
     if hook is not None and spec.hook_sees_sum:

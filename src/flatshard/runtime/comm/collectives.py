@@ -16,7 +16,7 @@ sent: each message's int8 values and its blocks' fp32 scales.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Protocol, Union
+from typing import Any, NamedTuple, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -60,17 +60,22 @@ def all_gather(
     tag: int = 0,
     sizes: Optional[list[int]] = None,
     remote: Remote = None,
+    custom: Optional[Any] = None,
 ) -> CollectiveResult:
     """``output`` receives every rank's ``shard`` in group-rank order: n·len(shard) elements, or
     ``sizes[r]`` from rank r when shards differ in size ([Note: shard boundaries], layout.py).
 
     ``tag`` names a point-to-point exchange (gloo): exchanges in flight at the same time need their own.
-    ``remote``: the group ranks on other nodes, whose messages go as int8 (gloo only)."""
+    ``remote``: the group ranks on other nodes, whose messages go as int8 (gloo only). ``custom``: an
+    FSDP2 ``AllGather`` that issues it instead ([Note: custom collectives], reduce.py)."""
     n = dist.get_world_size(group)
     ragged = sizes if sizes is not None and len(set(sizes)) > 1 else None  # the sizes, when they differ
     _check_compressible(remote is not None, output, group)
+    _check_custom(custom, ragged, remote)
     work: Optional[Handle]
-    if gloo_exchange.applies(output, group):
+    if custom is not None:
+        work = custom(output_tensor=output, input_tensor=shard, group=group, async_op=async_op)
+    elif gloo_exchange.applies(output, group):
         work = gloo_exchange.all_gather(output, shard, group, n, tag, async_op, ragged, remote)
     elif ragged is not None:
         work = None  # synchronous
@@ -90,15 +95,21 @@ def reduce_scatter(
     tag: int = 0,
     sizes: Optional[list[int]] = None,
     remote: Remote = None,
+    custom: Optional[Any] = None,
+    op: Any = ReduceOp.SUM,
 ) -> CollectiveResult:
     """``output`` receives this rank's chunk of the sum over ranks of ``full`` (chunks of ``sizes``
     when they differ); ``tag`` and ``remote`` as for ``all_gather``. Bytes: what this rank sends, the
-    other ranks' chunks."""
+    other ranks' chunks. ``custom``: an FSDP2 ``ReduceScatter`` that issues it instead, with ``op`` (a sum,
+    an average or a pre-multiplied sum: [Note: custom collectives], reduce.py); without one, ``op`` is a sum."""
     n = dist.get_world_size(group)
     ragged = sizes if sizes is not None and len(set(sizes)) > 1 else None  # the sizes, when they differ
     _check_compressible(remote is not None, full, group)
+    _check_custom(custom, ragged, remote)
     work: Optional[Handle]
-    if gloo_exchange.applies(full, group):
+    if custom is not None:
+        work = custom(output_tensor=output, input_tensor=full, group=group, op=op, async_op=async_op)
+    elif gloo_exchange.applies(full, group):
         work = gloo_exchange.reduce_scatter(output, full, group, n, tag, async_op, ragged, remote)
     elif ragged is not None:
         work = None  # synchronous
@@ -116,6 +127,14 @@ def _message_bytes(numel: int, element_size: int, remote: Remote, peer: int) -> 
     if remote is not None and remote[peer]:
         return int8.packed_nbytes(numel)
     return numel * element_size
+
+
+def _check_custom(custom: Optional[Any], ragged: Optional[list[int]], remote: Remote) -> None:
+    if custom is not None and (ragged is not None or remote is not None):
+        raise RuntimeError(
+            "flatshard internal error: a custom collective over shards of different sizes or compressed across "
+            "nodes; fully_shard's shards are equal and uncompressed, so please report this"
+        )
 
 
 def _check_compressible(compressed: bool, tensor: torch.Tensor, group: ProcessGroup) -> None:
