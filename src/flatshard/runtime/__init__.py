@@ -81,6 +81,7 @@ Index of every [Note: ...] in the package
   reshard after forward to a smaller group .. runtime/post_forward.py
   precision of a unit's tensors ... runtime/precision.py
   reductions in flight ............ runtime/schedule.py
+  outside function transforms ..... runtime/unit.py
   custom collectives .............. runtime/reduce.py
   prefetch ........................ runtime/schedule.py
   stream discipline ............... runtime/comm/streams.py

@@ -18,13 +18,31 @@ only knows how a unit changes state. ``unshard`` and ``reshard`` are idempotent.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+import functools
+from collections.abc import Callable
+from typing import Optional, Protocol, TypeVar
 
 import torch
 
 from flatshard.runtime.context import Context, Link, UnitSettings
 from flatshard.runtime.flat_group import FlatGroup
 from flatshard.runtime.precision import UnitPrecision
+
+_F = TypeVar("_F", bound=Callable[..., None])
+
+
+def _outside_function_transforms(method: _F) -> _F:
+    """Run ``method`` with torch.func's transforms disabled when any is active ([Note: outside function
+    transforms])."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs) -> None:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return run  # type: ignore[return-value]  # functools.wraps keeps the signature mypy cannot see
 
 
 class SidePath(Protocol):
@@ -112,11 +130,19 @@ class Unit:
         return self.ctx.sync_gradients and self.settings.requires_gradient_sync
 
     # ---- transitions ---------------------------------------------------------------------
+    # [Note: outside function transforms]
+    # Under torch.func's transforms (jvp, vmap, grad) a tensor made before the transform is a captured one,
+    # and an in-place write to it raises ("would mutate a captured Tensor"); the unsharded flats are such
+    # tensors, written by every gather and freed by every reshard. So the three transitions run with the
+    # transforms disabled, as PyTorch FSDP2 runs its own: what they write is the parameters, which the
+    # transformed function reads as constants (a jvp's tangents flow through the inputs, not the weights).
+    @_outside_function_transforms
     def unshard(self, wait: bool = True) -> None:
         """Fill every flat group's unsharded flat; with ``wait=False`` the all-gathers are only issued."""
         for group in self.flat_groups:
             group.unshard(wait)
 
+    @_outside_function_transforms
     def wait_for_unshard(self) -> None:
         """Compute waits for this unit's all-gathers in flight, if any are (gather.py)."""
         for group in self.flat_groups:
@@ -127,6 +153,7 @@ class Unit:
         """Whether this unit holds (or is receiving) unsharded flats in memory of their own."""
         return any(g.gathered for g in self.flat_groups)
 
+    @_outside_function_transforms
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded flats (their tensor objects stay, for autograd's saved views)."""
         if self.self_gathered is not None and not self.ctx.in_backward:  # in backward: at its end
