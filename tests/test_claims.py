@@ -30,7 +30,7 @@ NOT_BUILT = {
     ],
     ("fsdp.py", "FullyShardedDataParallel._deprecated_optim.method"): ["the deprecated `full_optim_state_dict`"],
     ("fsdp.py", "FullyShardedDataParallel.register_comm_hook"): ["`register_comm_hook`"],
-    ("fsdp2/module.py", "_not_built.method"): ["FSDP2's `set_custom_all_gather` and kin"],
+    ("fsdp2/module.py", "_not_built.method"): ["FSDP2's `set_reduce_scatter_unused_params` and kin"],
     ("fsdp2/module.py", "FSDPModule.set_requires_all_reduce"): ["`set_requires_all_reduce(False)` (under HSDP)"],
     ("fsdp2/module.py", "FSDPModule.set_all_reduce_hook"): [
         "`set_all_reduce_hook(stream=...)`",
@@ -38,6 +38,9 @@ NOT_BUILT = {
     ],
     ("fsdp2/module.py", "FSDPModule.set_allocate_memory_from_process_group_for_comm"): [
         "`set_allocate_memory_from_process_group_for_comm(True)` on a backend with its own allocator"
+    ],
+    ("fsdp2/module.py", "_set_custom"): [
+        "`set_custom_all_gather` / `set_custom_reduce_scatter` on a module whose parameters gather themselves"
     ],
     ("fsdp2/checks.py", "check_no_all_gather_extension"): [
         "an all-gather extension set on the local tensor of a plain parameter after `fully_shard`"

@@ -7,6 +7,8 @@ every call and every allocation and then issue the collective as FSDP2's default
   reduce-scatter per unit per backward), and training is equal to FSDP2's to the bit at W = 2 and in
   HSDP's 2x2 (where the all-reduce across replicas is not the comm's, in either);
 * with ``set_force_sum_reduction_for_comms(True)`` the reduce-scatter gets a sum, and still trains alike;
+* ``set_separate_reduce_scatter_group()`` hands the reduce-scatter comm a group of its own over the shard
+  group's ranks (not the all-gather's), and training stays FSDP2's to the bit;
 * where FSDP2 raises, flatshard raises alike: a module with two parameter groups (parameters on a mesh of
   their own), and ``set_allocate_memory_from_process_group_for_comm`` after a custom comm.
 """
@@ -30,6 +32,7 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.rows: list[tuple] = []
+        self.groups: list = []  # every group it was called with
 
     def allocate(self, size, *, dtype, device):
         self.rows.append(("allocate", type(self).__name__, tuple(size), str(dtype)))
@@ -41,6 +44,7 @@ class RecordingAllGather(_Recorder, AllGather):
         self.rows.append(
             ("all_gather", output_tensor.numel(), input_tensor.numel(), str(input_tensor.dtype), group.size())
         )
+        self.groups.append(group)
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
@@ -56,6 +60,7 @@ class RecordingReduceScatter(_Recorder, ReduceScatter):
                 str(op),
             )
         )
+        self.groups.append(group)
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
@@ -73,7 +78,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor.detach().clone()
 
 
-def _train(pair, rank: int, force_sum: bool) -> dict:
+def _train(pair, rank: int, force_sum: bool, separate: bool = False) -> dict:
     """Both models with recording comms on every module, trained STEPS steps side by side."""
     seen = []
     for model in pair:
@@ -82,6 +87,8 @@ def _train(pair, rank: int, force_sum: bool) -> dict:
             m.set_custom_all_gather(gather)
             m.set_custom_reduce_scatter(scatter)
             m.set_force_sum_reduction_for_comms(force_sum)
+        if separate:
+            model.set_separate_reduce_scatter_group()
         seen.append((gather, scatter))
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in pair]
     out: dict = {"bitwise steps": 0, "same calls": [], "calls": []}
@@ -101,6 +108,15 @@ def _train(pair, rank: int, force_sum: bool) -> dict:
         out["bitwise steps"] += la == lb and all(map(torch.equal, ga + pa, gb + pb))
         out["same calls"].append(ca == cb)
         out["calls"].append(sorted(cb.items()))
+    # (the reduce-scatters' groups are not the all-gathers', their ranks are the same) for each model
+    out["groups"] = [
+        (
+            not {id(g) for g in scatter.groups} & {id(g) for g in gather.groups},
+            {tuple(dist.get_process_group_ranks(g)) for g in scatter.groups}
+            == {tuple(dist.get_process_group_ranks(g)) for g in gather.groups},
+        )
+        for gather, scatter in seen
+    ]
     return out
 
 
@@ -142,6 +158,7 @@ def worker(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if world == 4 else None
     out = {"default": _train(fsdp2_pair(mesh), rank, force_sum=False)}
+    out["separate"] = _train(fsdp2_pair(mesh), rank, force_sum=False, separate=True)
     if world == 2:
         out["force sum"] = _train(fsdp2_pair(mesh), rank, force_sum=True)
         out["refusals"] = _refusals(rank, world)
@@ -161,6 +178,8 @@ def _check(out: dict, world: int, what: str) -> None:
     assert sum(calls[k] for k in gathers) == 1 + 2 * 2, calls
     assert sum(calls[k] for k in scatters) == 3, calls
     assert {k[4] for k in gathers + scatters} == {shard}, calls
+    separate = what == "separate"
+    assert run["groups"] == [(separate, True)] * 2, (what, run["groups"])  # both models alike
     op = "RedOpType.SUM" if what == "force sum" else "RedOpType.AVG"
     assert {k[5] for k in scatters} == {op}, calls
     # every buffer of the collective comes from the comm: one output per gather; an input and an output per
@@ -173,6 +192,7 @@ def _check(out: dict, world: int, what: str) -> None:
 def test_custom_comms_see_what_fsdp2_hands_them_and_train_alike_at_w2():
     for out in run_distributed(worker, 2, timeout=240):
         _check(out, 2, "default")
+        _check(out, 2, "separate")
         _check(out, 2, "force sum")
         refusals = out["refusals"]
         for kind in ("all-gather", "reduce-scatter"):
@@ -186,3 +206,4 @@ def test_custom_comms_see_what_fsdp2_hands_them_and_train_alike_at_w2():
 def test_custom_comms_under_hsdp_train_as_fsdp2():
     for out in run_distributed(worker, 4, timeout=300):
         _check(out, 4, "default")
+        _check(out, 4, "separate")

@@ -260,7 +260,7 @@ def methods_worker(rank: int, world: int) -> dict:
         torch.allclose(s, r.grad * world, rtol=1e-4, atol=1e-5) for s, r in zip(summed, ref.parameters())
     )
     try:
-        ours.set_separate_reduce_scatter_group(None)
+        ours.set_symm_mem_for_comm()
         out["not built"] = "no error"
     except NotBuiltError as e:
         out["not built"] = str(e)
@@ -275,5 +275,5 @@ def test_fsdp2_methods():
     for out in run_distributed(methods_worker, 2, timeout=200):
         assert out["unshard"] and out["reshard"] and out["kept after forward"] and out["divide factor"], out
         assert out["divide factor on the root only"] == [], out
-        assert out["not built"].startswith("FSDPModule.set_separate_reduce_scatter_group is not built"), out
+        assert out["not built"].startswith("FSDPModule.set_symm_mem_for_comm is not built"), out
         assert "torch.distributed.checkpoint" in out["flatshard checkpoint"], out

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flatshard import interop
@@ -262,7 +263,29 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         _set_custom(self._unit, "set_custom_reduce_scatter", "custom_reduce_scatter", comm)
 
     set_reduce_scatter_unused_params = _not_built("set_reduce_scatter_unused_params", "every rank must use every unit")
-    set_separate_reduce_scatter_group = _not_built("set_separate_reduce_scatter_group", "leave the default")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Reduce-scatter this module's gradients on a process group of its own over the shard group's ranks
+        (``enable=False``: back on the shard group), as FSDP2 does: one new group per distinct set of shard
+        ranks in a call, made with ``dist.new_group(ranks, use_local_synchronization=True)``, so every rank of
+        that set calls this alike. A custom reduce-scatter (``set_custom_reduce_scatter``) is handed that
+        group. On gloo, flatshard's exchanges already overlap on one group (tags), so it changes no figure
+        there; with NCCL it gives the reduce-scatter its own communicator."""
+        created: dict[tuple[int, ...], Any] = {}
+        for unit in self._units(recurse):
+            for group in unit.flat_groups:
+                shard_group = group.groups.shard_group
+                if not enable or shard_group is None:  # F = 1: no reduce-scatter to move
+                    group.reduce_scatter_group = None
+                    continue
+                ranks = tuple(dist.get_process_group_ranks(shard_group))
+                if ranks not in created:
+                    existing = group.reduce_scatter_group
+                    created[ranks] = existing or dist.new_group(
+                        list(ranks), use_local_synchronization=True, group_desc="flatshard_reduce_scatter"
+                    )
+                group.reduce_scatter_group = created[ranks]
+
     # FSDP2's needs NCCL's symmetric memory; with torch's CPU build its setter raises RuntimeError ("does not
     # find allocation backend NCCL") and leaves the module as it was, as this NotBuiltError (a RuntimeError) does
     set_symm_mem_for_comm = _not_built(

@@ -20,6 +20,7 @@ import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
+from torch.distributed import ProcessGroup
 
 from flatshard.runtime import consistency, reduce
 from flatshard.runtime.across_replicas import Pieces, fingerprint
@@ -74,6 +75,9 @@ class FlatGroup:
         self.offload = offload
         self.inter_node = inter_node
         self.pieces = pieces
+        # fully_shard's set_separate_reduce_scatter_group: a process group over the shard group's ranks for
+        # the reduce-scatter alone, so that it need not queue behind the all-gathers (None: the shard group)
+        self.reduce_scatter_group: Optional[ProcessGroup] = None
         self.owner_layout = layout if pieces is None else pieces.layout  # how the shard views cut the flat
         self.owner_rank = groups.shard_rank if pieces is None else pieces.rank
         self.requires_grad = any(i.requires_grad for i in layout.infos)
@@ -406,6 +410,7 @@ class FlatGroup:
             force_sum=settings.force_sum_reduction_for_comms,
             hook=settings.all_reduce_hook,
             custom=settings.custom_reduce_scatter if self.layout.rank_major else None,
+            scatter_group=self.reduce_scatter_group,
         )
 
     def _reduction_kind(self) -> str:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.distributed import ReduceOp
+from torch.distributed import ProcessGroup, ReduceOp
 
 from flatshard.runtime.comm import collectives, nodes
 from flatshard.runtime.comm.mesh import ShardGroups
@@ -61,6 +61,9 @@ class ReduceSpec:
     force_sum: bool = False  # fully_shard's set_force_sum_reduction_for_comms (``hook_sees_sum``)
     hook: Optional[Callable[[torch.Tensor], None]] = None  # fully_shard's set_all_reduce_hook: on the reduced shard
     custom: Optional[Any] = None  # fully_shard's set_custom_reduce_scatter ([Note: custom collectives])
+    # fully_shard's set_separate_reduce_scatter_group: the shard group's ranks in a group of their own (None:
+    # the shard group itself)
+    scatter_group: Optional[ProcessGroup] = None
 
     def custom_op(self) -> tuple[Any, float]:
         """(the op a custom reduce-scatter is called with, what that op divides the sum by): FSDP2's choice
@@ -163,7 +166,7 @@ def start(
             result = collectives.reduce_scatter(
                 out,
                 full,
-                groups.shard_group,
+                spec.scatter_group or groups.shard_group,
                 async_op=async_op,
                 tag=tag,
                 sizes=spec.shard_sizes,
