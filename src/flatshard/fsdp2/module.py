@@ -219,6 +219,15 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         for unit in self._units(recurse):
             unit.settings.reduce_scatter_max_input_buffers = max_input_buffers
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: a trainable parameter group that got no gradient on this rank in a backward still takes
+        part in its reduce-scatter, with zeros, so ranks that use different parameters (an MoE's experts
+        that received no token, a branch one rank skips) reduce alike and their peers' gradients are right
+        ([Note: unused parameters in a reduction], runtime/hooks.py), as FSDP2's. False (the default): such
+        a group is not reduced, as in FSDP2 (every rank must then use it alike)."""
+        for unit in self._units(recurse):
+            unit.settings.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """FSDP2 then allocates this module's collective buffers with the process group's own allocator
         where its backend has one (NCCL's, for zero-copy transfers), and ordinary tensors where it has none
@@ -237,7 +246,6 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
 
     set_custom_all_gather = _not_built("set_custom_all_gather", "see runtime/comm/collectives.py")
     set_custom_reduce_scatter = _not_built("set_custom_reduce_scatter", "see runtime/comm/collectives.py")
-    set_reduce_scatter_unused_params = _not_built("set_reduce_scatter_unused_params", "every rank must use every unit")
     set_separate_reduce_scatter_group = _not_built("set_separate_reduce_scatter_group", "leave the default")
     # FSDP2's needs NCCL's symmetric memory; with torch's CPU build its setter raises RuntimeError ("does not
     # find allocation backend NCCL") and leaves the module as it was, as this NotBuiltError (a RuntimeError) does

@@ -94,6 +94,7 @@ Index of every [Note: ...] in the package
   free before the flat gradient ... runtime/hooks.py
   hooks hold units weakly ......... runtime/hooks.py
   hooks under compile ............. runtime/hooks.py
+  unused parameters in a reduction .. runtime/hooks.py
   a flat group per dtype .......... runtime/build/grouping.py
   a flat group per mesh ........... runtime/build/grouping.py
   deferred initialisation ......... runtime/build/deferred.py

@@ -69,6 +69,9 @@ class UnitSettings:
         False  # set_force_sum_reduction_for_comms (reduce.py: ReduceSpec.hook_sees_sum)
     )
     all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None  # set_all_reduce_hook: on the reduced shard
+    # set_reduce_scatter_unused_params: a trainable group that got no gradient reduces zeros ([Note: unused
+    # parameters in a reduction], hooks.py)
+    reduce_scatter_unused_params: bool = False
     reduce_scatter_max_input_buffers: int = 1  # reductions left in flight at most, where any are (schedule.py)
     forward_prefetch: list[Any] = field(default_factory=list)  # explicit targets (units), else the schedule's
     backward_prefetch: list[Any] = field(default_factory=list)

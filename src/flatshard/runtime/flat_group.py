@@ -80,6 +80,8 @@ class FlatGroup:
         self.trainable = tuple(i.requires_grad for i in layout.infos)  # as the shard views say, last forward
         self.grads = GradState()
         self.pending: Optional[reduce.PendingReduction] = None  # a reduction in flight
+        self.reduced_in_backward = False  # post_backward ran in this backward (reset at its end)
+        self.grad_waiting = False  # its flat gradient waits for the unit's inputs' backward (hooks.py)
         self.post_backward_hook: Optional[Any] = None  # the unsharded flat's post-accumulate-grad hook (hooks.py)
         self.open_splits = 0  # splits of the unsharded flat whose backward has not run (hooks.py)
         self.view_grad_bytes = 0  # per-parameter gradients autograd holds for the split's backward
