@@ -60,8 +60,10 @@ class GroupedExperts(nn.Module):
         for name, t in full.items():
             setattr(self, name, nn.Parameter(t[first : first + local].clone()))
         self.skip_idle = False
+        self.tokens = -1  # how many tokens the last forward received
 
     def forward(self, x, counts: list[int]):
+        self.tokens = x.shape[0]
         if self.skip_idle and x.shape[0] == 0:
             return x  # no token reached this rank's experts: their parameters take no part
         outs = []
