@@ -102,6 +102,7 @@ Index of every [Note: ...] in the package
   equal errors .................... runtime/comm/agree.py
   model fingerprint ............... runtime/build/fingerprint.py
   order checks .................... runtime/consistency.py
+  order checks of units on several meshes .. runtime/consistency.py
   optimizers on shard views ....... runtime/build/optim_check.py
   bounded recorders ............... runtime/instrument.py
   nested wrappers ................. fsdp.py

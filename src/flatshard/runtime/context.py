@@ -102,9 +102,10 @@ class Link:
         """The tag of this unit's next point-to-point exchange ([Note: exchange tags], comm/gloo_exchange.py)."""
         return self.run.next_tag(self.index)
 
-    def check(self, what: int) -> None:
-        """This rank's part of the order check before a gather or a reduction ([Note: order checks])."""
-        self.run.checker.check(what, self.index, self.run.phase)
+    def check(self, what: int, part: int = 0, always: bool = False) -> None:
+        """This rank's part of the order check before a gather or a reduction of the unit's flat group
+        ``part`` ([Note: order checks]); ``always``: in every step."""
+        self.run.checker.check(what, self.index, self.run.phase, part, always)
 
     def record(self, result: CollectiveResult, group: str) -> None:
         self.run.record(result, group, self.name)
