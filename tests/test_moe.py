@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import moe
-from tests.helpers.dist import run_distributed
+from tests.helpers.dist import raised, run_distributed
 
 STEPS, PER_RANK, SEQ, VOCAB, DIM, LAYERS = 3, 2, 5, 13, 6, 2
 # (experts, top-k, hidden): 2 local experts along dim 0 (odd hidden: shards pad); 1 along dim 1, where FSDP2
@@ -193,3 +193,47 @@ def _table(outs) -> str:
             ex = [v for r in rows for k, v in r.items() if ".experts." in k]
             lines.append(f"{key} step {step}: {bit}/{n} bitwise ({sum(ex)}/{len(ex)} of the experts'), all equal")
     return "\n".join(lines)
+
+
+def _skip_without_setting(rank: int, world: int) -> str:
+    """Step 1 skips rank 1's idle experts without set_reduce_scatter_unused_params: what flatshard raises."""
+    import flatshard
+
+    dp, efsdp, ep_group = moe.meshes(world, 2)
+    model = moe.build(VOCAB, DIM, LAYOUTS[0][2], LAYOUTS[0][0], LAYOUTS[0][1], LAYERS, ep_group)
+    moe.shard(model, flatshard.fully_shard, dp, efsdp, LAYOUTS[0][0], 2, own_call=False)
+
+    def step(s: int) -> None:
+        x = torch.randint(0, VOCAB, (PER_RANK, SEQ), generator=torch.Generator().manual_seed(s + rank))
+        for m in model.moes():
+            m.forced = _idle_route(rank, LAYOUTS[0][0], LAYOUTS[0][1]) if s == 1 else None
+            m.experts.skip_idle = True
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+
+    step(0)  # the first step, order-checked for every unit anyway
+    return raised(lambda: step(1))
+
+
+def _disagreeing_meshes(rank: int, world: int) -> str:
+    """Ranks 0 and 1 put the experts on the expert-FSDP mesh, ranks 2 and 3 leave them on the call's."""
+    import flatshard
+
+    dp, efsdp, ep_group = moe.meshes(world, 2)
+    model = moe.build(VOCAB, DIM, LAYOUTS[0][2], LAYOUTS[0][0], LAYOUTS[0][1], LAYERS, ep_group)
+    return raised(lambda: moe.shard(model, flatshard.fully_shard, dp, efsdp if rank < 2 else dp, 4, 2, own_call=False))
+
+
+def worker_refusals(rank: int, world: int) -> dict:
+    return {"skip": _skip_without_setting(rank, world), "meshes": _disagreeing_meshes(rank, world)}
+
+
+def test_moe_mistakes_raise_alike_on_every_rank():
+    """Idle experts skipped in a later step without set_reduce_scatter_unused_params, and ranks that place the
+    experts on different meshes: the same error on every rank, naming what and how to fix it, not a hang."""
+    outs = run_distributed(worker_refusals, 4, timeout=120)
+    for rank, out in enumerate(outs):
+        skip, meshes = out["skip"], out["meshes"]
+        assert skip == outs[0]["skip"] and meshes == outs[0]["meshes"], (rank, out, outs[0])
+        assert skip.startswith("RuntimeError") and "set_reduce_scatter_unused_params(True)" in skip, skip
+        assert "moe.experts.w1" in skip and "mesh of 2 ranks" in skip, skip
+        assert meshes.startswith("ValueError") and "moe.experts.w1" in meshes and "different meshes" in meshes, meshes
