@@ -47,7 +47,7 @@ def _rank(rank: int, store_path: str, rounds: int, out_path: str) -> None:
     models = {}
     for name, shard in (("flatshard", flatshard.fully_shard), ("fsdp2", torch_fsdp.fully_shard)):
         model = moe.build(VOCAB, DIM, HIDDEN, EXPERTS, TOP_K, LAYERS, ep_group)
-        moe.shard(model, shard, dp, efsdp, EXPERTS, 2, own_call=False)
+        moe.shard(model, shard, dp, efsdp, EXPERTS, 2)
         models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     times: dict[str, list[float]] = {name: [] for name in models}
     for r in range(rounds + 1):  # round 0 warms up

@@ -3,21 +3,22 @@ builds it, with expert parallelism by token all-to-all in the model's own code),
 the same script.
 
 At W = 4: EP 2 x expert-FSDP 2 (each expert's weights sharded over the 2 ranks that hold it), the dense
-parameters over all 4 ranks. Two layouts of experts: 4 experts, 2 per rank, sharded along dim 0; 2 experts,
-1 per rank, so the expert-FSDP degree exceeds the local experts and they are sharded along dim 1, as
-torchtitan does. Two ways to shard them: placed by the block's call (``ShardPlacementResult``, one call
-on two meshes) and a ``fully_shard`` call of their own. Every step, every rank: the loss, every gradient and
-parameter (``full_tensor``) equal FSDP2's, bitwise where the reduction order matches (every expert
-parameter: summed over 2 ranks), else at fp32's default tolerance (gloo sums 4 ranks in another order than
-flatshard's exchange); every parameter a DTensor on FSDP2's mesh and placement; flatshard's collectives per
-step equal the formula (one all-gather per flat group of more than one rank per pass, none in backward for
-the root, one reduce-scatter per trainable group per backward).
+parameters over all 4 ranks, one fully_shard call per block holding both meshes (``ShardPlacementResult``,
+as torchtitan 0.3.0's distributed/fsdp.py). Two layouts of experts: 4 experts, 2 per rank, sharded along dim
+0 (odd hidden size: shards pad); 2 experts, 1 per rank, so the expert-FSDP degree exceeds the local experts
+and they are sharded along dim 1, as torchtitan does. Every step, every rank: the loss, every gradient and
+parameter (``full_tensor``) equal FSDP2's at fp32's default tolerance, and bitwise where the reduction order
+matches: the experts' gradients of the first step, summed over 2 ranks before any dense difference reaches
+them (gloo sums 4 ranks in another order than flatshard's exchange, so the dense ones, and later steps,
+differ in the last bits); every parameter a DTensor on FSDP2's mesh and placement; flatshard's collectives
+per step equal the formula (one all-gather per flat group of more than one rank per pass, none in backward
+for the root, one reduce-scatter per trainable group per backward). ``-s`` prints the table of steps.
 
-Idle experts: a step routes ranks 0 and 1's tokens to ep rank 0's experts only, so ranks 1's experts
-get no token while rank 3, holding the same experts, gets some. With the experts computed on an empty
-batch (zero gradients) it trains as FSDP2; with ``skip_idle`` (their parameters get no gradient on rank
-1) it trains as FSDP2 does under ``set_reduce_scatter_unused_params(True)``, and without that setting
-flatshard raises on every rank, naming the unit and the setting, where FSDP2's collectives mismatch.
+Idle experts: step 1 routes ranks 0 and 1's tokens to ep rank 0's experts only, so rank 1's experts get no
+token while rank 3, holding the same experts, gets some. Computed on an empty batch (zero gradients), and
+skipped (no gradient on rank 1) under ``set_reduce_scatter_unused_params(True)``: both train as FSDP2. Skipped
+without that setting in a later step, and ranks placing the experts on different meshes: the same error on
+every rank, naming the parameters, the mesh and the fix, not a hang.
 """
 
 from __future__ import annotations
@@ -84,25 +85,25 @@ def _idle_route(rank: int, num_experts: int, top_k: int):
     return forced
 
 
-def _pair(rank, world, num_experts, top_k, hidden, own_call, ep=2):
+def _pair(rank, world, num_experts, top_k, hidden, ep=2):
     import torch.distributed.fsdp as torch_fsdp
 
     import flatshard
 
     dp, efsdp, ep_group = moe.meshes(world, ep)
     theirs, ours = (moe.build(VOCAB, DIM, hidden, num_experts, top_k, LAYERS, ep_group) for _ in range(2))
-    moe.shard(theirs, torch_fsdp.fully_shard, dp, efsdp, num_experts, ep, own_call=own_call)
-    moe.shard(ours, flatshard.fully_shard, dp, efsdp, num_experts, ep, own_call=own_call)
+    moe.shard(theirs, torch_fsdp.fully_shard, dp, efsdp, num_experts, ep)
+    moe.shard(ours, flatshard.fully_shard, dp, efsdp, num_experts, ep)
     return theirs, ours
 
 
-def _train(rank: int, world: int, layout: tuple, opt_kind: str, idle: str, own_call: bool = False) -> dict:
+def _train(rank: int, world: int, layout: tuple, opt_kind: str, idle: str) -> dict:
     """``idle``: "" (the router's choice every step), "zero" (step 1 routes idle experts, computed on an
     empty batch), "skip" (the same, their forward skipped, set_reduce_scatter_unused_params(True))."""
     import flatshard
 
     num_experts, top_k, hidden = layout
-    theirs, ours = _pair(rank, world, num_experts, top_k, hidden, own_call)
+    theirs, ours = _pair(rank, world, num_experts, top_k, hidden)
     infos = flatshard.units(ours)
     if idle == "skip":
         for model in (theirs, ours):
@@ -201,7 +202,7 @@ def _skip_without_setting(rank: int, world: int) -> str:
 
     dp, efsdp, ep_group = moe.meshes(world, 2)
     model = moe.build(VOCAB, DIM, LAYOUTS[0][2], LAYOUTS[0][0], LAYOUTS[0][1], LAYERS, ep_group)
-    moe.shard(model, flatshard.fully_shard, dp, efsdp, LAYOUTS[0][0], 2, own_call=False)
+    moe.shard(model, flatshard.fully_shard, dp, efsdp, LAYOUTS[0][0], 2)
 
     def step(s: int) -> None:
         x = torch.randint(0, VOCAB, (PER_RANK, SEQ), generator=torch.Generator().manual_seed(s + rank))
@@ -220,7 +221,7 @@ def _disagreeing_meshes(rank: int, world: int) -> str:
 
     dp, efsdp, ep_group = moe.meshes(world, 2)
     model = moe.build(VOCAB, DIM, LAYOUTS[0][2], LAYOUTS[0][0], LAYOUTS[0][1], LAYERS, ep_group)
-    return raised(lambda: moe.shard(model, flatshard.fully_shard, dp, efsdp if rank < 2 else dp, 4, 2, own_call=False))
+    return raised(lambda: moe.shard(model, flatshard.fully_shard, dp, efsdp if rank < 2 else dp, 4, 2))
 
 
 def worker_refusals(rank: int, world: int) -> dict:

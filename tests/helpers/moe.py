@@ -5,12 +5,13 @@ own: a rank holds ``num_experts / ep`` local experts and sends each token to the
 all-to-all over the ``ep`` process group, then back (``all_to_all_single_autograd``, so backward sends the
 gradients the other way).
 
-``shard`` applies ``fully_shard`` (flatshard's or PyTorch's FSDP2, the same script) as torchtitan does: the
-experts' parameters over the expert-FSDP mesh (along dim 1 where that mesh's size times ``ep`` exceeds the
-experts, else dim 0), every other parameter over the data-parallel mesh of every rank, each block's and the
-root's gradients divided by the data-parallel size. Two ways, both torchtitan's: the experts placed by the
-block's call (``shard_placement_fn`` returning ``ShardPlacementResult`` on the expert-FSDP mesh, one call
-holding two meshes), or a ``fully_shard`` call of their own on that mesh.
+``shard`` applies ``fully_shard`` (flatshard's or PyTorch's FSDP2, the same script) as torchtitan 0.3.0 does
+(its distributed/fsdp.py, with EP): each block's call places the experts' parameters on the expert-FSDP mesh
+(``shard_placement_fn`` returning ``ShardPlacementResult``; along dim 1 where that mesh's size times ``ep``
+exceeds the experts, else dim 0) and every other parameter on the data-parallel mesh of every rank, so one
+call holds two meshes; each block's and the root's gradients divided by the data-parallel size. (Older
+torchtitan gave the experts a ``fully_shard`` call of their own on the expert-FSDP mesh, under the block's
+call on another mesh: flatshard refuses units of different process groups under one root, NotBuiltError.)
 
 Test knobs on each MoE layer: ``forced`` (a function of the tokens giving the expert indices instead of
 the router's top-k, the router's scores still gathered at them) and ``skip_idle`` (the experts' forward
@@ -212,30 +213,21 @@ def expert_dim(efsdp_size: int, ep: int, num_experts: int) -> int:
     return 1 if efsdp_size * ep > num_experts else 0
 
 
-def shard(model: MoETransformer, fully_shard, dp, efsdp, num_experts: int, ep: int, *, own_call: bool, **kw):
-    """Shard ``model`` as torchtitan does (module docstring); ``own_call``: the experts in a fully_shard call
-    of their own, else placed by the block's call. Returns the FSDP modules that hold experts."""
+def shard(model: MoETransformer, fully_shard, dp, efsdp, num_experts: int, ep: int, **kw) -> None:
+    """Shard ``model`` as torchtitan does (module docstring)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
     from torch.distributed.tensor import Shard
 
     dim = expert_dim(efsdp.size(), ep, num_experts)
-    holders = []
+    info, dense = FSDPMeshInfo(mesh=efsdp, shard_mesh_dim=0), FSDPMeshInfo(mesh=dp, shard_mesh_dim=0)
     for layer in model.layers:
-        experts = layer.moe.experts
-        if own_call:
-            fully_shard(experts, mesh=efsdp, shard_placement_fn=lambda _p, d=dim: Shard(d), **kw)
-            _divide(experts, dp.size())
-            holders.append(experts)
-            fully_shard(layer, mesh=dp, **kw)
-        else:
-            ids = {id(p) for p in experts.parameters()}
-            info = FSDPMeshInfo(mesh=efsdp, shard_mesh_dim=0)
+        ids = {id(p) for p in layer.moe.experts.parameters()}
 
-            def place(p, ids=ids, info=info, d=dim):
-                return ShardPlacementResult(placement=Shard(d), mesh_info=info) if id(p) in ids else None
+        def place(p, ids=ids):
+            if id(p) in ids:
+                return ShardPlacementResult(placement=Shard(dim), mesh_info=info)
+            return ShardPlacementResult(placement=Shard(0), mesh_info=dense)
 
-            fully_shard(layer, mesh=dp, shard_placement_fn=place, **kw)
-            holders.append(layer)
+        fully_shard(layer, mesh=dp, shard_placement_fn=place, **kw)
         _divide(layer, dp.size())
     fully_shard(model, mesh=dp, **kw)
-    return holders
