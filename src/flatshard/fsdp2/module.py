@@ -220,6 +220,15 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         for unit in self._units(recurse):
             unit.settings.reduce_scatter_max_input_buffers = max_input_buffers
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: a trainable parameter group that got no gradient on this rank in a backward still takes
+        part in its reduce-scatter, with zeros, so ranks that use different parameters (an MoE's experts
+        that received no token, a branch one rank skips) reduce alike and their peers' gradients are right
+        ([Note: unused parameters in a reduction], runtime/hooks.py), as FSDP2's. False (the default): such
+        a group is not reduced, as in FSDP2 (every rank must then use it alike)."""
+        for unit in self._units(recurse):
+            unit.settings.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """FSDP2 then allocates this module's collective buffers with the process group's own allocator
         where its backend has one (NCCL's, for zero-copy transfers), and ordinary tensors where it has none
@@ -261,8 +270,6 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
         runtime/reduce.py: [Note: custom collectives]). HSDP's all-reduce across replicas is not the
         comm's, as in FSDP2. This module only; several parameter groups raise FSDP2's ValueError."""
         _set_custom(self._unit, "set_custom_reduce_scatter", "custom_reduce_scatter", comm)
-
-    set_reduce_scatter_unused_params = _not_built("set_reduce_scatter_unused_params", "every rank must use every unit")
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Reduce-scatter this module's gradients on a process group of its own over the shard group's ranks

@@ -96,6 +96,7 @@ Index of every [Note: ...] in the package
   free before the flat gradient ... runtime/hooks.py
   hooks hold units weakly ......... runtime/hooks.py
   hooks under compile ............. runtime/hooks.py
+  unused parameters in a reduction .. runtime/hooks.py
   a flat group per dtype .......... runtime/build/grouping.py
   a flat group per mesh ........... runtime/build/grouping.py
   deferred initialisation ......... runtime/build/deferred.py
@@ -103,6 +104,7 @@ Index of every [Note: ...] in the package
   equal errors .................... runtime/comm/agree.py
   model fingerprint ............... runtime/build/fingerprint.py
   order checks .................... runtime/consistency.py
+  order checks of units on several meshes .. runtime/consistency.py
   optimizers on shard views ....... runtime/build/optim_check.py
   bounded recorders ............... runtime/instrument.py
   nested wrappers ................. fsdp.py

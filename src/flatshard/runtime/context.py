@@ -73,6 +73,9 @@ class UnitSettings:
     # allocate the buffers of the shard group's collective and issue it ([Note: custom collectives], reduce.py)
     custom_all_gather: Optional[Any] = None
     custom_reduce_scatter: Optional[Any] = None
+    # set_reduce_scatter_unused_params: a trainable group that got no gradient reduces zeros ([Note: unused
+    # parameters in a reduction], hooks.py)
+    reduce_scatter_unused_params: bool = False
     reduce_scatter_max_input_buffers: int = 1  # reductions left in flight at most, where any are (schedule.py)
     forward_prefetch: list[Any] = field(default_factory=list)  # explicit targets (units), else the schedule's
     backward_prefetch: list[Any] = field(default_factory=list)
@@ -103,9 +106,10 @@ class Link:
         """The tag of this unit's next point-to-point exchange ([Note: exchange tags], comm/gloo_exchange.py)."""
         return self.run.next_tag(self.index)
 
-    def check(self, what: int) -> None:
-        """This rank's part of the order check before a gather or a reduction ([Note: order checks])."""
-        self.run.checker.check(what, self.index, self.run.phase)
+    def check(self, what: int, part: int = 0, always: bool = False) -> None:
+        """This rank's part of the order check before a gather or a reduction of the unit's flat group
+        ``part`` ([Note: order checks]); ``always``: in every step."""
+        self.run.checker.check(what, self.index, self.run.phase, part, always)
 
     def record(self, result: CollectiveResult, group: str) -> None:
         self.run.record(result, group, self.name)

@@ -84,6 +84,11 @@ class FlatGroup:
         self.trainable = tuple(i.requires_grad for i in layout.infos)  # as the shard views say, last forward
         self.grads = GradState()
         self.pending: Optional[reduce.PendingReduction] = None  # a reduction in flight
+        self.position = 0  # its index among its unit's flat groups (build/units.py)
+        # its unit's groups sit on several meshes: [Note: order checks of units on several meshes] (consistency.py)
+        self.several_meshes = False
+        self.reduced_in_backward = False  # post_backward ran in this backward (reset at its end)
+        self.grad_waiting = False  # its flat gradient waits for the unit's inputs' backward (hooks.py)
         self.post_backward_hook: Optional[Any] = None  # the unsharded flat's post-accumulate-grad hook (hooks.py)
         self.open_splits = 0  # splits of the unsharded flat whose backward has not run (hooks.py)
         self.view_grad_bytes = 0  # per-parameter gradients autograd holds for the split's backward
@@ -194,6 +199,14 @@ class FlatGroup:
         self.gather.version = -1  # the flat shard changed under a kept unsharded flat: gather again
 
     # ---- transitions ---------------------------------------------------------------------
+    def describe(self) -> str:
+        """Its parameters and the ranks it is sharded over, for errors that name it."""
+        names = [info.name for info in self.layout.infos]
+        listed = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        pg = self.groups.shard_group
+        size = torch.distributed.get_world_size(pg) if pg is not None else 1
+        return f"(flat group {self.position}: {listed}; on a mesh of {size} ranks)"
+
     @property
     def gathered(self) -> bool:
         return self.gather.gathered
@@ -254,7 +267,11 @@ class FlatGroup:
         original is released then, so the two never wait out the collective together."""
         spec, link = self._reduce_spec(), self.link
         if self.groups.shard_size > 1 or self.groups.replicate_size > 1:
-            link.check(consistency.REDUCE)
+            link.check(
+                consistency.REDUCE,
+                self.position,
+                self.several_meshes and not self.settings.reduce_scatter_unused_params,
+            )
         grad = self._take_gradient(unsharded, spec.reduce_dtype)
         partial = self.grads.take_partial() if spec.all_reduces else None  # set_requires_all_reduce(False) before
         with link.errors(self._reduction_kind()):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from flatshard.runtime import precision
 from flatshard.runtime.flat_group import FlatGroup
@@ -109,6 +109,8 @@ def forward_pre_hook(unit: Unit, _module: torch.nn.Module, args: tuple, kwargs: 
         raise RuntimeError("fully_shard modules have no summon_full_params; use FSDPModule.unshard()")
     args, kwargs = _begin_forward(unit, args, kwargs)
     unit.forward_entries.append(sys.exc_info()[1])
+    if unit.settings.reduce_scatter_unused_params and torch.is_grad_enabled() and not unit.ctx.in_backward:
+        args, kwargs = _hook_inputs(unit, args, kwargs)  # before pre_forward makes the compute views
     pre_forward(unit)
     return args, kwargs
 
@@ -243,6 +245,10 @@ def register_post_backward(unit: Unit, group: FlatGroup) -> None:
         def hook(unsharded: torch.Tensor) -> None:
             alive, alive_group = unit_ref(), group_ref()
             if alive is not None and alive_group is not None:
+                if alive.settings.reduce_scatter_unused_params and alive.inputs_hooked:
+                    # reduced in the backward of the unit's inputs ([Note: unused parameters in a reduction])
+                    alive_group.grad_waiting = True
+                    return
                 post_backward(alive, alive_group, unsharded)
 
         group.post_backward_hook = group.unsharded.register_post_accumulate_grad_hook(hook)
@@ -255,6 +261,7 @@ def post_backward(unit: Unit, group: FlatGroup, unsharded: torch.Tensor) -> None
         ctx = run_context(unit)
         settings = unit.settings
         group.view_grad_bytes = 0  # joined into the flat gradient by now
+        group.reduced_in_backward = True
         begin_backward(ctx)
         # The reduction left in flight by the previous unit has had this unit's backward to finish:
         # finish it now, so at most one full-size gradient is ever waiting for its reduce-scatter (or as
@@ -280,6 +287,66 @@ def post_backward(unit: Unit, group: FlatGroup, unsharded: torch.Tensor) -> None
             ctx.settle(group)  # finished now, or (across nodes) left in flight until the end of backward
 
 
+# [Note: unused parameters in a reduction]
+# fully_shard's set_reduce_scatter_unused_params(True), FSDP2's: a trainable flat group whose parameters
+# got no gradient on this rank in a backward (an MoE's experts that received no token and were skipped)
+# still takes part in its group's reduce-scatter, with zeros, so its peers' gradients are right and none
+# waits. Its post-accumulate-grad hook never fires, and CPU collectives block, so every group of such a
+# unit is reduced at one point every rank reaches, in the unit's group order, zeros for a group with no
+# gradient: the backward of the unit's inputs (a node made before the unit's compute views, so the autograd
+# engine, which runs a backward's nodes newest first, runs it after the views' gradients are joined), as
+# FSDP2 reduces in the backward of its module's inputs; the groups' hooks then only leave the flat gradient
+# on the unsharded flat. (Reducing each group as its gradient completed deadlocks: a rank whose experts had
+# no gradient enters the dense group's reduce-scatter while its expert peer is in the experts'.) A unit whose
+# inputs need no gradient (the root, on token
+# ids) reduces them at the end of backward, where a rank that used them reduced its last too; so does a
+# unit gathered at the end of backward (the root, reshard_after_forward=False) that got none, as FSDP2's
+# final callback does. Without the setting such a group is not reduced, as in FSDP2 (on every rank alike:
+# its parameters' .grad stay as they were; on some ranks only: collectives mismatch, which the first
+# step's order checks, and every step's under TORCH_DISTRIBUTED_DEBUG=DETAIL, report by name).
+def _hook_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    flat, spec = tree_flatten((args, kwargs))
+    at = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+    if at:
+        unit.inputs_hooked = True
+        outs = _InputsBackward.apply(unit, *(flat[i] for i in at))
+        for i, t in zip(at, outs if isinstance(outs, tuple) else (outs,)):
+            flat[i] = t
+    return tree_unflatten(flat, spec)
+
+
+class _InputsBackward(torch.autograd.Function):
+    """The identity on a unit's inputs; its backward reduces the unit's unused groups."""
+
+    @staticmethod
+    def forward(ctx, unit, *tensors):
+        ctx.unit = weakref.ref(unit)
+        outs = tuple(t.view_as(t) for t in tensors)
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        unit = ctx.unit()
+        if unit is not None:
+            reduce_unused(unit)
+        return (None, *grads)
+
+
+def reduce_unused(unit: Unit) -> None:
+    """Reduce zeros for each trainable group of ``unit`` that is gathered in this backward and got no
+    gradient ([Note: unused parameters in a reduction])."""
+    if not (unit.settings.reduce_scatter_unused_params and unit.ctx.in_backward):
+        return
+    for group in unit.flat_groups:
+        waiting, group.grad_waiting = group.grad_waiting, False
+        if waiting or (group.requires_grad and not group.reduced_in_backward and group.gathered):
+            unsharded = group.unsharded
+            if unsharded.grad is None:
+                unsharded.grad = torch.zeros_like(unsharded)
+            post_backward(unit, group, unsharded)
+    unit.inputs_hooked = False
+
+
 def begin_backward(ctx: RunContext) -> None:
     """The first backward hook of a pass queues end_of_backward with the autograd engine."""
     if ctx.begin_backward():
@@ -288,4 +355,6 @@ def begin_backward(ctx: RunContext) -> None:
 
 def end_of_backward(ctx: RunContext) -> None:
     with label("end_of_backward"):
+        for unit in ctx.units:
+            reduce_unused(unit)
         ctx.end_of_backward()

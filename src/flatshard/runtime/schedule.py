@@ -99,6 +99,7 @@ class RunContext:
         # [Note: order checks] (consistency.py)
         group = root.flat_groups[0].groups.process_group if root.flat_groups else None
         self.checker = Checker([u.name for u in units], group, lambda r: self.record(r, "world", "<order check>"))
+        self.checker.parts = [[g.describe() for g in u.flat_groups] for u in units]
         self.passes = 0  # forward passes the root has begun
         self.backward_since_forward = False  # [Note: a forward with no backward after it]
         self._order_changed_warned = False
@@ -214,7 +215,11 @@ class RunContext:
     def end_of_backward(self) -> None:
         """Runs once, when the autograd engine finishes the backward pass (hooks.py queues it)."""
         try:
-            self.checker.check(END_BACKWARD, -1, self.phase)
+            unchecked = any(  # [Note: order checks of units on several meshes] (consistency.py)
+                any(g.several_meshes for g in u.flat_groups[:1]) and not u.settings.reduce_scatter_unused_params
+                for u in self.units
+            )
+            self.checker.check(END_BACKWARD, -1, self.phase, always=unchecked)
             pending, self.pending_reductions = self.pending_reductions, []
             for group in pending:  # in the order issued: the same on every rank
                 self.settle(group)

@@ -82,6 +82,7 @@ class Unit:
         self.settings = settings
         self.flat_groups = flat_groups
         self.self_gathered: Optional[SidePath] = None
+        self.inputs_hooked = False  # the last forward's inputs carry hooks.py's _InputsBackward
         self.forward_entries: list = []  # fully_shard: the exception being handled as each forward began (hooks.py)
         self.summoned = False  # inside summon_full_params, its modules hold the full parameters (summon.py)
 
@@ -197,6 +198,7 @@ class Unit:
             self.self_gathered.reduce(self.sync)
         for group in self.flat_groups:
             group.open_splits = 0
+            group.reduced_in_backward = False
         self.use_shard_views()
         settings = self.settings
         if settings.reshard_after_backward and (self.sync or settings.reshard_after_forward):

@@ -171,6 +171,9 @@ def build_unit(
         _flat_group(part, link, settings, on, options, loads, owners, _inter(on, groups, inter, on_nodes, options))
         for on, part in parts
     ]
+    several = len({id(g.groups) for g in flat_groups}) > 1
+    for position, group in enumerate(flat_groups):
+        group.position, group.several_meshes = position, several
     unit = Unit(link, settings, flat_groups)
     RunContext([unit], unit, ScheduleConfig())  # the unit's own, until a root adopts it (become_root)
     for group in flat_groups:
