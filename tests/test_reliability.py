@@ -183,7 +183,7 @@ def test_a_unit_skipped_later_times_out_with_a_message_naming_it():
 # after at most TIMEOUT plus the time to reach the collective and to build the error. MARGIN allows 2 s
 # for that: a rank of this test is a process on a shared machine of 2 cores, which the scheduler may
 # leave waiting that long, and nothing in flatshard is allowed more.
-STOP_TIMEOUT = datetime.timedelta(seconds=5)
+STOP_TIMEOUT = datetime.timedelta(seconds=4)
 MARGIN = 2.0
 
 
@@ -194,7 +194,7 @@ class Stopped(Exception):
 def stop_worker(rank: int, world: int) -> tuple:
     """W = 4: the last rank stops itself (SIGSTOP) at the start of the second step's backward; every other
     rank returns the error it raised and when. A child process continues the stopped rank once the others
-    are done (after TIMEOUT + MARGIN + 3 s), so it returns too, with the time it stopped."""
+    are done (after TIMEOUT + MARGIN + 1 s), so it returns too, with the time it stopped."""
     group = dist.new_group(list(range(world)), timeout=STOP_TIMEOUT)
     model = _wrap(Two(), process_group=group)
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(rank))
@@ -202,7 +202,7 @@ def stop_worker(rank: int, world: int) -> tuple:
     stopped_at = []
 
     def stop(grad):
-        resume = STOP_TIMEOUT.total_seconds() + MARGIN + 3.0
+        resume = STOP_TIMEOUT.total_seconds() + MARGIN + 1.0  # after every other rank raised, or failed the test
         code = f"import os, signal, time; time.sleep({resume}); os.kill({os.getpid()}, signal.SIGCONT)"
         subprocess.Popen([sys.executable, "-c", code])
         stopped_at.append(time.time())
