@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -124,6 +125,13 @@ def run_once(nodes: list[Node], args, seed: int, kills: int, log_dir: Path) -> d
             ]  # fmt: skip
             job.start(node, argv, log_dir / f"torchrun-g{g}.log")
         started, next_kill, victim, was_everyone = time.monotonic(), args.kill_every, 0, False
+        # [Note: where a kill lands]
+        # The loop sees a commit within 50 ms, so a kill made at once lands in the idle time after a
+        # commit (--step-sleep), before the next step's quorum: the step in flight is never one whose
+        # cross-replica all-reduce fails and is run again. A delay drawn up to --kill-jitter (seeded)
+        # puts kills in every part of a step.
+        jitter = random.Random(seed)
+        log_files = [log_dir / f"g{g}-r{r}.jsonl" for g in range(groups) for r in range(nproc)]
         logs = {}
         while time.monotonic() - started < args.timeout:
             logs = {(g, r): read_log(log_dir / f"g{g}-r{r}.jsonl") for g in range(groups) for r in range(nproc)}
@@ -143,6 +151,11 @@ def run_once(nodes: list[Node], args, seed: int, kills: int, log_dir: Path) -> d
                 if everyone:  # kill only when every group is back in the quorum
                     g, r = victim % groups, (victim // groups) % nproc
                     pid = [rec["pid"] for rec in logs[(g, r)] if rec["kind"] == "start"][-1]
+                    time.sleep(jitter.uniform(0.0, getattr(args, "kill_jitter", 0.0)))  # [Note: where a kill lands]
+                    top = max(
+                        [top]
+                        + [rec["step"] for recs in map(read_log, log_files) for rec in recs if rec["kind"] == "step"]
+                    )
                     os.kill(pid, signal.SIGKILL)
                     events.append({"group": g, "rank": r, "pid": pid, "step": top, "t": time.time()})
                     print(f"  killed group {g} rank {r} (pid {pid}) at step {top}", flush=True)
@@ -370,6 +383,10 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=2, help="ranks per group")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--kill-every", type=int, default=20)
+    p.add_argument(
+        "--kill-jitter", type=float, default=0.8,
+        help="seconds: each kill waits a delay drawn up to this ([Note: where a kill lands])",
+    )  # fmt: skip
     p.add_argument("--settle", type=int, default=5, help="no kill sooner than N steps after every group is back")
     p.add_argument("--last-kill-margin", type=int, default=40, help="no kill in the last N steps (time to rejoin)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="no-failure runs for the loss band")
