@@ -1,5 +1,6 @@
 """When ranks disagree, every rank says so: models that differ, units run in different orders or skipped,
-timeouts that name the unit, NaN through every norm of clip_grad_norm_, requires_grad changed after
+timeouts that name the unit, a rank stopped by SIGSTOP at W = 4 (each of the three others
+raises within the collective timeout + 2 s), NaN through every norm of clip_grad_norm_, requires_grad changed after
 wrapping, optimizers that are not element-wise, and messages for common mistakes.
 
 Every case runs on all ranks and returns its error message, so the parent checks that each rank raised
@@ -10,6 +11,11 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -167,6 +173,63 @@ def test_a_unit_skipped_later_times_out_with_a_message_naming_it():
         # collective later, as on a loaded machine) may see its peer close the connection first
         assert "timed out" in message.lower() or "connection closed by peer" in message.lower(), message
     assert any("timed out" in m.lower() for m in messages), messages
+
+
+# [Note: the stopped rank's bound]
+# A rank stopped by SIGSTOP (hung: alive, its sockets open, never answering) must make every other rank
+# raise within the collective timeout. The others reach the collective that waits for it within a few
+# milliseconds of the stop (a tiny model, nothing between), and each gives up TIMEOUT after it began to
+# wait, or sooner when a peer that gave up first closes its connection; so from the stop, each raises
+# after at most TIMEOUT plus the time to reach the collective and to build the error. MARGIN allows 2 s
+# for that: a rank of this test is a process on a shared machine of 2 cores, which the scheduler may
+# leave waiting that long, and nothing in flatshard is allowed more.
+STOP_TIMEOUT = datetime.timedelta(seconds=4)
+MARGIN = 2.0
+
+
+class Stopped(Exception):
+    pass
+
+
+def stop_worker(rank: int, world: int) -> tuple:
+    """W = 4: the last rank stops itself (SIGSTOP) at the start of the second step's backward; every other
+    rank returns the error it raised and when. A child process continues the stopped rank once the others
+    are done (after TIMEOUT + MARGIN + 1 s), so it returns too, with the time it stopped."""
+    group = dist.new_group(list(range(world)), timeout=STOP_TIMEOUT)
+    model = _wrap(Two(), process_group=group)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()  # a first step: the checks of the first step are behind us
+    stopped_at = []
+
+    def stop(grad):
+        resume = STOP_TIMEOUT.total_seconds() + MARGIN + 1.0  # after every other rank raised, or failed the test
+        code = f"import os, signal, time; time.sleep({resume}); os.kill({os.getpid()}, signal.SIGCONT)"
+        subprocess.Popen([sys.executable, "-c", code])
+        stopped_at.append(time.time())
+        os.kill(os.getpid(), signal.SIGSTOP)
+        raise Stopped
+
+    loss = model(x).sum()
+    if rank == world - 1:
+        loss.register_hook(stop)
+    message = _error(lambda: loss.backward())
+    if stopped_at:
+        return "stopped", stopped_at[0]
+    return message, time.time()
+
+
+def test_a_stopped_rank_makes_every_other_rank_raise_within_the_timeout():
+    results = run_distributed(stop_worker, 4, timeout=60, fresh=True)
+    (what, stopped_at), others = results[-1], results[:-1]
+    assert what == "stopped", results
+    timeout = STOP_TIMEOUT.total_seconds()
+    for rank, (message, raised_at) in enumerate(others):
+        assert message.startswith(f"RuntimeError: flatshard: rank {rank}: the "), message
+        assert "in backward" in message and "unit " in message, message
+        assert "timed out" in message.lower() or "connection closed by peer" in message.lower(), message
+        # [Note: the stopped rank's bound]
+        assert 0 < raised_at - stopped_at <= timeout + MARGIN, (rank, raised_at - stopped_at, message)
+    assert any("timed out" in m.lower() for m, _ in others), others
 
 
 # ---- 3. groups flatshard creates inherit the timeout ---------------------------------------------

@@ -4,9 +4,17 @@ logs every event recorded, every wait and every buffer allocated, written, read 
 (compute, gather, reduce) a device would run it on; ``check_schedule`` then checks the happens-before
 order: every read of gathered parameters after its gather's event, every reduction after its gradient,
 every free after the last use on every stream, allocations and frees on compute only, no wait for an event
-never recorded, and prefetches within the limit. Each front end and strategy, both backward prefetches,
-forward prefetch, with and without the limiter, mixed precision, the optimizer across replicas. And the
-check must fail: the same step with one wait removed (each kind in turn) is caught."""
+never recorded, and prefetches within the limit.
+
+The cases (CASES) are 17 steps whose recorded schedules all differ: FSDP1's wrapper in each strategy, both
+backward prefetches, with and without the limiter (forward prefetch on), mixed precision, the optimizer
+across replicas;
+``fully_shard`` in each strategy with its implicit prefetch and with explicit prefetch targets
+(``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``), mixed precision with a
+post-forward group, and parameters that gather themselves (FSDP2's all-gather extension). And the check
+must fail: in every case, every wait of the recorded step is removed in turn (``without_wait``) and each
+removal that changes the order is caught; a wait whose removal changes nothing orders nothing and is
+counted apart. With the limiter off, the check sees the prefetch it would have refused."""
 
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ from tests.helpers.models import Block, TinyGPT
 PER_RANK = 2
 
 
-def _model(front: str, strategy: str, prefetch: str, limit: bool, mixed: bool, pieces: bool):
+def _model(front: str, strategy: str, prefetch: str, limit: bool, mixed: bool, extra: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     from flatshard import BackwardPrefetch, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy, fully_shard
@@ -30,9 +38,14 @@ def _model(front: str, strategy: str, prefetch: str, limit: bool, mixed: bool, p
 
     torch.manual_seed(0)
     model = TinyGPT(layers=3)
+    if extra == "gathers itself":  # FSDP2's all-gather extension: each block's fc weight (fsdp2/extensions.py)
+        from bench.fuzz.gathers import GathersItself
+
+        for block in model.blocks:
+            block.fc.weight = torch.nn.Parameter(GathersItself(block.fc.weight.detach().clone()))
     if front == "fsdp1":
         kw = {"sharding_factor": 2} if strategy == "HYBRID_SHARD" else {}
-        if pieces:
+        if extra == "across replicas":
             kw["shard_optimizer_across_replicas"] = True
         return FSDP(
             model,
@@ -86,97 +99,100 @@ def recorded_step(rank: int, case: tuple, streams=None):
     return recording.ops
 
 
+# (front, strategy, prefetch, limit_all_gathers, mixed precision, extra), each a step whose recorded schedule
+# differs from every other's (the test asserts it). Left out as the same schedule as one here, on this model:
+# the limiter under FULL_SHARD and HYBRID_SHARD (no prefetch reaches it), the backward prefetch under
+# SHARD_GRAD_OP (its units stay gathered). fully_shard has no limiter and no backward-prefetch setting:
+# "implicit" is its own prefetch (the next unit in backward), "explicit" the targets a script sets.
 CASES = [
+    ("fsdp1", "FULL_SHARD", "BACKWARD_PRE", True, False, ""),
+    ("fsdp1", "FULL_SHARD", "BACKWARD_POST", True, False, ""),
+    ("fsdp1", "SHARD_GRAD_OP", "BACKWARD_PRE", True, False, ""),
+    ("fsdp1", "SHARD_GRAD_OP", "BACKWARD_PRE", False, False, ""),
+    ("fsdp1", "HYBRID_SHARD", "BACKWARD_PRE", True, False, ""),
+    ("fsdp1", "HYBRID_SHARD", "BACKWARD_POST", True, False, ""),
+    ("fsdp1", "FULL_SHARD", "BACKWARD_PRE", True, True, ""),  # mixed precision: the cast source
+    ("fsdp1", "HYBRID_SHARD", "BACKWARD_PRE", True, False, "across replicas"),  # the optimizer across replicas
     *[
-        ("fsdp1", strategy, prefetch, limit, False, False)
-        for strategy, prefetch, limit in itertools.product(
-            ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"), ("BACKWARD_PRE", "BACKWARD_POST"), (True, False)
-        )
-    ],
-    ("fsdp1", "FULL_SHARD", "BACKWARD_PRE", True, True, False),  # mixed precision: the cast source
-    ("fsdp1", "HYBRID_SHARD", "BACKWARD_PRE", True, False, True),  # the optimizer across replicas
-    *[
-        ("fully_shard", s, p, True, False, False)
+        ("fully_shard", s, p, None, False, "")
         for s in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
-        for p in ("BACKWARD_PRE", "BACKWARD_POST")
+        for p in ("implicit", "explicit")
     ],
-    ("fully_shard", "FULL_SHARD", "BACKWARD_PRE", True, True, False),  # mixed precision, a post-forward group
+    ("fully_shard", "FULL_SHARD", "implicit", None, True, ""),  # mixed precision, a post-forward group
+    ("fully_shard", "FULL_SHARD", "explicit", None, False, "gathers itself"),  # the extension's gather
+    ("fully_shard", "HYBRID_SHARD", "implicit", None, False, "gathers itself"),
 ]
+assert len(set(CASES)) == len(CASES)
+
+
+def _max_gathered(case: tuple) -> int | None:
+    """The limiter's bound: FSDP1's with limit_all_gathers, fully_shard's implicit prefetch; explicit
+    targets are the script's choice, as in FSDP2."""
+    return None if case[2] == "explicit" or case[3] is False else 2
 
 
 def schedule_worker(rank: int, world: int) -> list:
-    from flatshard.runtime.comm.streams import Lane, check_schedule
+    from flatshard.runtime.comm.streams import Lane, check_schedule, orders_no_access, without_wait
 
     out = []
     for case in CASES:
         ops = recorded_step(rank, case)
-        limited = case[3] and case[2] != "explicit"  # explicit targets are the script's choice, as in FSDP2
-        problems = check_schedule(ops, max_gathered=2 if limited else None)
+        problems = check_schedule(ops, max_gathered=_max_gathered(case))
         assert not problems, f"{case}: " + "\n".join(problems[:10])
         lanes = {(op.lane, op.kind) for op in ops}
         # the log is a real step's: gathers written on the gather stream, reductions on the reduce stream
         assert {(Lane.GATHER, "write"), (Lane.REDUCE, "write"), (Lane.COMPUTE, "wait")} <= lanes, (case, lanes)
-        out.append(sum(op.kind == "wait" for op in ops))
+        if case[2] == "explicit":  # the targets were gathered ahead
+            assert any("(prefetch)" in op.what for op in ops if op.kind == "alloc"), case
+        if case[5] == "gathers itself":  # the extension's gather is on the gather stream
+            assert any(op.lane is Lane.GATHER and "gather themselves" in op.what for op in ops), case
+        assert [op.clock for op in without_wait(ops, None)] == [op.clock for op in ops], case  # the replay
+        # every wait removed in turn: caught, or every two accesses to a buffer keep their order (others give it)
+        caught: dict[tuple, int] = {}
+        ordered_nothing, missed = 0, []
+        for op in ops:
+            if op.kind != "wait":
+                continue
+            kind = (str(op.lane), str(ops[_recorded(ops, op.event)].lane))
+            if check_schedule(without_wait(ops, op.index)):
+                caught[kind] = caught.get(kind, 0) + 1
+            elif orders_no_access(ops, op.index):
+                ordered_nothing += 1
+            else:
+                missed.append((op.index, kind))
+        assert not missed, f"{case}: waits removed that the check did not catch: {missed}"
+        schedule = tuple((str(op.lane), op.kind, op.what) for op in ops)
+        out.append({"case": case, "caught": caught, "ordered_nothing": ordered_nothing, "schedule": hash(schedule)})
     return out
 
 
-def test_every_step_keeps_the_stream_discipline():
-    counts = run_distributed(schedule_worker, 4, timeout=400)
-    assert all(len(c) == len(CASES) and min(c) > 0 for c in counts), counts
+def _recorded(ops: list, event: int) -> int:
+    return next(o.index for o in ops if o.kind == "record" and o.event == event)
 
 
-class Sabotaged:
-    """A recording stand-in that drops the first wait of one kind: ``lane`` waiting for an event of ``on``."""
-
-    def __new__(cls, lane, on):
-        from flatshard.runtime.comm.streams import RecordingStreams
-
-        class Streams(RecordingStreams):
-            def __init__(self):
-                super().__init__()
-                self.lane_of: dict = {}
-                self.dropped = False
-
-            def record(self, recorded_on):
-                event = super().record(recorded_on)
-                self.lane_of[event] = recorded_on
-                return event
-
-            def wait(self, waiting, event):
-                if not self.dropped and waiting is lane and self.lane_of.get(event) is on:
-                    self.dropped = True  # this wait is removed from the schedule
-                    return
-                super().wait(waiting, event)
-
-        return Streams()
+KINDS = {("compute", "gather"), ("gather", "compute"), ("reduce", "compute"), ("compute", "reduce")}
 
 
-def sabotage_worker(rank: int, world: int) -> dict:
-    from flatshard.runtime.comm.streams import Lane, check_schedule
+def test_every_step_keeps_the_stream_discipline_and_every_wait_is_needed():
+    """Each case's step passes the check, and every wait of it, removed, is caught (or orders nothing):
+    in every case each of the four kinds of wait (compute for a gather, the gather stream for compute,
+    the reduce stream for a gradient, compute for a reduction) occurs and is caught."""
+    for rank, results in enumerate(run_distributed(schedule_worker, 4, timeout=400)):
+        assert len(results) == len(CASES)
+        for r in results:
+            assert set(r["caught"]) == KINDS, (rank, r)
+        same = [(a["case"], b["case"]) for a, b in itertools.combinations(results, 2) if a["schedule"] == b["schedule"]]
+        assert not same, f"cases whose recorded schedules are the same: {same}"
 
-    out = {}
-    for lane, on in (
-        (Lane.COMPUTE, Lane.GATHER),
-        (Lane.GATHER, Lane.COMPUTE),
-        (Lane.REDUCE, Lane.COMPUTE),
-        (Lane.COMPUTE, Lane.REDUCE),
-    ):
-        for case in (CASES[0], CASES[-1]):
-            streams = Sabotaged(lane, on)
-            problems = check_schedule(recorded_step(rank, case, streams))
-            assert streams.dropped, (lane, on, case)
-            out[f"{lane} waiting for {on}, {case[0]}"] = problems[0] if problems else None
+
+def limiter_worker(rank: int, world: int) -> str | None:
+    from flatshard.runtime.comm.streams import check_schedule
+
     # the limiter removed: SHARD_GRAD_OP keeps its units gathered and forward prefetch gathers one more
-    unlimited = ("fsdp1", "SHARD_GRAD_OP", "BACKWARD_PRE", False, False, False)
+    unlimited = ("fsdp1", "SHARD_GRAD_OP", "BACKWARD_PRE", False, False, "")
     problems = check_schedule(recorded_step(rank, unlimited), max_gathered=2)
-    out["limit_all_gathers=False"] = next((p for p in problems if "prefetch" in p), None)
-    return out
+    return next((p for p in problems if "prefetch" in p), None)
 
 
-def test_a_schedule_with_one_wait_removed_fails_the_check():
-    """Each kind of wait removed once (compute for a gather, the gather stream for compute, the reduce stream
-    for the gradient, compute for a reduction), in both front ends: the check names the unordered access;
-    and with the limiter off, the check sees the prefetch it would have refused."""
-    for out in run_distributed(sabotage_worker, 4, timeout=400):
-        missing = [k for k, v in out.items() if v is None]
-        assert not missing, f"removed waits the check did not catch: {missing}"
+def test_without_the_limiter_the_check_sees_the_prefetch_it_refuses():
+    assert all(run_distributed(limiter_worker, 4, timeout=120)), "limit_all_gathers=False went unseen"

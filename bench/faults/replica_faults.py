@@ -5,12 +5,14 @@ every ``--kill-every`` steps, the killed group restarted by its torchrun and hea
     python -m bench.faults.replica_faults          # as root: the emulated cluster (one namespace per group)
     python -m bench.faults.replica_faults --local  # the same on this machine's loopback, no root
     python -m bench.faults.replica_faults --local --seeds 0 --steps 40 --kill-every 15   # a quick look
+    python -m bench.faults.replica_faults --from-logs DIR --out OUT  # summarize a --log-dir DIR again
 
 Prints, and writes to ``--out`` (default bench/results/replica_faults.json):
 * every kill: the step and group, how many steps later and how many seconds later the group was back
   (its first committed step in the quorum), and the steps per minute of the groups that stayed up
-  while it was away against their steady rate (the median rate over windows of 10 steps with every group
-  in the quorum, 5 steps clear of any failure);
+  over the whole window, from their last commit before the kill to their commit of the step it rejoined
+  at ([Note: the survivors' rate over the whole window]), against their steady rate (the median rate over
+  windows of 10 steps with every group in the quorum, 5 steps clear of any failure);
 * the loss curve (each step's loss averaged over the ranks that committed it, smoothed over 10 steps)
   against the band the no-failure runs of ``--seeds`` draw (their smoothed minimum and maximum);
 * after the last rejoin, whether rank k of every group holds bitwise the same parameters and optimizer
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -122,6 +125,13 @@ def run_once(nodes: list[Node], args, seed: int, kills: int, log_dir: Path) -> d
             ]  # fmt: skip
             job.start(node, argv, log_dir / f"torchrun-g{g}.log")
         started, next_kill, victim, was_everyone = time.monotonic(), args.kill_every, 0, False
+        # [Note: where a kill lands]
+        # The loop sees a commit within 50 ms, so a kill made at once lands in the idle time after a
+        # commit (--step-sleep), before the next step's quorum: the step in flight is never one whose
+        # cross-replica all-reduce fails and is run again. A delay drawn up to --kill-jitter (seeded)
+        # puts kills in every part of a step.
+        jitter = random.Random(seed)
+        log_files = [log_dir / f"g{g}-r{r}.jsonl" for g in range(groups) for r in range(nproc)]
         logs = {}
         while time.monotonic() - started < args.timeout:
             logs = {(g, r): read_log(log_dir / f"g{g}-r{r}.jsonl") for g in range(groups) for r in range(nproc)}
@@ -141,16 +151,28 @@ def run_once(nodes: list[Node], args, seed: int, kills: int, log_dir: Path) -> d
                 if everyone:  # kill only when every group is back in the quorum
                     g, r = victim % groups, (victim // groups) % nproc
                     pid = [rec["pid"] for rec in logs[(g, r)] if rec["kind"] == "start"][-1]
+                    time.sleep(jitter.uniform(0.0, getattr(args, "kill_jitter", 0.0)))  # [Note: where a kill lands]
+                    top = max(
+                        [top]
+                        + [rec["step"] for recs in map(read_log, log_files) for rec in recs if rec["kind"] == "step"]
+                    )
                     os.kill(pid, signal.SIGKILL)
                     events.append({"group": g, "rank": r, "pid": pid, "step": top, "t": time.time()})
                     print(f"  killed group {g} rank {r} (pid {pid}) at step {top}", flush=True)
                     victim += 1
                     next_kill, was_everyone = top + args.kill_every, False
             time.sleep(0.05)
-        finished = all(any(rec["kind"] == "final" for rec in recs) for recs in logs.values())
     finally:
         job.stop()
-    return {"logs": {f"g{g}-r{r}": recs for (g, r), recs in logs.items()}, "kills": events, "finished": finished}
+        (log_dir / "kills.json").write_text(json.dumps(events) + "\n")  # --from-logs summarizes the run again
+    return load_run(log_dir, groups, nproc)
+
+
+def load_run(log_dir: Path, groups: int, nproc: int) -> dict:
+    """A run as ``run_once`` returns it, from the logs it left in ``log_dir``."""
+    logs = {f"g{g}-r{r}": read_log(log_dir / f"g{g}-r{r}.jsonl") for g in range(groups) for r in range(nproc)}
+    finished = all(any(rec["kind"] == "final" for rec in recs) for recs in logs.values())
+    return {"logs": logs, "kills": json.loads((log_dir / "kills.json").read_text()), "finished": finished}
 
 
 # ---- figures ---------------------------------------------------------------------------------------------
@@ -187,22 +209,59 @@ def rate(points: list[tuple[int, float, int]]) -> float | None:
     return 60.0 * (points[-1][0] - points[0][0]) / (points[-1][1] - points[0][1])
 
 
+# [Note: the survivors' rate over the whole window]
+# A kill costs the groups that stay up in three places: the step in flight when the rank dies (its
+# cross-replica all-reduce fails, or the quorum waits out the dead group's heartbeat), the steps alone,
+# and the rejoin (the quorum that lets the restarted group in, the state sent to it over HTTP before the
+# step it joins). So a survivor's rate is measured over a window that holds all three: from its last
+# commit before the kill to its commit of the step the restarted group first commits (the two groups
+# commit that step in the same all-reduce, within milliseconds). Both ends are commits, so the window
+# holds a whole number of steps and its rate is the steady rate exactly when nothing was lost; a window
+# cut at the kill and the rejoin instead counts a step more or less by where the kill fell (with five
+# steps away, a fifth of the ratio). No window is left out: a group that never came back, or a survivor
+# with no commit at either end, is an error, and a survivor that committed nothing is a rate of 0.
+def window(run: dict, group: int, kill_t: float, back_step: int) -> dict:
+    """``group``'s steps and seconds from its last commit before ``kill_t`` to its commit of ``back_step``
+    ([Note: the survivors' rate over the whole window])."""
+    mine = commits(run, group)
+    before = [c for c in mine if c[1] <= kill_t]
+    after = [c for c in mine if c[0] >= back_step and c[1] > kill_t]
+    if not before or not after:
+        raise RuntimeError(
+            f"group {group} has no commit before the kill (t={kill_t:.2f}) or none of step {back_step}, the "
+            "rejoin's: it did not stay up through the kill, so no rate of it is measured"
+        )
+    (s0, t0, _), (s1, t1, _) = before[-1], after[0]
+    inside = [c for c in mine if t0 <= c[1] <= t1]
+    return {
+        "from_step": s0,
+        "to_step": s1,
+        "steps": s1 - s0,
+        "seconds": round(t1 - t0, 3),
+        "before_kill_s": round(kill_t - t0, 3),
+        # where the time goes: the step the kill broke (commit to commit), and the step the group rejoined at
+        "kill_step_s": round(inside[1][1] - t0, 3),
+        "rejoin_step_s": round(t1 - inside[-2][1], 3),
+    }
+
+
 def failures(run: dict, groups: int) -> list[dict]:
     out = []
     for kill in run["kills"]:
         back = [c for c in commits(run, kill["group"]) if c[1] > kill["t"]]
+        if not back:
+            raise RuntimeError(f"group {kill['group']}, killed at step {kill['step']}, never committed a step again")
         others = [g for g in range(groups) if g != kill["group"]]
-        end_t = back[0][1] if back else float("inf")
-        during = {g: [c for c in commits(run, g) if kill["t"] <= c[1] <= end_t] for g in others}
-        top_at_back = max((c[0] for g in others for c in commits(run, g) if c[1] <= end_t), default=kill["step"])
+        windows = {f"g{g}": window(run, g, kill["t"], back[0][0]) for g in others}
         out.append(
             {
                 **{k: kill[k] for k in ("group", "rank", "step")},
-                "back_at_step": back[0][0] if back else None,
-                "steps_away": (back[0][0] - kill["step"]) if back else None,
-                "seconds_away": round(back[0][1] - kill["t"], 2) if back else None,
-                "others_top_step_when_back": top_at_back,
-                "others_steps_per_min_during": {f"g{g}": rate(during[g]) for g in others},
+                "back_at_step": back[0][0],
+                "steps_away": back[0][0] - kill["step"],
+                "seconds_away": round(back[0][1] - kill["t"], 2),
+                # [Note: the survivors' rate over the whole window]
+                "others_window": windows,
+                "others_steps_per_min_during": {g: 60.0 * w["steps"] / w["seconds"] for g, w in windows.items()},
             }
         )
     return out
@@ -211,13 +270,13 @@ def failures(run: dict, groups: int) -> list[dict]:
 def steady_rate(run: dict, group: int, groups: int, fails: list[dict]) -> float | None:
     """Median steps per minute of ``group`` over windows of 10 committed steps with every group in the
     quorum and no failure within 5 steps."""
-    away = [(f["step"] - 5, (f["back_at_step"] or 10**9) + 5) for f in fails]
+    away = [(f["step"] - 5, f["back_at_step"] + 5) for f in fails]
     points = [c for c in commits(run, group) if c[2] == groups and not any(a <= c[0] <= b for a, b in away)]
     rates = []
     for i in range(0, len(points) - 10, 10):
-        window = points[i : i + 11]
-        if window[-1][0] - window[0][0] == 10:
-            rates.append(rate(window))
+        span = points[i : i + 11]
+        if span[-1][0] - span[0][0] == 10:
+            rates.append(rate(span))
     return statistics.median(rates) if rates else None
 
 
@@ -257,11 +316,13 @@ def summarize(faulty: dict, clean: dict[int, dict], args, controls: dict[int, di
     groups = args.groups
     fails = failures(faulty, groups)
     steady = {f"g{g}": steady_rate(faulty, g, groups, fails) for g in range(groups)}
+    missing = [g for g, r in steady.items() if r is None]
+    if missing:
+        raise RuntimeError(f"no steady rate for {missing}: no 10 steps in a row with every group up, clear of kills")
     for f in fails:
-        ratios = {}
-        for g, during in f["others_steps_per_min_during"].items():
-            ratios[g] = round(during / steady[g], 3) if during and steady.get(g) else None
-        f["others_rate_ratio"] = ratios
+        f["others_rate_ratio"] = {
+            g: round(during / steady[g], 3) for g, during in f["others_steps_per_min_during"].items()
+        }
     curve = smooth(loss_curve(faulty, args.steps))
     band = None
     if clean:
@@ -282,8 +343,8 @@ def summarize(faulty: dict, clean: dict[int, dict], args, controls: dict[int, di
             },
         }
     clean_rate = {f"seed{seed}": rate(commits(run, 0)) for seed, run in clean.items()}
-    ratios = [v for f in fails for v in f["others_rate_ratio"].values() if v is not None]
-    away = [f["steps_away"] for f in fails if f["steps_away"] is not None]
+    ratios = [v for f in fails for v in f["others_rate_ratio"].values()]
+    away = [f["steps_away"] for f in fails]
     return {
         "finished": faulty["finished"],
         "kills": len(fails),
@@ -292,7 +353,7 @@ def summarize(faulty: dict, clean: dict[int, dict], args, controls: dict[int, di
         "no_failure_runs_steps_per_min": clean_rate,
         "worst_rate_ratio_during_failure": min(ratios) if ratios else None,
         "most_steps_away": max(away) if away else None,
-        "rejoined": sum(f["back_at_step"] is not None for f in fails),
+        "rejoined": len(fails),  # failures() raises on a group that never came back
         "loss_band": band,
         "final_state": final_equal(faulty, groups, args.nproc),
     }
@@ -322,6 +383,10 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=2, help="ranks per group")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--kill-every", type=int, default=20)
+    p.add_argument(
+        "--kill-jitter", type=float, default=0.8,
+        help="seconds: each kill waits a delay drawn up to this ([Note: where a kill lands])",
+    )  # fmt: skip
     p.add_argument("--settle", type=int, default=5, help="no kill sooner than N steps after every group is back")
     p.add_argument("--last-kill-margin", type=int, default=40, help="no kill in the last N steps (time to rejoin)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="no-failure runs for the loss band")
@@ -350,11 +415,15 @@ def main(argv=None) -> int:
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "replica_faults.json")
     p.add_argument("--table", action="store_true", help="print the table of --out's kills, run nothing")
+    p.add_argument(
+        "--from-logs", type=Path, default=None,
+        help="summarize the runs whose logs are in this directory (a --log-dir of an earlier run) again, run nothing",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.table:
         print("\n".join(table(json.loads(args.out.read_text()))))
         return 0
-    log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="replica_faults_"))
+    log_root = args.from_logs or args.log_dir or Path(tempfile.mkdtemp(prefix="replica_faults_"))
     print(f"logs under {log_root}", flush=True)
 
     def runs(nodes: list[Node]) -> tuple[dict, dict[int, dict], dict[int, dict]]:
@@ -369,7 +438,12 @@ def main(argv=None) -> int:
         faulty = run_once(nodes, args, args.seeds[0], kills=args.steps, log_dir=log_root / "faulty")
         return faulty, clean, controls
 
-    if args.local:
+    if args.from_logs is not None:
+        faulty = load_run(args.from_logs / "faulty", args.groups, args.nproc)
+        clean = {seed: load_run(args.from_logs / f"clean{seed}", args.groups, args.nproc) for seed in args.seeds}
+        controls = {s: load_run(args.from_logs / f"control{s}", args.groups, args.nproc) for s in args.control_seeds}
+        where = json.loads((args.from_logs / "where.json").read_text())
+    elif args.local:
         if args.port == 0:
             args.port = free_ports(args.groups + 1)
         faulty, clean, controls = runs([Node("127.0.0.1") for _ in range(args.groups)])
@@ -387,17 +461,29 @@ def main(argv=None) -> int:
             ]
             faulty, clean, controls = runs(nodes)
         where = f"emulated cluster, {args.rate} between groups"
+    load = log_root / "load_average.json"  # the machine's load when the runs ended, kept for --from-logs
+    if args.from_logs is None:
+        load.write_text(json.dumps(os.getloadavg()) + "\n")
+        (log_root / "where.json").write_text(json.dumps(where) + "\n")
     result = {
         "where": where,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "load_average": os.getloadavg(),
+        "load_average": json.loads(load.read_text()) if load.exists() else None,
         **summarize(faulty, clean, args, controls),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
+    print("the survivors' rate over each kill's whole window, / the steady rate:")
+    for i, f in enumerate(result["failures"], 1):
+        print(f"  kill {i}: " + ", ".join(f"{g} {r:.2f}" for g, r in f["others_rate_ratio"].items()))
     print(f"wrote {args.out}")
     return 0
+
+
+def write_result(path: Path, result: dict) -> None:
+    """The result file: every write of bench/results/replica_faults.json goes through here."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

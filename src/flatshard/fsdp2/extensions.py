@@ -50,10 +50,12 @@ from flatshard.api import NotBuiltError
 from flatshard.runtime import reduce
 from flatshard.runtime.comm import collectives
 from flatshard.runtime.comm.mesh import ShardGroups
+from flatshard.runtime.comm.streams import Lane
 from flatshard.runtime.context import Link, UnitSettings
 from flatshard.runtime.grad_state import WindowMarks
 from flatshard.runtime.unit import Unit
 
+COMPUTE, GATHER = Lane.COMPUTE, Lane.GATHER
 _ALIGN = 16  # each packed input starts at a multiple of this many bytes (any dtype views its slice)
 
 
@@ -276,21 +278,33 @@ class SelfGathered:
             calls.append((inputs, metadata))
             layout.append(sizes)
         device = next((t.device for inputs, _ in calls for t in inputs), self.device)
+        streams, label = link.run.streams, f"{link.name} inputs that gather themselves"
         send = torch.zeros(offset, dtype=torch.uint8, device=device)
+        streams.use(COMPUTE, send, "alloc", f"{label} (this rank's)")
         send[:8].view(torch.int64)[0] = status
         if not status:
             for (inputs, _), sizes in zip(calls, layout):
                 for t, (size, dtype, at) in zip(inputs, sizes):
                     n = math.prod(size) * t.element_size()
                     send[at : at + n].view(dtype).copy_(t.detach().reshape(-1))
+        streams.use(COMPUTE, send, "write", f"{label} (this rank's)")
         received = send
         if world > 1:
+            # [Note: stream discipline] (runtime/comm/streams.py), as the flat shard's gather: compute allocates
+            # and packs, the gather stream gathers after compute's event, compute reads after the gather's
             received = torch.empty(world * offset, dtype=torch.uint8, device=device)
+            streams.use(COMPUTE, received, "alloc", label)
             group = self.groups.shard_group
             assert group is not None  # F > 1: the shard group exists
-            with link.errors("all_gather"):
-                result = collectives.all_gather(received, send, group, tag=link.next_tag())
+            streams.order(COMPUTE, GATHER)
+            with streams.on(GATHER), torch.profiler.record_function(f"flatshard::all_gather ({label})"):
+                streams.use(GATHER, send, "read", f"{label} (this rank's)")
+                with link.errors("all_gather"):
+                    result = collectives.all_gather(received, send, group, tag=link.next_tag())
+                streams.use(GATHER, received, "write", label)
             link.record(result, "shard")
+            streams.wait(COMPUTE, streams.record(GATHER))
+        streams.use(COMPUTE, received, "read", label)
         rows = received.view(world, offset)
         statuses = [int(s) for s in rows[:, :8].contiguous().view(torch.int64).view(-1).tolist()]
         flagged = [r for r, s in enumerate(statuses) if s]
@@ -305,6 +319,9 @@ class SelfGathered:
             )
         for m, (_inputs, metadata), sizes in zip(self.members, calls, layout):
             self._unpack(m, metadata, sizes, rows, world)
+        streams.use(COMPUTE, send, "free", f"{label} (this rank's)")
+        if received is not send:
+            streams.use(COMPUTE, received, "free", label)
 
     def _unpack(self, m: Member, metadata: Any, sizes: list, rows: torch.Tensor, world: int) -> None:
         first = m.outputs is None

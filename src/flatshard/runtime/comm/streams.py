@@ -212,3 +212,46 @@ def check_schedule(ops: list[Op], *, max_gathered: Optional[int] = None) -> list
         else:
             history.append(op)
     return problems
+
+
+def without_wait(ops: list[Op], index: Optional[int]) -> list[Op]:
+    """The log ``ops`` as a device would order it had the wait at ``index`` never been issued: the other
+    ops unchanged, renumbered, their vector clocks computed again (``None``: nothing removed, the clocks
+    as recorded). The host issues the same calls whichever waits the streams keep, so this is the log a
+    run whose schedule lacked that wait would record (tests/test_streams.py removes each wait in turn)."""
+    if index is not None and ops[index].kind != "wait":
+        raise ValueError(f"op {index} is a {ops[index].kind}, not a wait")
+    clocks: dict[Lane, dict[Lane, int]] = {lane: dict.fromkeys(Lane, 0) for lane in Lane}
+    events: dict[int, dict[Lane, int]] = {}
+    out: list[Op] = []
+    for op in ops:
+        if op.index == index:
+            continue
+        clock = clocks[op.lane]
+        if op.kind == "wait" and op.event is not None:
+            for other, n in events.get(op.event, {}).items():
+                clock[other] = max(clock[other], n)
+        clock[op.lane] += 1
+        new = Op(len(out), op.lane, op.kind, op.event, op.buffer, op.what, dict(clock))
+        if op.kind == "record" and op.event is not None:
+            events[op.event] = new.clock
+        out.append(new)
+    return out
+
+
+def orders_no_access(ops: list[Op], index: int) -> bool:
+    """Whether removing the wait at ``index`` leaves every two accesses to one buffer from different lanes
+    in the order they had: the order that wait gives is also given by others (a second wait for the same
+    event, or a later wait for a later event of the same lane before any access that needed it)."""
+    rebuilt = iter(without_wait(ops, index))
+    pairs = [(op, next(rebuilt)) for op in ops if op.index != index]  # (as recorded, as rebuilt)
+    by_buffer: dict[int, list[tuple[Op, Op]]] = {}
+    for pair in pairs:
+        if pair[0].buffer is not None:
+            by_buffer.setdefault(pair[0].buffer, []).append(pair)
+    for accesses in by_buffer.values():
+        for i, (b, b2) in enumerate(accesses):
+            for a, a2 in accesses[:i]:
+                if a.lane is not b.lane and happens_before(a, b) != happens_before(a2, b2):
+                    return False
+    return True
