@@ -31,8 +31,11 @@ RERUNS = {  # the configurations that found bugs, (master seed, index), rerun by
     "forward_after_backward_that_reached_no_unit": [(2, 27)],
     "window_given_up_gathers_itself": [(0, 128), (0, 130)],
     "window_zeroed_in_place": [(3, 188)],
+    # the FSDP1 wrapper with bf16 parameters has no FSDP2 oracle: only the reference that casts as the ranks
+    # do ([Note: a reference that rounds as the ranks do]) holds it; reduce dtype fp32 and bf16
+    "fsdp1_bf16": [(0, 111), (0, 162)],
 }
-TIMEOUT_S = 480  # all fourteen configurations: about a minute on two cores; a hang must fail, not wait
+TIMEOUT_S = 480  # all sixteen configurations: about a minute on two cores; a hang must fail, not wait
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +138,10 @@ def test_a_window_given_up_drops_the_unreduced_gradients_of_parameters_that_gath
 # place: a zero gradient ([Note: an open accumulation window]).
 def test_a_window_zeroed_in_place_leaves_zero_gradients(reports):
     _assert_pass(reports, RERUNS["window_zeroed_in_place"])
+
+
+def test_fsdp1_wrapper_with_bf16_parameters_matches_the_reference_that_casts_alike(reports):
+    configs = [fuzz_config.draw(seed, index) for seed, index in RERUNS["fsdp1_bf16"]]
+    assert all(c["front"] == "fsdp1" and c["mp"] for c in configs)
+    assert {c["mp"]["reduce"] for c in configs} == {"fp32", "bf16"}
+    _assert_pass(reports, RERUNS["fsdp1_bf16"])

@@ -78,7 +78,7 @@ def _verdict(outcomes: dict, world: int, timeout: float) -> dict:
     if results[0].get("fsdp2_error"):
         notes.append(f"compared with PyTorch FSDP2 up to step {results[0]['fsdp2_until']}: {results[0]['fsdp2_error']}")
     firsts = [(r, res["mismatch"]) for r, res in enumerate(results) if res["mismatch"]]
-    bitwise = results[0]["bitwise"]
+    bitwise = _bitwise(results)
     fsdp2_wrong = witness is not None and all(
         o["against"] == "fsdp2" and o["step"] >= witness["step"] for r in results for o in r["mismatches"].values()
     )
@@ -96,6 +96,15 @@ def _verdict(outcomes: dict, world: int, timeout: float) -> dict:
         verdict = {"status": "fail", "kind": kind, "detail": _mismatch(rank, m), "bitwise": bitwise, "notes": notes}
         return {**verdict, "margins": _margins(results)}
     return {"status": "pass", "bitwise": bitwise, "notes": notes, "margins": _margins(results)}
+
+
+def _bitwise(results: list) -> dict:
+    """Steps compared with PyTorch's FSDP2; those where every rank's losses, gradients and parameters were
+    bitwise equal to it; and how many of them were held to that ([Note: fuzz tolerances])."""
+    per_rank = [r.get("bitwise_steps", []) for r in results]
+    steps = min(len(s) for s in per_rank)
+    equal = sum(all(s[i] for s in per_rank) for i in range(steps))
+    return {"steps": steps, "equal": equal, "held": steps if results[0].get("bitwise_held") else 0}
 
 
 def _margins(results: list) -> dict:
@@ -136,6 +145,11 @@ def repro(cfg: dict) -> str:
     return f"python -m bench.fuzz --config '{json.dumps(cfg, separators=(',', ':'))}'"
 
 
+def write_json(path: Path, summary: dict) -> None:
+    """The run's record, the one place the fuzzer writes a result file."""
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", "--count", type=int, default=20, help="configurations 0..N-1 of the master seed")
@@ -158,6 +172,7 @@ def main(argv=None) -> int:
     pools = pool.Pools()
     tally, kinds, bitwise = collections.Counter(), collections.Counter(), collections.Counter()
     failures: list[str] = []
+    failing_indices: list[int] = []
     fsdp2_off: list[int] = []  # indices of configurations where PyTorch FSDP2 itself is off the reference
     margins: dict = collections.defaultdict(lambda: (0.0, -1))  # tolerance -> (largest diff / bound, index)
     start = time.perf_counter()
@@ -187,6 +202,7 @@ def main(argv=None) -> int:
             elif verdict["status"] == "fail":
                 kinds[verdict["kind"]] += 1
                 failures.append(f"{repro(cfg)}   # {verdict['kind']}")
+                failing_indices.append(cfg.get("index", -1))
                 print(f"    FAIL {repro(cfg)}")
                 print(f"    first mismatch: {verdict['detail']}", flush=True)
                 if args.trace and "trace" in verdict:
@@ -203,7 +219,9 @@ def main(argv=None) -> int:
         print(f"  {kind[:60]:60s} {n:4d}")
     if bitwise["steps"]:
         print(f"{'steps bitwise equal to FSDP2':34s} {bitwise['equal']:6d} of {bitwise['steps']} compared", end="")
-        print(f" ({bitwise['held']} held to it: fp32 reductions of at most two addends)")
+        print(
+            f" on every rank: losses, gradients, parameters ({bitwise['held']} held to it: fp32, at most two addends)"
+        )
     if bitwise["fsdp2 wrong"]:
         print(f"{'PyTorch FSDP2 off the reference':34s} {bitwise['fsdp2 wrong']:6d} (flatshard on it; not counted)")
     for key, (value, index) in sorted(margins.items()):
@@ -223,10 +241,13 @@ def main(argv=None) -> int:
             "steps_held_bitwise": bitwise["held"],
             "fsdp2_off_the_reference": bitwise["fsdp2 wrong"],
             "fsdp2_off_the_reference_indices": fsdp2_off,
+            "mixed_precision": sum(bool(c.get("mp")) for c in configs),
+            "mixed_precision_fsdp1": sum(bool(c.get("mp")) and c["front"] == "fsdp1" for c in configs),
             "wall_s": round(wall, 1),
             "failing": failures,
+            "failing_indices": failing_indices,
         }
-        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+        write_json(args.json, summary)
     if failures:
         print("\nfailing configurations, one line each to rerun:")
         print("\n".join(failures))

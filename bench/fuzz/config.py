@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 from bench.fuzz.models import module_names, trainable_names
+from bench.fuzz.reference import groups_of
 
 KINDS = ["mlp", "scale", "empty", "container", "buffer", "twice", "frozen"]
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
@@ -175,7 +176,17 @@ def draw(seed: int, index: int) -> dict:
     if front == "fsdp1" and rng.random() < 0.2:
         other = rng.choice([w for w in (1, 2, 3, 4) if w != world])
         cfg["ckpt"] = {"after_step": rng.randrange(cfg["steps"] - 1), "W": other, **_fsdp1_groups(rng, other)}
+    if cfg["mp"] and cfg["mp"]["reduce"] == "bf16" and _addends(cfg) >= 3:
+        # a bf16 sum of 3 or more addends rounds by its order, which differs by shard (and gloo's for an
+        # all-reduce): ([Note: a reference that rounds as the ranks do], reference.py): its reduce dtype is fp32
+        cfg["mp"]["reduce"] = "fp32"
     return cfg
+
+
+def _addends(cfg: dict) -> int:
+    """The most addends of any sum of a reduction in any phase of ``cfg`` (reference.groups_of)."""
+    phases = [(cfg, cfg["W"])] + ([({**cfg, **cfg["ckpt"]}, cfg["ckpt"]["W"])] if cfg.get("ckpt") else [])
+    return max(max(groups_of(c, w)) for c, w in phases)
 
 
 def summary(cfg: dict) -> str:
