@@ -6,6 +6,8 @@ The benchmark itself (``make bench``, docs/bench.md):
     profile_step.py       where a step's time goes: torchrun --nproc-per-node=2 -m bench.profile_step 30M fp32
     gloo_collectives.py   gloo's collectives vs flatshard's exchanges: torchrun ... -m bench.gloo_collectives
     fsdp2_reference.py    PyTorch's FSDP2 built as the benchmark compares it (imported, not run)
+    muon.py               Muon on whole matrices (fully_shard shard_boundaries="params") vs FSDP2 + full_tensor():
+                          python -m bench.muon
 fuzz/      the differential fuzzer: python -m bench.fuzz -n 200 --seed 0 (make fuzz)
 cluster/   an emulated cluster of network namespaces, as root: python -m bench.cluster measure | run | clean,
            python -m bench.cluster.hsdp, .slow_link, .predict (make cluster; docs/multi_node.md)

@@ -7,6 +7,7 @@
   checks.py           what fully_shard refuses before it builds anything
   tensor_parallel.py  FSDP over tensor-parallel DTensor parameters (a 2-D mesh: TP inside, FSDP across)
   extensions.py       parameters that gather themselves (FSDP2's fsdp_pre/post_all_gather)
+  whole.py            shard_boundaries="params": every parameter whole on one rank (Muon), clip_grad_norm_
 
 (The function's file is frontend.py, not fully_shard.py: a submodule named like the function would
 replace it as ``flatshard.fsdp2.fully_shard``.)
@@ -21,6 +22,7 @@ from flatshard.fsdp2.frontend import (
     register_fsdp_forward_method,
 )
 from flatshard.fsdp2.module import FSDPModule, UnshardHandle
+from flatshard.fsdp2.whole import clip_grad_norm_
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -29,6 +31,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "clip_grad_norm_",
     "fully_shard",
     "register_fsdp_forward_method",
 ]

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from flatshard import interop
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.fsdp2 import checks, extensions, meshes, tensor_parallel
+from flatshard.fsdp2 import checks, extensions, meshes, tensor_parallel, whole
 from flatshard.fsdp2.module import FSDPModule
 from flatshard.runtime import build, hooks, precision
 from flatshard.runtime.build import deferred
@@ -86,6 +86,7 @@ def fully_shard(
     offload_policy: Any = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
     dp_mesh_dims=None,
+    shard_boundaries: Optional[str] = None,
 ) -> M:
     """Shard ``module``'s parameters (those not under an inner ``fully_shard``) as one unit, FSDP2's way.
 
@@ -93,7 +94,9 @@ def fully_shard(
     the world. ``reshard_after_forward``: free the gathered parameters after forward (True, FSDP2's
     default; the root is kept anyway) or not (False), or an int g dividing the shard dim's size: keep 1/g
     after forward and gather within groups of g ranks in backward (FSDP2's meaning; g = the size is True,
-    1 is False). Returns ``module``, whose class now also is ``FSDPModule``."""
+    1 is False). ``shard_boundaries``: unset (FSDP2's dim-0 chunks) or ``"params"``, flatshard's: every
+    parameter whole on one rank, for optimizers that read whole matrices ([Note: whole parameters on
+    fully_shard], whole.py). Returns ``module``, whose class now also is ``FSDPModule``."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard got an empty list of modules: pass a module, or a list of them (one group)")
@@ -118,6 +121,17 @@ def fully_shard(
         placed = meshes.placements(lambda: checks.shard_dims(target, shard_placement_fn, ignored_params), mesh)
     shard_size = mesh.size(mesh.ndim - 1)
     reshard, post_forward_size = _reshard_after_forward(reshard_after_forward, shard_size)
+    params_whole = whole.wanted(shard_boundaries)  # [Note: whole parameters on fully_shard] (whole.py)
+    if params_whole:
+        beside = {
+            "shard_placement_fn": shard_placement_fn is not None,
+            "an int reshard_after_forward": bool(post_forward_size),
+        }
+        beside.update(
+            {"tensor-parallel parameters": bool(tp_specs), "parameters that gather themselves": bool(self_gathered)}
+        )
+        beside["CPUOffloadPolicy on an accelerator"] = _offload(offload_policy) and mesh.device_type != "cpu"
+        whole.check(mesh, target, **beside)
     if placed.param_groups:
         _check_other_meshes(tp_specs, self_gathered, post_forward_size)
     # [Note: FSDP over tensor-parallel parameters] (tensor_parallel.py): the unit is built on their local tensors
@@ -131,7 +145,8 @@ def fully_shard(
         mixed_precision=mp,
         # CPUOffloadPolicy on a CPU mesh: the parameters already live in CPU memory, as FSDP2 leaves them
         offload_params=_offload(offload_policy) and mesh.device_type != "cpu",
-        shard_boundaries="chunks",
+        shard_boundaries="params" if params_whole else "chunks",
+        loads=whole.loads_of(mesh) if params_whole else None,
         keep_meta=True,  # [Note: meta parameters left to the user] (runtime/build/deferred.py)
         shard_dims=dims,  # [Note: sharded along another dim] (runtime/chunked.py)
         param_groups=placed.param_groups or None,  # [Note: a flat group per mesh] (runtime/build/grouping.py)
@@ -139,11 +154,16 @@ def fully_shard(
     built = build.build_units(target, options, _no_nested)
     unit = built.root
     checks.remember_flattened(unit)
+    if params_whole:
+        whole.remember(mesh, unit)
     unit.settings.unsynced_in_reduce_dtype = True  # FSDP2 accumulates unsynced gradients in the reduce dtype
     for group in unit.flat_groups:  # one per (mesh, dtype) ([Note: a flat group per dtype], runtime/build/grouping.py)
         if post_forward_size:
             group.gather.post_forward = _post_forward_group(mesh, post_forward_size, group.layout.padded)
         on = placed.mesh_of(group.groups, mesh)
+        if params_whole:
+            whole.as_dtensors(group, mesh)
+            continue
         _as_dtensors(group, on, placements if on is mesh else (Shard(0),), tp_uses)
     extensions.attach(unit, target, self_gathered, mesh, placements, mp_policy, mp, dims)
     if any(group.flat_shard.is_meta for group in unit.flat_groups):

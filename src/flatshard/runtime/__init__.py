@@ -112,6 +112,7 @@ Index of every [Note: ...] in the package
   a group of modules .............. fsdp2/frontend.py
   FSDP over tensor-parallel parameters .. fsdp2/tensor_parallel.py
   parameters that gather themselves .... fsdp2/extensions.py
+  whole parameters on fully_shard .... fsdp2/whole.py
   flat ranges as boxes ............ state/sharded_tensors.py
   loading through a plain parent .. state/module.py
   crash-safe commit ............... checkpoint/directory.py

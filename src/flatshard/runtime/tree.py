@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from flatshard.runtime.flat_group import FlatGroup
+from flatshard.runtime.grad_state import local
 from flatshard.runtime.unit import Unit
 
 WRAPPED = "_fsdp_wrapped_module"  # the FSDP1 wrapper's child: its name adds nothing to parameter names
@@ -201,11 +202,11 @@ def owned_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Paramete
         names = [u.name for u in units if any(g.layout.boundaries != "params" for g in u.flat_groups)][:5]
         raise ValueError(
             f'owned_named_parameters needs every unit built with shard_boundaries="params"; units {names} use '
-            f'{other}. Wrap with FullyShardedDataParallel(..., shard_boundaries="params"): each parameter then '
-            "lives whole on one rank."
+            f'{other}. Wrap with FullyShardedDataParallel(..., shard_boundaries="params") or fully_shard(..., '
+            'shard_boundaries="params"): each parameter then lives whole on one rank.'
         )
-    for name, p in module.named_parameters():
-        if p.numel() and is_whole(p):
+    for name, p in module.named_parameters():  # fully_shard's DTensors: empty on every rank but the owner
+        if local(p).numel() and is_whole(p):
             yield clean_name(name), p
 
 

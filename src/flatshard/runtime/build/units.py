@@ -69,6 +69,8 @@ class BuildOptions:
     shard_dims: Optional[dict] = None  # "chunks": id(param) -> the dim it is cut along (default 0; chunked.py)
     # "chunks": id(param) -> the ShardGroups of a mesh of its own (default the call's; [Note: a flat group per mesh])
     param_groups: Optional[dict] = None
+    # "params": elements each shard rank holds of units built by earlier calls (fully_shard's, one unit per call)
+    loads: Optional[list[int]] = None
 
 
 @dataclass
@@ -126,7 +128,9 @@ def _build_each(module, chosen, by_unit, paths, skip, device_id, groups, options
     else:  # children first (any order would do: parents are looked up before any unit is built)
         units = ((m, by_unit.get(m, [])) for m in [*chosen, module])
     root = None
-    loads = [0] * groups.shard_size  # elements per shard rank so far ([Note: shard boundaries], "params")
+    loads = (
+        options.loads if options.loads is not None else [0] * groups.shard_size
+    )  # elements per shard rank so far ([Note: shard boundaries], "params")
     for unit_module, params in units:
         name = "" if unit_module is module else paths[unit_module]
         unit = build_unit(name, params, groups, options, loads, owners)
