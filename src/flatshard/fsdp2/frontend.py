@@ -200,16 +200,17 @@ def _check_other_meshes(tp_specs: dict, self_gathered: list, post_forward_size: 
         )
 
 
+# [Note: optimizer state across replicas on fully_shard]
+# The wrapper's two keywords, with the wrapper's names and meanings, as keywords of ``fully_shard``: a
+# property of the unit as its mesh is, set where the mesh is given, so a script moving between the front
+# ends keeps its words. Set it alike on every call under one root: ``clip_grad_norm_`` stacks the
+# parameters' norms, which must live on one mesh (the pieces' DTensors are on the 2-D mesh flattened).
+# Both need a 2-D mesh with replicas, refused otherwise; the pieces are not built with what gives a unit
+# a second layout (parameters on a mesh of their own, tensor parallelism, parameters that gather
+# themselves, an int ``reshard_after_forward``) nor with parameters on meta, and (as in the wrapper)
+# not with compression. Every input here is the same on every rank, so every rank raises alike.
 def _check_across_replicas(target, mesh, across, compress, placed, tp_specs, self_gathered, post_forward_size) -> None:
-    """[Note: optimizer state across replicas on fully_shard]
-    The wrapper's two keywords, with the wrapper's names and meanings, as keywords of ``fully_shard``: a
-    property of the unit as its mesh is, set where the mesh is given, so a script moving between the front
-    ends keeps its words. Set it alike on every call under one root: ``clip_grad_norm_`` stacks the
-    parameters' norms, which must live on one mesh (the pieces' DTensors are on the 2-D mesh flattened).
-    Both need a 2-D mesh with replicas, refused otherwise; the pieces are not built with what gives a unit
-    a second layout (parameters on a mesh of their own, tensor parallelism, parameters that gather
-    themselves, an int ``reshard_after_forward``) nor with parameters on meta, and (as in the wrapper)
-    not with compression. Every input here is the same on every rank, so every rank raises alike."""
+    """The checks of the keywords (see the Note above)."""
     if mesh.ndim != 2 or mesh.size(0) == 1 or mesh.size(1) == 1:
         what = "shard_optimizer_across_replicas=True" if across else f"compress_inter_node={compress!r}"
         raise ValueError(
