@@ -24,7 +24,7 @@ from typing import Any, Optional, TypeVar, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from flatshard import interop
@@ -87,6 +87,8 @@ def fully_shard(
     ignored_params: Optional[set[nn.Parameter]] = None,
     dp_mesh_dims=None,
     shard_boundaries: Optional[str] = None,
+    shard_optimizer_across_replicas: bool = False,
+    compress_inter_node: Optional[str] = None,
 ) -> M:
     """Shard ``module``'s parameters (those not under an inner ``fully_shard``) as one unit, FSDP2's way.
 
@@ -96,7 +98,12 @@ def fully_shard(
     after forward and gather within groups of g ranks in backward (FSDP2's meaning; g = the size is True,
     1 is False). ``shard_boundaries``: unset (FSDP2's dim-0 chunks) or ``"params"``, flatshard's: every
     parameter whole on one rank, for optimizers that read whole matrices ([Note: whole parameters on
-    fully_shard], whole.py). Returns ``module``, whose class now also is ``FSDPModule``."""
+    fully_shard], whole.py). Two more of
+    flatshard's keywords, as the FSDP1 wrapper's, on a 2-D mesh only ([Note: optimizer state
+    across replicas on fully_shard]): ``shard_optimizer_across_replicas=True`` keeps the parameters sharded
+    over the shard dim but splits gradients and optimizer state over every rank; ``compress_inter_node="int8"``
+    sends the reduction across replicas as int8 ([Note: inter-node compression], runtime/comm/int8.py).
+    Returns ``module``, whose class now also is ``FSDPModule``."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard got an empty list of modules: pass a module, or a list of them (one group)")
@@ -137,6 +144,11 @@ def fully_shard(
     # [Note: FSDP over tensor-parallel parameters] (tensor_parallel.py): the unit is built on their local tensors
     tp_uses, dims = tensor_parallel.localize(target, tp_specs, placed.dims if shard_placement_fn else None)
     mp, output_dtype = _precision(mp_policy)
+    across = shard_optimizer_across_replicas
+    if across or compress_inter_node is not None:
+        _check_across_replicas(
+            target, mesh, across, compress_inter_node, placed, tp_specs, self_gathered, post_forward_size
+        )
     options = build.BuildOptions(
         strategy=_strategy(mesh, reshard),
         process_group=mesh.get_group() if mesh.ndim == 1 else None,
@@ -150,6 +162,8 @@ def fully_shard(
         keep_meta=True,  # [Note: meta parameters left to the user] (runtime/build/deferred.py)
         shard_dims=dims,  # [Note: sharded along another dim] (runtime/chunked.py)
         param_groups=placed.param_groups or None,  # [Note: a flat group per mesh] (runtime/build/grouping.py)
+        shard_optimizer_across_replicas=across,  # [Note: optimizer state across replicas on fully_shard]
+        compress_inter_node=compress_inter_node,
     )
     built = build.build_units(target, options, _no_nested)
     unit = built.root
@@ -164,6 +178,8 @@ def fully_shard(
         if params_whole:
             whole.as_dtensors(group, mesh)
             continue
+        if group.pieces is not None:  # [Note: pieces in the chunked layout] (runtime/across_replicas.py)
+            on = _flat_mesh(mesh)
         _as_dtensors(group, on, placements if on is mesh else (Shard(0),), tp_uses)
     extensions.attach(unit, target, self_gathered, mesh, placements, mp_policy, mp, dims)
     if any(group.flat_shard.is_meta for group in unit.flat_groups):
@@ -203,6 +219,56 @@ def _check_other_meshes(tp_specs: dict, self_gathered: list, post_forward_size: 
             f"call with {' and '.join(beside)}: not built together. Shard the parameters of the other mesh in a "
             "fully_shard call of their own, or pass reshard_after_forward as a bool"
         )
+
+
+# [Note: optimizer state across replicas on fully_shard]
+# The wrapper's two keywords, with the wrapper's names and meanings, as keywords of ``fully_shard``: a
+# property of the unit as its mesh is, set where the mesh is given, so a script moving between the front
+# ends keeps its words. Set it alike on every call under one root: ``clip_grad_norm_`` stacks the
+# parameters' norms, which must live on one mesh (the pieces' DTensors are on the 2-D mesh flattened).
+# Both need a 2-D mesh with replicas, refused otherwise; the pieces are not built with what gives a unit
+# a second layout (parameters on a mesh of their own, tensor parallelism, parameters that gather
+# themselves, an int ``reshard_after_forward``) nor with parameters on meta, and (as in the wrapper)
+# not with compression. Every input here is the same on every rank, so every rank raises alike.
+def _check_across_replicas(target, mesh, across, compress, placed, tp_specs, self_gathered, post_forward_size) -> None:
+    """The checks of the keywords (see the Note above)."""
+    if mesh.ndim != 2 or mesh.size(0) == 1 or mesh.size(1) == 1:
+        what = "shard_optimizer_across_replicas=True" if across else f"compress_inter_node={compress!r}"
+        raise ValueError(
+            f"fully_shard({what}) acts across the replicas of a 2-D (replicate, shard) mesh with both dims > 1; "
+            f"got a mesh of shape {tuple(mesh.shape)}. Pass mesh=init_device_mesh(device, (replicas, shard)), or "
+            "leave the keyword out"
+        )
+    if not across:
+        return
+    unbuilt = [
+        what
+        for what, on in (
+            ("compress_inter_node", compress is not None),
+            ("shard_placement_fn placing parameters on a mesh of their own", bool(placed.param_groups)),
+            ("tensor-parallel parameters", bool(tp_specs)),
+            ("parameters that gather themselves", bool(self_gathered)),
+            ("an int reshard_after_forward", bool(post_forward_size)),
+            ("parameters on the meta device", any(p.is_meta for p in target.parameters())),
+        )
+        if on
+    ]
+    if unbuilt:
+        raise NotBuiltError(
+            f"fully_shard(shard_optimizer_across_replicas=True) is not built with {' and '.join(unbuilt)}: "
+            "leave one of them out (materialise the model before fully_shard, pass reshard_after_forward as a bool)"
+        )
+
+
+_FLAT_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # 2-D mesh -> its ranks as one dim
+
+
+def _flat_mesh(mesh):
+    """The 2-D mesh flattened (replicate-major, v = r·F + p), made once per mesh (``_flatten`` is collective)."""
+    if mesh not in _FLAT_MESHES:
+        named = mesh.mesh_dim_names is not None  # _flatten needs names; an unnamed mesh is built over its ranks
+        _FLAT_MESHES[mesh] = mesh._flatten() if named else DeviceMesh(mesh.device_type, mesh.mesh.flatten())
+    return _FLAT_MESHES[mesh]
 
 
 def _cast_inputs(dtype: torch.dtype, _module: nn.Module, args: tuple, kwargs: dict) -> tuple:

@@ -101,6 +101,12 @@ class FSDPModule(UnitHost, interop.TorchFSDPModule):
                     "tensor subclasses that gather themselves (FSDP2's all-gather extensions) on a 2-D mesh: "
                     "use set_requires_gradient_sync(False) for the accumulation's micro-batches"
                 )
+            if not requires_all_reduce and any(g.pieces is not None for g in unit.flat_groups):
+                raise NotBuiltError(
+                    f"set_requires_all_reduce(False) is not built for {unit.name!r}, whose optimizer state is split "
+                    "across replicas (shard_optimizer_across_replicas=True): use set_requires_gradient_sync(False) "
+                    "for the accumulation's micro-batches"
+                )
         for unit in units:
             unit.settings.requires_all_reduce = requires_all_reduce
 

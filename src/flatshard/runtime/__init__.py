@@ -91,6 +91,7 @@ Index of every [Note: ...] in the package
   exchange tags ................... runtime/comm/gloo_exchange.py
   inter-node compression .......... runtime/comm/int8.py
   optimizer state across replicas .. runtime/across_replicas.py
+  pieces in the chunked layout .... runtime/across_replicas.py
   forward inside summon_full_params .. runtime/summon.py
   recomputation in backward ....... runtime/hooks.py
   free before the flat gradient ... runtime/hooks.py
@@ -110,6 +111,7 @@ Index of every [Note: ...] in the package
   nested wrappers ................. fsdp.py
   get_state_dict on the wrapper ... fsdp.py
   a group of modules .............. fsdp2/frontend.py
+  optimizer state across replicas on fully_shard .. fsdp2/frontend.py
   FSDP over tensor-parallel parameters .. fsdp2/tensor_parallel.py
   parameters that gather themselves .... fsdp2/extensions.py
   whole parameters on fully_shard .... fsdp2/whole.py

@@ -33,28 +33,44 @@ against HYBRID_SHARD's 16·T/F and FULL_SHARD's 16·T/W).
   silently trained on stale pieces. With nothing changed (evaluation, ``generate``) only the flags cross.
 * Bytes across the replicas per step: the same as HYBRID_SHARD's all-reduce, half of them moved into
   the next forward, where they overlap the first units' compute.
-Not built with it: ``"rows"``/``"params"`` boundaries, CPU offload, ``compress_inter_node`` and the
-``fully_shard`` front end (each raises NotBuiltError); F = 1 or R = 1 is refused (nothing to split).
+* ``fully_shard`` (its keyword ``shard_optimizer_across_replicas=True`` on a 2-D mesh): the same pieces in
+  FSDP2's chunked layout ([Note: chunked layout], chunked.py), see ``ReplicaChunkedLayout``.
+Not built with it: ``"rows"``/``"params"`` boundaries, CPU offload and ``compress_inter_node`` (each raises
+NotBuiltError); F = 1 or R = 1 is refused (nothing to split).
+
+[Note: pieces in the chunked layout]
+Under ``fully_shard`` the optimizer must see DTensors that PyTorch's tools read (``clip_grad_norm_``,
+``full_tensor()``, DCP). A piece of the chunked layout over F ranks would cut parameters anywhere, so the
+owner layout is instead the chunked layout over all W ranks (each parameter in W dim-0 chunks of
+ceil(d0 / W) rows, ``torch.chunk``'s cut), and owner rank v = r·F + p (r the replicate rank, p the shard
+rank): the order of the 2-D mesh flattened, so a parameter is a DTensor ``Shard(dim)`` on ``mesh._flatten()``,
+a mesh PyTorch builds itself. Shard rank p's flat shard holds the owner shards p, F+p, ..., (R-1)·F+p one
+after another, so piece r is again the slice [r·S_w, (r+1)·S_w). The rank-major buffers of the shard
+group's all-gather and reduce-scatter (F blocks of R·S_w) are the owner layout's (W blocks of S_w) with the
+two block indices swapped: one more copy each way than the chunked layout makes. Why not v = p·R + r, the
+wrapper's order, which needs no swap: its DTensor mesh would be a permutation of the flattened mesh, which
+``DeviceMesh`` cannot build over the whole world (it takes the default group, whose rank order differs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
+from flatshard.runtime.chunked import ChunkedLayout
 from flatshard.runtime.comm import collectives
 from flatshard.runtime.comm.streams import Lane, Streams
-from flatshard.runtime.layout import FlatLayout
+from flatshard.runtime.layout import FlatLayout, ParamInfo
 
 
 @dataclass
 class Pieces:
     """A unit's owned piece of its flat shard, and the all-gather that brings the other replicas' pieces."""
 
-    layout: FlatLayout  # the owner layout over all W ranks
+    layout: FlatLayout | ChunkedLayout  # the owner layout over all W ranks
     rank: int  # this rank's owner rank v = shard_rank * R + replicate_rank
     replicate_rank: int  # r: which piece of the flat shard this rank owns
     replicate_size: int  # R
@@ -113,6 +129,70 @@ class Pieces:
             result = collectives.all_gather(out, owned.contiguous(), self.group, tag=tag, sizes=sizes)
         record(result, "replicate")
         return out
+
+
+class ReplicaChunkedLayout:
+    """The shard group's layout under fully_shard with pieces ([Note: pieces in the chunked layout]): shard
+    rank p's flat shard is the owner shards r·F + p of ``owner`` (the chunked layout over W), r = 0..R-1.
+    The same interface as ``ChunkedLayout``, whose arithmetic it reuses."""
+
+    boundaries = "chunks"
+    rank_major: Literal[True] = True
+    uniform = True
+
+    def __init__(self, owner: ChunkedLayout, shard_size: int, replicas: int):
+        self.owner = owner
+        self.shard_size, self.replicas = shard_size, replicas  # F, R
+        self.infos, self.total, self.padded = owner.infos, owner.total, owner.padded
+        self.split_sizes, self.dims = owner.split_sizes, owner.dims
+        self.seg_numel = replicas * owner.seg_numel  # R·S_w
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        return [self.seg_numel] * self.shard_size
+
+    @property
+    def shard_numel(self) -> int:
+        return self.seg_numel
+
+    def shard_numel_of(self, rank: int) -> int:  # noqa: ARG002 - every shard has R·S_w elements
+        return self.seg_numel
+
+    @property
+    def signature(self) -> str:
+        return f"{self.owner.signature} R={self.replicas}"
+
+    def local_slices(self, rank: int) -> list[tuple[int, int]]:
+        """Piece 0's slices (a parameter has R runs in a flat shard; the shard views use the owner layout's)."""
+        return self.owner.local_slices(rank)
+
+    def param_ranges(self, rank: int) -> list[tuple[int, int]]:  # noqa: ARG002 - refused
+        raise ValueError(
+            "a fully_shard flat shard with pieces across replicas holds R runs of each parameter: read the "
+            "parameters as DTensors (state_dict(), full_tensor())"
+        )
+
+    def local_shape(self, info: ParamInfo, lo: int, hi: int) -> tuple[int, ...]:
+        return self.owner.local_shape(info, lo, hi)
+
+    def flatten(self, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.owner.flatten(tensors, dtype=dtype, device=device)
+
+    def segment(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Shard rank ``rank``'s flat shard (R owner shards) cut from the param-major ``full``."""
+        f = self.shard_size
+        return torch.cat([self.owner.segment(full, r * f + rank) for r in range(self.replicas)])
+
+    def _swap(self, blocks: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
+        """(outer, inner, S_w) blocks as (inner, outer, S_w), contiguous, flattened."""
+        return blocks.view(outer, inner, self.owner.seg_numel).transpose(0, 1).reshape(-1)
+
+    def to_rank_major(self, full: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The owner layout's W blocks (v = r·F + p) as F blocks of R (p after p)."""
+        return self._swap(self.owner.to_rank_major(full, dtype), self.replicas, self.shard_size)
+
+    def from_rank_major(self, staging: torch.Tensor, out: torch.Tensor) -> None:
+        self.owner.from_rank_major(self._swap(staging, self.shard_size, self.replicas), out)
 
 
 _CHUNK = 1 << 20  # elements fingerprinted at a time (bounds the int64 copies to 8 MiB each)

@@ -22,7 +22,7 @@ from torch import nn
 
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
 from flatshard.runtime import hooks, precision
-from flatshard.runtime.across_replicas import Pieces
+from flatshard.runtime.across_replicas import Pieces, ReplicaChunkedLayout
 from flatshard.runtime.build import deferred, fingerprint, optim_check
 from flatshard.runtime.build.autoshard import auto_sharding_factor
 from flatshard.runtime.build.grouping import dtype_groups, mesh_groups, one_dtype
@@ -220,10 +220,15 @@ def _inter(on: ShardGroups, groups: ShardGroups, inter, on_nodes, options: Build
 def _layout(infos, originals, groups: ShardGroups, options: BuildOptions, loads, owners) -> tuple:
     """The flat layout of one unit's parameters on these groups, and its pieces across replicas (or None)."""
     pieces = None
-    layout: FlatLayout | ChunkedLayout
+    layout: FlatLayout | ChunkedLayout | ReplicaChunkedLayout
     if options.shard_boundaries == "chunks":  # fully_shard: FSDP2's dim-0 chunks ([Note: chunked layout])
         dims = options.shard_dims or {}
-        layout = ChunkedLayout(infos, groups.shard_size, [dims.get(id(p), 0) for p in originals])
+        f, r = groups.shard_size, groups.replicate_size
+        layout = ChunkedLayout(infos, f * (r if owners else 1), [dims.get(id(p), 0) for p in originals])
+        if owners is not None:  # [Note: pieces in the chunked layout] (across_replicas.py)
+            v = groups.replicate_rank * f + groups.shard_rank
+            pieces = Pieces(layout, v, groups.replicate_rank, r, groups.replicate_group, list(owners))
+            layout = ReplicaChunkedLayout(layout, f, r)
     elif owners is not None:  # [Note: optimizer state across replicas] (across_replicas.py)
         layout = FlatLayout(infos, groups.shard_size, "flat", replicas=groups.replicate_size)
         owner = FlatLayout(layout.infos, groups.shard_size * groups.replicate_size, "flat")
@@ -382,7 +387,7 @@ def owner_ranks(options: BuildOptions, groups: ShardGroups) -> tuple[int, ...]:
     unbuilt = [
         name
         for name, on in (
-            (f"shard_boundaries={options.shard_boundaries!r}", options.shard_boundaries != "flat"),
+            (f"shard_boundaries={options.shard_boundaries!r}", options.shard_boundaries not in ("flat", "chunks")),
             ("cpu_offload", options.offload_params),
             ("compress_inter_node", options.compress_inter_node is not None),
         )
@@ -394,6 +399,8 @@ def owner_ranks(options: BuildOptions, groups: ShardGroups) -> tuple[int, ...]:
             '(shard_boundaries="flat", cpu_offload=None, compress_inter_node=None).'
         )
     v = groups.shard_rank * groups.replicate_size + groups.replicate_rank
+    if options.shard_boundaries == "chunks":  # [Note: pieces in the chunked layout] (across_replicas.py)
+        v = groups.replicate_rank * groups.shard_size + groups.shard_rank
     pairs = agree.gather_json([v, torch.distributed.get_rank()], groups.process_group)
     return tuple(rank for _, rank in sorted(pairs))
 
