@@ -15,15 +15,18 @@ save.py writes (its docstring has the layout), directory.py decides which direct
 checkpoints ([Note: crash-safe commit], [Note: latest and rotation]), load.py reads, format.py is the
 bytes of a file ([Note: checksums]), export.py writes what a plain model or Hugging Face loads, and
 tools.py is ``flatshard consolidate`` and ``flatshard inspect``; resume.py is the ``Checkpointer`` a
-loop resumes with (its docstring: "The loop's own state").
+loop resumes with (its docstring: "The loop's own state"). A fully_shard model (DTensor parameters) is
+saved in DCP's safetensors format instead (dtensors.py, [Note: fully_shard checkpoints are DCP
+safetensors]); front.py's ``save`` and ``load`` choose by the model.
 """
 
 from flatshard.api import CheckpointError
 from flatshard.checkpoint.directory import latest, read_manifest, step_path
 from flatshard.checkpoint.format import shard_file
-from flatshard.checkpoint.load import Loaded, load
+from flatshard.checkpoint.front import load, save
+from flatshard.checkpoint.load import Loaded
 from flatshard.checkpoint.resume import Checkpointer
-from flatshard.checkpoint.save import AsyncSave, save
+from flatshard.checkpoint.save import AsyncSave
 
 __all__ = [
     "save",

@@ -53,7 +53,9 @@ from flatshard.checkpoint.format import FORMAT, FORMAT_VERSION, MANIFEST, fsync_
 
 PARTIAL, REPLACED, REMOVING = ".partial", ".replaced", ".removing"
 POINTER, POINTER_FORMAT = "latest", "flatshard-latest"
-_OWN_FILE = re.compile(r"(manifest\.json(\.tmp)?|rank-\d+-of-\d+\.safetensors)")
+_OWN_FILE = re.compile(
+    r"(manifest\.json(\.tmp)?|rank-\d+-of-\d+\.safetensors|shard-\d+-model-\d+-of-\d+\.safetensors)"
+)  # the second kind of shard file: a fully_shard checkpoint's ([Note: fully_shard checkpoints are DCP safetensors])
 
 
 def step_path(directory, step: int) -> str:

@@ -34,10 +34,10 @@ from typing import Any, Optional
 
 from flatshard.api import CheckpointError
 from flatshard.checkpoint.directory import latest, read_manifest, step_path
-from flatshard.checkpoint.load import load
-from flatshard.checkpoint.save import AsyncSave, save
+from flatshard.checkpoint.front import load, save
+from flatshard.checkpoint.save import AsyncSave
 from flatshard.runtime.comm.agree import gather_json, world_of
-from flatshard.state.model_view import model_view
+from flatshard.state.model_view import holds_dtensors, model_view
 
 logger = logging.getLogger("flatshard")
 
@@ -77,9 +77,13 @@ class Checkpointer:
         """Load the newest complete checkpoint under the directory (or ``path``) into the model, the
         optimizer, this rank's RNG states and ``state``; return its step, the first step to run. With
         none there yet, load nothing and return 0."""
-        view = model_view(self.model)
+        if holds_dtensors(self.model):  # fully_shard: its checkpoint collectives run over the default group
+            group, record = None, None
+        else:
+            view = model_view(self.model)
+            group, record = view.group, view.record
         found = os.fspath(path) if path is not None else latest(self.directory)
-        seen = gather_json(found, view.group, view.record)  # every rank must resume from the same one
+        seen = gather_json(found, group, record)  # every rank must resume from the same one
         if any(s != seen[0] for s in seen):
             listed = "; ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
             raise CheckpointError(
@@ -89,13 +93,13 @@ class Checkpointer:
         if found is None:
             return 0
         saved_world = read_manifest(found).get("world_size")
-        if saved_world != world_of(view.group):
+        if saved_world != world_of(group):
             logger.warning(
                 "flatshard checkpoint: %s was saved by %s ranks, this job has %d: the RNG states are not "
                 "restored, so the run does not go on bitwise as it would have at %s ranks",
                 found,
                 saved_world,
-                world_of(view.group),
+                world_of(group),
                 saved_world,
             )
         step, self.extra = load(found, self.model, self.optimizer, state=self.state)

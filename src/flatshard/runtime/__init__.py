@@ -120,6 +120,7 @@ Index of every [Note: ...] in the package
   crash-safe commit ............... checkpoint/directory.py
   latest and rotation ............. checkpoint/directory.py
   checksums ....................... checkpoint/format.py
+  fully_shard checkpoints are DCP safetensors .. checkpoint/dtensors.py
   bf16-mixed accounting ........... planner/inputs.py
   planner memory model ............ planner/memory.py
   planner communication model ..... planner/comm.py

@@ -96,13 +96,19 @@ class ModelView:
         return self.ctx.phase_scope(phase) if self.ctx is not None else contextlib.nullcontext()
 
 
+def holds_dtensors(module: nn.Module) -> bool:
+    """Whether ``module`` is (or holds) a ``fully_shard`` model, whose parameters are DTensors: its
+    state goes through torch.distributed.checkpoint's state-dict functions, not through ``model_view``."""
+    return any(g.wrap_grad is not None for h in unit_hosts(module) for g in h._unit.flat_groups)
+
+
 def model_view(module: nn.Module, prefix: str = "") -> ModelView:
     hosts = unit_hosts(module)
-    if any(g.wrap_grad is not None for h in hosts for g in h._unit.flat_groups):  # fully_shard's DTensors
+    if holds_dtensors(module):  # fully_shard's DTensors
         raise NotBuiltError(
-            "flatshard's state dicts and checkpoints read FullyShardedDataParallel models; fully_shard's parameters "
-            "are DTensors: save and load them with torch.distributed.checkpoint (get_model_state_dict / "
-            "get_optimizer_state_dict, dcp.save, dcp.load, set_model_state_dict / set_optimizer_state_dict)."
+            "flatshard's state-dict views read FullyShardedDataParallel models; fully_shard's parameters are "
+            "DTensors: use flatshard.checkpoint.save / load / Checkpointer (they write DCP's safetensors format "
+            "for fully_shard), or torch.distributed.checkpoint's get_model_state_dict / get_optimizer_state_dict."
         )
     if hosts:  # a step that raised is put back before the model is read ([Note: a step that raised])
         hosts[0]._unit.ctx.recover()

@@ -1,0 +1,245 @@
+"""Checkpoints of ``fully_shard`` models (DTensor parameters): DCP's safetensors shards, flatshard's commit.
+
+``save`` and ``load`` (save.py, load.py) come here when the model's parameters are DTensors. The
+directory holds ``shard-RRRRR-model-00001-of-00001.safetensors`` per rank that holds something
+(written by ``torch.distributed.checkpoint`` through ``HuggingFaceStorageWriter(save_distributed=True)``:
+each tensor's local piece, its global offsets in the safetensors header) and ``manifest.json``: step,
+extra, the optimizer's ``param_groups``, every rank's RNG states and loop state, each file's size.
+
+[Note: fully_shard checkpoints are DCP safetensors]
+A fully_shard checkpoint must be something ``torch.distributed.checkpoint`` reads (and the frameworks
+that load through it), and nothing a user loads later may be unpickled. DCP's default
+``FileSystemWriter`` writes a pickled ``.metadata``, and its ``torch.save`` path pickles every non-tensor
+value; both are out. DCP's ``HuggingFaceStorageWriter(save_distributed=True)`` writes one safetensors file
+per rank, each tensor piece with its global offsets in the file's JSON header and no ``.metadata``;
+``HuggingFaceStorageReader`` rebuilds DCP's metadata from those headers, so ``dcp.load`` reshards it to any
+world size or mesh (the DTensors it is given decide the pieces read). So: the state dict handed to DCP
+holds tensors only (the model's, from ``get_model_state_dict``, under ``model.``; the optimizer's state,
+from ``get_optimizer_state_dict``, under ``optim.state.``), written into ``PATH.partial``; everything else
+(the optimizer's ``param_groups``, step, extra, RNG, loop state) is JSON in the manifest, which rank 0
+writes last and commits exactly as the wrapper's checkpoints ([Note: crash-safe commit], directory.py;
+``latest`` and ``keep_last`` alike). A user without flatshard loads the tensors with ``dcp.load(sd,
+storage_reader=HuggingFaceStorageReader(PATH))`` and the hyperparameters from ``manifest.json``.
+Not chosen: consolidating to full tensors on save (``enable_consolidation``) costs a full copy per save
+and rank 0's time; a pickle-free rewrite of DCP's ``.metadata`` would be a format only flatshard reads.
+``async_save`` is not built here (``NotBuiltError``): DCP's ``async_save`` stages through its own
+executor, whose commit flatshard would have to wrap; a synchronous save is crash-safe as it is.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import os
+import time
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from flatshard import __version__
+from flatshard.api import CheckpointError, NotBuiltError
+from flatshard.checkpoint.directory import PARTIAL, commit, locate, manifest_in, prepare
+from flatshard.checkpoint.format import FORMAT, FORMAT_VERSION, MANIFEST, fsync_dir, write_json_atomic
+from flatshard.checkpoint.load import Loaded
+from flatshard.checkpoint.save import SavePlan
+from flatshard.runtime.comm.agree import agree, gather_json, rank_in, run_agreed, world_of
+
+KIND = "dcp-safetensors"  # the manifest's "layout"/"kind" of a fully_shard checkpoint
+
+
+def is_dcp(manifest: dict) -> bool:
+    layout = manifest.get("layout")
+    return isinstance(layout, dict) and layout.get("kind") == KIND
+
+
+def save(path: str, model, optimizer, step, extra, async_save: bool, keep_last, state) -> None:
+    """save.py's ``save`` for a fully_shard model ([Note: fully_shard checkpoints are DCP safetensors])."""
+    if async_save:
+        raise NotBuiltError(
+            "checkpoint.save(async_save=True) is not built for fully_shard models; save synchronously "
+            "(async_save=False; Checkpointer(async_save=False)) -- the save is crash-safe either way"
+        )
+    group = None  # DCP's collectives run over the default group: every rank of the job calls save
+    with saving.peer_errors(f"the save to {path}"):
+        head = run_agreed(lambda: _head(model, optimizer, step, extra, keep_last, state), group)
+        message = None
+        if rank_in(group) == 0:
+            try:
+                prepare(path)
+            except (CheckpointError, OSError) as exc:
+                message = f"cannot prepare {path}{PARTIAL}: {exc}"
+        agree(message, group)
+        partial = path + PARTIAL
+        sd = _tensors(model, optimizer)
+        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(partial, save_distributed=True))
+        saving._reached("writing")
+        ranks = gather_json(_rank_record(state), group)
+        message = None
+        if rank_in(group) == 0:
+            try:
+                manifest = _manifest(partial, head, ranks, world_of(group))
+                write_json_atomic(os.path.join(partial, MANIFEST), manifest)
+                fsync_dir(partial)
+                saving._reached("before_commit")
+                commit(partial, path, saving._reached)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                message = f"committing the checkpoint {path} failed: {exc}"
+            else:
+                plan = SavePlan(path, 0, world_of(group), keep_last)
+                saving._after_commit(plan, manifest)
+        agree(message, group)
+
+
+def _head(model, optimizer, step, extra, keep_last, state) -> dict:
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(
+            f"keep_last must be a positive integer (how many checkpoints to keep) or None, got {keep_last!r}"
+        )
+    saving._json_check(step, "step")
+    saving._json_check(extra, "extra")
+    groups = None
+    if optimizer is not None:
+        groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
+        saving._json_check(groups, "the optimizer's param_groups (its hyperparameters)")
+    return {
+        "step": step,
+        "extra": extra,
+        "model": {"keys": list(get_model_state_dict(model))},
+        "optim": None if groups is None else {"param_groups": groups},
+        "state": None if state is None else sorted(saving._loop_state(state)),
+    }
+
+
+def _tensors(model, optimizer) -> dict:
+    """What DCP writes and reads: tensors only, the model's under ``model``, the optimizer's state under
+    ``optim.state`` (DTensors where the parameters are; a scalar ``step`` as a plain tensor)."""
+    sd: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        osd: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer)["state"])  # type: ignore[arg-type]
+        for fqn, keys in osd.items():
+            for k, v in keys.items():
+                if not isinstance(v, torch.Tensor):
+                    raise CheckpointError(
+                        f"the optimizer state {fqn}/{k} is a {type(v).__name__}, not a tensor: a fully_shard "
+                        "checkpoint holds tensor optimizer state only (DCP's safetensors format)"
+                    )
+        sd["optim"] = {"state": osd}
+    return sd
+
+
+def _rank_record(state) -> dict:
+    """This rank's RNG states and loop state, as JSON (bytes as base64)."""
+    tensors, meta = saving._rng_state()
+    rng = {k: base64.b64encode(t.contiguous().numpy().tobytes()).decode() for k, t in tensors if k != "rng/numpy"}
+    numpy_keys = dict(tensors)["rng/numpy"].tolist()
+    return {
+        "rng": rng,
+        "numpy_keys": numpy_keys,
+        "rng_meta": meta,
+        "state": None if state is None else saving._loop_state(state),
+    }
+
+
+def _manifest(partial: str, head: dict, ranks: list, world: int) -> dict:
+    files = {
+        n: {"bytes": os.path.getsize(os.path.join(partial, n))}
+        for n in sorted(os.listdir(partial))
+        if n.endswith(".safetensors")
+    }
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "flatshard_version": __version__,
+        "torch_version": torch.__version__,
+        "committed_at": time.time(),
+        "save_id": uuid.uuid4().hex,
+        "world_size": world,
+        "layout": {"kind": KIND, "front_end": "fully_shard"},
+        **head,
+        "files": files,
+        "ranks": ranks,
+    }
+
+
+def load(path: str, model, optimizer, strict: bool, rng: bool, state) -> Loaded:
+    """load.py's ``load`` for a fully_shard model: ``dcp.load`` through ``HuggingFaceStorageReader``
+    reshards to this job's DTensors (any world size or mesh); returns ``(step, extra)``."""
+    group = None
+    with saving.peer_errors(f"the load of {path}"):
+        where, manifest = run_agreed(lambda: _open(path), group)
+        loading._same_save(path, where, manifest, group, None)
+        run_agreed(lambda: _check(path, manifest, model, optimizer, strict), group)
+        run_agreed(lambda: loading._check_state(path, manifest, state, world_of(group)), group)
+        sd = _tensors(model, optimizer)
+        if not strict:
+            keys = set(manifest["model"]["keys"])
+            sd["model"] = {k: v for k, v in sd["model"].items() if k in keys}
+        dcp.load(sd, storage_reader=HuggingFaceStorageReader(where))
+    set_model_state_dict(model, sd["model"], options=_options(strict))
+    if optimizer is not None:
+        set_optimizer_state_dict(
+            model, optimizer, {"state": sd["optim"]["state"], "param_groups": manifest["optim"]["param_groups"]}
+        )
+    mine = manifest["ranks"][rank_in(group)] if manifest["world_size"] == world_of(group) else None
+    if rng and mine is not None:
+        _restore_rng(mine)
+    for name, obj in (state or {}).items():
+        assert mine is not None  # _check_state made sure the world size is the one saved
+        obj.load_state_dict(mine["state"][name])  # _check_state made sure the world size is the one saved
+    return Loaded(manifest.get("step"), manifest.get("extra"))
+
+
+def _options(strict: bool) -> StateDictOptions:
+    return StateDictOptions(strict=strict)
+
+
+def _open(path: str) -> tuple[str, dict]:
+    where = locate(path)
+    manifest = manifest_in(where, path)
+    if not is_dcp(manifest):
+        raise CheckpointError(
+            f"checkpoint {path} was saved from a FullyShardedDataParallel model (flatshard's flat format); "
+            "a fully_shard model loads checkpoints saved from fully_shard models. Load it into the wrapper "
+            "and save its full state dict, or save the fully_shard model anew"
+        )
+    return where, manifest
+
+
+def _check(path: str, manifest: dict, model, optimizer, strict: bool) -> None:
+    saved = manifest["model"]["keys"]
+    names = list(get_model_state_dict(model))
+    missing = [n for n in names if n not in set(saved)]
+    unexpected = [n for n in saved if n not in set(names)]
+    if strict and (missing or unexpected):
+        parts = [f"the model's {', '.join(missing[:6])} not in the checkpoint"] if missing else []
+        parts += [f"the checkpoint's {', '.join(unexpected[:6])} not in the model"] if unexpected else []
+        raise CheckpointError(
+            f"checkpoint {path} does not match the model: {'; '.join(parts)}. Load it into the model "
+            "it was saved from, or pass strict=False to load the names both have"
+        )
+    if optimizer is not None and manifest.get("optim") is None:
+        raise CheckpointError(
+            f"checkpoint {path} holds no optimizer state; call load without optimizer=, or save with it"
+        )
+
+
+def _restore_rng(mine: dict) -> None:
+    tensors = {k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8) for k, v in mine["rng"].items()}
+    tensors["rng/numpy"] = torch.tensor(mine["numpy_keys"], dtype=torch.int64)
+    loading._restore_rng(tensors, mine["rng_meta"])
+
+
+# The modules by name (the package's ``save`` and ``load`` attributes are the functions): save.py's
+# ``_reached`` is looked up at each call, so tests and fault injection that patch it stop this save too.
+saving = importlib.import_module("flatshard.checkpoint.save")
+loading = importlib.import_module("flatshard.checkpoint.load")

@@ -1,0 +1,167 @@
+"""``flatshard.checkpoint`` on ``fully_shard`` models: DCP's safetensors format, flatshard's commit.
+
+A ``Checkpointer`` on a fully_shard TinyGPT with AdamW saves at W = 2 after steps 1, 2 and 3 with
+``keep_last=2`` (two step directories stay, ``latest`` names step 3), each rank's loader position and
+RNG in the checkpoint; the directory holds safetensors files and ``manifest.json`` only (no pickled
+``.metadata``). Then:
+- resumed at W = 2 from other weights, the model's and the optimizer's full state equal the saved ones
+  bitwise, every rank's loader position comes back, and the next two steps' losses (on batches drawn
+  from the restored RNG) equal the uninterrupted run's bitwise;
+- loaded at W = 1 and W = 3, the full state equals the saved one bitwise;
+- ``torch.distributed.checkpoint`` alone (``HuggingFaceStorageReader``, no process group) reads the
+  model's tensors into a plain TinyGPT, equal to the saved ones;
+- a wrapper (FullyShardedDataParallel) checkpoint given to a fully_shard model, and ``async_save``,
+  raise the errors that name what to do, on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import torch
+
+from tests.helpers.cases import fsdp2_pair, token_loss
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import TinyGPT
+
+SAVED_AT = 3
+MORE = 2
+
+
+class Loader:
+    """A loader with a position of its own (per rank)."""
+
+    def __init__(self, pos: int = 0):
+        self.pos = pos
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.pos = d["pos"]
+
+
+def full_state(model, opt) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+    out = {"model/" + n: full(t) for n, t in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, s in opt.state.items():
+        out.update({f"optim/{names[id(p)]}/{k}": full(v) for k, v in s.items()})
+    return out
+
+
+def step(model, opt, loader) -> float:
+    x = torch.randint(0, 37, (3, 8))  # from the global RNG: a resume must restore it
+    loss = token_loss(model, x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    loader.pos += 3
+    return loss.item()
+
+
+def save_worker(rank: int, world: int, directory: str) -> dict:
+    from flatshard import checkpoint
+
+    _, model = fsdp2_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = Loader(1000 * rank)
+    ckpt = checkpoint.Checkpointer(directory, model, opt, every=1, keep_last=2, state={"loader": loader})
+    torch.manual_seed(100 + rank)
+    assert ckpt.resume() == 0
+    for s in range(SAVED_AT):
+        step(model, opt, loader)
+        ckpt.step_done(s + 1)
+    saved = full_state(model, opt)
+    losses = [step(model, opt, loader) for _ in range(MORE)]
+    return {"saved": saved, "losses": losses, "pos": 1000 * rank + 3 * SAVED_AT}
+
+
+def resume_worker(rank: int, world: int, directory: str) -> dict:
+    from flatshard import checkpoint
+
+    _, model = fsdp2_pair(seed=2)  # other weights: the load must overwrite them
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = Loader()
+    torch.manual_seed(7)  # another RNG state: the load must restore the saved one (at the same W)
+    ckpt = checkpoint.Checkpointer(
+        directory, model, opt, every=1, keep_last=2, state={"loader": loader} if world == 2 else None
+    )
+    start = ckpt.resume()
+    out = {"start": start, "state": full_state(model, opt), "pos": loader.pos}
+    if world == 2:
+        out["losses"] = [step(model, opt, loader) for _ in range(MORE)]
+    return out
+
+
+def test_fully_shard_checkpointer_saves_resumes_and_reshards(tmp_path: pathlib.Path):
+    from flatshard import checkpoint
+
+    directory = str(tmp_path / "ckpt")
+    ran = run_distributed(save_worker, 2, directory, timeout=200)
+    names = sorted(n for n in os.listdir(directory) if n != "latest")
+    assert names == ["step-00000002", "step-00000003"], names  # keep_last=2
+    assert checkpoint.latest(directory) == os.path.join(directory, "step-00000003")
+    files = sorted(os.listdir(os.path.join(directory, "step-00000003")))
+    assert files == ["manifest.json"] + [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)], files
+
+    saved = ran[0]["saved"]
+    for world in (2, 1, 3):
+        for rank, got in enumerate(run_distributed(resume_worker, world, directory, timeout=200)):
+            assert got["start"] == SAVED_AT, got["start"]
+            assert sorted(got["state"]) == sorted(saved), world
+            for k, v in saved.items():
+                assert torch.equal(v, got["state"][k]), (world, k)
+            if world == 2:
+                assert got["pos"] == ran[rank]["pos"], (rank, got["pos"])
+                assert got["losses"] == ran[rank]["losses"], (rank, got["losses"], ran[rank]["losses"])
+
+
+def test_plain_dcp_reads_a_fully_shard_checkpoint(tmp_path: pathlib.Path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    directory = str(tmp_path / "ckpt")
+    saved = run_distributed(save_worker, 2, directory, timeout=200)[0]["saved"]
+    torch.manual_seed(5)
+    plain = TinyGPT()
+    sd = {"model": plain.state_dict()}
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(os.path.join(directory, "step-00000003")), no_dist=True)
+    for n, t in sd["model"].items():
+        assert torch.equal(t, saved["model/" + n]), n
+
+
+def errors_worker(rank: int, world: int, wrapper_ckpt: str, directory: str) -> dict:
+    from flatshard import CheckpointError, NotBuiltError, checkpoint
+
+    _, model = fsdp2_pair()
+    out = {}
+    try:
+        checkpoint.save(os.path.join(directory, "a"), model, async_save=True)
+    except NotBuiltError as e:
+        out["async"] = str(e)
+    try:
+        checkpoint.load(wrapper_ckpt, model)
+    except CheckpointError as e:
+        out["wrapper"] = str(e)
+    return out
+
+
+def wrapper_save_worker(rank: int, world: int, path: str) -> None:
+    from flatshard import checkpoint
+    from tests.helpers.cases import build
+
+    checkpoint.save(path, build("gpt_tie_in_root", "FULL_SHARD")[1], step=1)
+
+
+def test_fully_shard_checkpoint_errors(tmp_path: pathlib.Path):
+    wrapper_ckpt = str(tmp_path / "wrapper")
+    run_distributed(wrapper_save_worker, 2, wrapper_ckpt, timeout=200)
+    for out in run_distributed(errors_worker, 2, wrapper_ckpt, str(tmp_path), timeout=200):
+        assert "async_save=False" in out.get("async", ""), out
+        assert "saved from a FullyShardedDataParallel model" in out.get("wrapper", ""), out
