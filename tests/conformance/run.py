@@ -35,8 +35,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: bench/
 from readme import listed_differences  # noqa: E402
 from regenerate import DEFAULT_OUT, FSDP2_MODULES, SWAPPED  # noqa: E402
+
+from bench import provenance  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.json"
@@ -276,7 +279,7 @@ def main() -> None:
         "world_size": 2,
         "tests": tests,
     }
-    args.results.write_text(json.dumps(recorded, indent=1) + "\n")
+    args.results.write_text(json.dumps(provenance.stamp(recorded), indent=1) + "\n")
     text, bad = summarize(tests, listed)
     print(text)
     sys.exit(1 if bad else 0)
