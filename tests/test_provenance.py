@@ -14,10 +14,6 @@ from bench import provenance
 NOT_YET_STAMPED = {
     "bench/results/bench.json": "make bench (bench.compare stamps it) not rerun yet",
     "bench/results/bench_compiled.json": "bench.compare stamps it; not rerun yet",
-    "bench/results/bench_run5.json": "an earlier engine's log, no generator",
-    "bench/results/bench_run7_bf16_30M_peaks.json": "an earlier engine's log, no generator",
-    "bench/results/bench_run7_bf16_3M.json": "an earlier engine's log, no generator",
-    "bench/results/bench_run7_fp32.json": "an earlier engine's log, no generator",
     "bench/results/cluster_1gbit.json": "make cluster (root, ip, tc) not rerun yet",
     "bench/results/cluster_200mbit.json": "make cluster (root, ip, tc) not rerun yet",
     "bench/results/cluster_hsdp.json": "make cluster not rerun yet",
