@@ -18,7 +18,6 @@ NOT_YET_STAMPED = {
     "bench/results/cluster_200mbit.json": "make cluster (root, ip, tc) not rerun yet",
     "bench/results/cluster_hsdp.json": "make cluster not rerun yet",
     "bench/results/cluster_hsdp_30M.json": "bench.cluster.hsdp --size 30M not rerun yet",
-    "bench/results/compress_accuracy.json": "bench.figures.compress_accuracy stamps it; not rerun yet",
     "bench/results/frameworks.json": "joined by hand from examples/frameworks/*; no generator yet",
     "bench/results/fuzz.json": "bench.fuzz's writer is wired by its owner",
     "bench/results/replica_faults.json": "bench.faults.replica_faults's writer is wired by its owner",
