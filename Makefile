@@ -53,3 +53,22 @@ fuzz: install  # differential fuzzer: N random configurations against the single
 .PHONY: soak
 soak: install  # restart and resume through 24 injected faults at W = 4, checked bitwise against a run without (~15 min)
 	$(PY) -m bench.faults.soak --out bench/results/soak.json $(ARGS)
+
+.PHONY: figures
+# Every committed result file, each from its generator once, in this order, each stamped by bench/provenance.py
+# (python -m bench.provenance lists them). Root for cluster and replica_faults; SOURCE=<PyTorch's
+# test/distributed/_composable/fsdp> for conformance. Not here: bench/results/gpu_check.json (needs a GPU:
+# bash bench/gpu/check.sh) and frameworks.json (joined from examples/frameworks/*, torchtitan needs triton).
+figures: install
+	$(PY) -m bench.figures.boundaries --json bench/results/boundaries.json
+	$(PY) -m bench.figures.compress_accuracy
+	$(PY) -m bench.compare
+	$(PY) -m bench.compare --sizes 30M --world 2 4 --dtypes fp32 bf16 --no-ablation --steps 6 --json bench/results/bench_compiled.json
+	$(MAKE) cluster
+	$(PY) -m bench.cluster.hsdp --size 30M --batch-sizes 4 --steps 8 --out bench/results/cluster_hsdp_30M.json
+	$(PY) -m bench.cluster.slow_link
+	$(MAKE) fuzz
+	$(PY) -m bench.faults.replica_faults
+	$(MAKE) soak
+	$(MAKE) conformance
+	$(PY) -m bench.provenance

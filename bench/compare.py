@@ -62,6 +62,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from bench import provenance
+
 ROOT = Path(__file__).resolve().parents[1]  # the repository: examples/gpt.py is the model measured
 DEFAULT_JSON = ROOT / "bench" / "results" / "bench.json"
 QUICK_JSON = ROOT / "bench" / "results" / "quick.json"
@@ -560,7 +562,7 @@ def main(argv=None) -> int:
         "batch_size": args.batch_size,
         "results": results,
     }
-    out.write_text(json.dumps(report, indent=1))
+    out.write_text(json.dumps(provenance.stamp(report), indent=1))
     print_report(report)
     print(f"results written to {out}")
     return 0 if all(a["agree"] for r in results for a in r["agree"].values()) else 1

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench import compare
+from bench import compare, provenance
 from bench.cluster import net, predict
 from bench.cluster.jobs import RESULTS, WORKER, source_commit
 
@@ -106,7 +106,7 @@ def cmd_measure(args) -> int:
             report = measure_one(rate, args, Path(tmp))
             path = args.json_dir / f"cluster_{rate}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(report, indent=1))
+            path.write_text(json.dumps(provenance.stamp(report), indent=1))
             predict.print_report(report)
             print(f"{rate}: {time.monotonic() - started:.0f} s; results written to {path}\n", flush=True)
             if not all(a["agree"] for a in report["losses_agree"].values()):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench import compare
+from bench import compare, provenance
 from bench.cluster import jobs, net
 
 RESULT = jobs.RESULTS / "cluster_hsdp.json"
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    args.out.write_text(json.dumps(provenance.stamp(report), indent=1))
     print("\n".join(table(report)))
     agree = all(a["agree"] for r in runs for a in r["losses_agree"].values())
     print(f"{time.monotonic() - started:.0f} s; losses agree: {agree}; written to {args.out}")

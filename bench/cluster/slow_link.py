@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench import provenance
 from bench.cluster import jobs, net
 
 FLOOR = "no communication"
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 report = measure(rate, args, Path(tmp))
                 path = args.json_dir / f"slow_link_{rate}.json"
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(report, indent=1))
+                path.write_text(json.dumps(provenance.stamp(report), indent=1))
                 print_report(report)
                 print(f"results written to {path}", flush=True)
                 same = [r for n, r in report["rows"].items() if r["losses_vs"] and ", int8" not in n]

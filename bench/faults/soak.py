@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import provenance
 from examples import fault_injection
 from flatshard.checkpoint.tools import inspect
 
@@ -443,7 +444,7 @@ def main(argv=None) -> int:
             "passed": ok,
             "runs": results,
         }
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        args.out.write_text(json.dumps(provenance.stamp(doc), indent=1) + "\n")
     if args.workdir is None and ok:
         shutil.rmtree(base, ignore_errors=True)
     return 0 if ok else 1

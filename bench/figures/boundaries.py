@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench import provenance
 from flatshard.planner import preset
 from flatshard.runtime.layout import FlatLayout, ParamInfo
 
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
                     f"{f['imbalance']:>9.3f} {f['worst_unit_max_over_mean']:>19.2f}"
                 )
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+        args.json.write_text(json.dumps(provenance.stamp(out), indent=1))
     return 0
 
 

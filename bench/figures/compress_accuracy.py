@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench import compare
+from bench import compare, provenance
 from examples.local_launch import run_local
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
         model=args.model,
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1))
+    args.json.write_text(json.dumps(provenance.stamp(report), indent=1))
     print_report(report)
     print(f"results written to {args.json}")
     return 0 if all(r["within_goal"] for r in report["compressed"].values() if not r["reference"]) else 1

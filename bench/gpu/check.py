@@ -48,6 +48,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # this working tree's flatshard, and the test models
 
+from bench import provenance
 from bench.gpu import fronts  # noqa: E402
 from flatshard import CPUOffload, MixedPrecision, ShardingStrategy, param_groups  # noqa: E402
 from flatshard import FullyShardedDataParallel as FSDP  # noqa: E402
@@ -536,11 +537,11 @@ def main() -> int:
                 print(f"{r.status:7} {r.name}: {r.summary}{seconds}", flush=True)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 # written after each check, so a run stopped by a hang keeps what came before
-                path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+                path.write_text(json.dumps(provenance.stamp(report), indent=2, default=str) + "\n")
     failed = [c["name"] for c in report["checks"] if c["status"] == "FAIL"]
     report["passed"] = not failed
     if ctx.rank == 0:
-        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        path.write_text(json.dumps(provenance.stamp(report), indent=2, default=str) + "\n")
         counts = {s: sum(c["status"] == s for c in report["checks"]) for s in ("PASS", "FAIL", "NOT RUN")}
         which = f" ({', '.join(failed)})" if failed else ""
         print(

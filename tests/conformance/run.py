@@ -35,8 +35,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: bench/
 from readme import listed_differences  # noqa: E402
 from regenerate import DEFAULT_OUT, FSDP2_MODULES, SWAPPED  # noqa: E402
+
+from bench import provenance  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.json"
@@ -178,7 +181,12 @@ def run_file(variant: str, variant_dir: Path, ids: list[str], timeout: float) ->
                 finished.add(rec["id"])
         hung = [i for i in started if i not in finished]
         for test_id in hung:
-            results[test_id] = {"outcome": "failed", "error": f"no result within {timeout:.0f} s (hang or crash)"}
+            # [Note: a timeout says the load] On a shared machine a slow test is not a hang: the 1f1b test took
+            # 10 s at load 6 and 147 s at load 36 on 2 cores, past the 120 s default. Say the load, so a
+            # failure by timeout under load is told apart from a hang.
+            load = os.getloadavg()[0]
+            error = f"no result within {timeout:.0f} s (hang or crash; 1-min load {load:.1f} on {os.cpu_count()} cores)"
+            results[test_id] = {"outcome": "failed", "error": error}
         if not started:  # the file did not even import: every test fails with the same reason
             tail = " | ".join(res.stdout.strip().splitlines()[-3:])[:500]
             for test_id in todo:
@@ -276,7 +284,7 @@ def main() -> None:
         "world_size": 2,
         "tests": tests,
     }
-    args.results.write_text(json.dumps(recorded, indent=1) + "\n")
+    args.results.write_text(json.dumps(provenance.stamp(recorded), indent=1) + "\n")
     text, bad = summarize(tests, listed)
     print(text)
     sys.exit(1 if bad else 0)
