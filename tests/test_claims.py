@@ -1,10 +1,10 @@
-"""Every NotBuiltError flatshard can raise is in README.md's "Status: what is built" table, in its not-built
-column, and the ones that table once left out raise it.
+"""Every NotBuiltError flatshard can raise is in docs/reference/status.md's table, in its not-built column,
+and the ones that table once left out raise it.
 
 Each place in src/flatshard that builds a NotBuiltError is found from the source (ast: the function
-around the call), and NOT_BUILT names, per function and in source order, the words of the README's
+around the call), and NOT_BUILT names, per function and in source order, the words of the page's
 not-built column that cover each one. A new place, one removed or one moved to another function fails
-here until this map, and with it the README, says so."""
+here until this map, and with it the page, says so."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.helpers.dist import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "flatshard"
 
-# (file under src/flatshard, function) -> what the README's not-built column says of each NotBuiltError
+# (file under src/flatshard, function) -> what the status page's not-built column says of each NotBuiltError
 # built there, in source order
 NOT_BUILT = {
     ("fsdp.py", "FullyShardedDataParallel._fqn_modifiers"): [
@@ -95,26 +95,28 @@ def _not_built_sites() -> dict[tuple[str, str], int]:
     return sites
 
 
-def _readme_not_built_column() -> str:
-    text = (ROOT / "README.md").read_text()
-    table = text[text.index("### Status: what is built") :]
-    table = table[: table.index("\n## ")]
+STATUS = ROOT / "docs" / "reference" / "status.md"
+
+
+def _status_not_built_column() -> str:
+    text = STATUS.read_text()
+    table = text[text.index("## The table") :]
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| built |")]
     return "\n".join(row.strip().strip("|").split(" | ")[-1] for row in rows)
 
 
-def test_every_not_built_error_is_in_the_readme_status_table():
+def test_every_not_built_error_is_in_the_status_table():
     sites = _not_built_sites()
     assert sites, "no NotBuiltError found in src/flatshard: the search is broken"
     assert set(sites) == set(NOT_BUILT), (
         f"NotBuiltError sites not in NOT_BUILT: {sorted(set(sites) - set(NOT_BUILT))}; "
         f"in NOT_BUILT but gone: {sorted(set(NOT_BUILT) - set(sites))}"
     )
-    column = _readme_not_built_column()
+    column = _status_not_built_column()
     for key, count in sites.items():
         assert len(NOT_BUILT[key]) == count, f"{key} builds {count} NotBuiltError(s), NOT_BUILT names {NOT_BUILT[key]}"
         for words in NOT_BUILT[key]:
-            assert words in column, f"README's not-built column does not say {words!r} ({key})"
+            assert words in column, f"docs/reference/status.md's not-built column does not say {words!r} ({key})"
 
 
 def _raises(fn) -> str:
