@@ -9,6 +9,7 @@ here until this map, and with it the page, says so."""
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import torch
@@ -157,3 +158,73 @@ def test_the_not_built_features_the_table_left_out_raise_not_built_error():
         assert out["custom policy"].startswith("NotBuiltError: CustomPolicy returning per-module keyword"), out
         assert out["named optimizer"].startswith("NotBuiltError: optim_state_dict_to_load(is_named_optimizer"), out
         assert out["0-D"].startswith("ValueError: fully_shard shards parameters along dim 0, and ['scale']"), out
+
+
+# ---------------------------------------------------------------- figures in the pages, from the result files
+RESULTS = ROOT / "bench" / "results"
+SYSTEMS = ("flatshard", "flatshard fully_shard", "FSDP2", "DDP")
+
+
+def _bench_rows(report: dict) -> list[str]:
+    """docs/bench.md's table of the figures, one row per comparison of bench/results/bench.json."""
+    rows = []
+    for r in (r for r in report["results"] if r["kind"] == "comparison"):
+        sy = r["systems"]
+        ms = " | ".join(f"{sy[n]['step_s_median'] * 1e3:,.0f}" for n in SYSTEMS)
+        mib = " / ".join(f"{max(sy[n]['peak_bytes_per_rank']) / 2**20:.1f}" for n in SYSTEMS)
+        rows.append(
+            f"| {r['size']} | {r['world']} | {r['dtype']} | {ms} | {r['flatshard/FSDP2']:.2f} | "
+            f"{r['fully_shard/FSDP2']:.2f} | {mib} |"
+        )
+    return rows
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.2f}–{max(values):.2f}"
+
+
+def test_the_bench_page_is_the_committed_run():
+    """The table, the ranges its prose gives and the ablation of docs/bench.md are bench/results/bench.json."""
+    report = json.loads((RESULTS / "bench.json").read_text())
+    text = (ROOT / "docs" / "bench.md").read_text()
+    prose = " ".join(text.split())
+    rows = _bench_rows(report)
+    assert len(rows) == 8 and all(row in text for row in rows), [row for row in rows if row not in text]
+    comparisons = [r for r in report["results"] if r["kind"] == "comparison"]
+    for key, words in (
+        ("flatshard/FSDP2", "**flatshard FULL_SHARD**"),
+        ("fully_shard/FSDP2", "**flatshard `fully_shard`**"),
+    ):
+        fp32 = _span([r[key] for r in comparisons if r["dtype"] == "fp32"])
+        bf16 = _span([r[key] for r in comparisons if r["dtype"] == "bf16"])
+        sentence = prose[prose.index(words) :][:200]
+        assert f"{fp32} of its step in fp32, {bf16} in bf16" in sentence, (sentence, fp32, bf16)
+    (ablation,) = [r for r in report["results"] if r["kind"] == "ablation"]
+    default = ablation["systems"]["BACKWARD_PRE (default)"]["step_s_median"]
+    for name, s in ablation["systems"].items():
+        row = (
+            f"| {name} | {s['step_s_median'] * 1e3:,.0f} | {s['step_s_median'] / default:.2f} | "
+            f"{max(s['peak_bytes_per_rank']) / 2**20:.1f} |"
+        )
+        assert row in text, row
+    assert f"FULL_SHARD / NO_SHARD = {ablation['FULL_SHARD/NO_SHARD']:.2f}" in prose
+    assert f'`shard_boundaries="rows"` is {ablation["rows/flat"]:.2f} of the flat step' in prose
+    assert f'`"params"` {ablation["params/flat"]:.2f}' in prose
+
+
+def test_the_frameworks_table_is_the_committed_runs():
+    """docs/how-to/migrate.md's losses are bench/results/frameworks.json's, FSDP2 and flatshard equal to the bit."""
+    report = json.loads((RESULTS / "frameworks.json").read_text())
+    text = (ROOT / "docs" / "how-to" / "migrate.md").read_text()
+    for name, label in (("lightning", "Lightning"), ("accelerate", "Accelerate")):
+        runs = report[name]["runs"]
+        assert report[name]["equal"] and runs["FSDP2"] == runs["flatshard"], name
+        means = [sum(rank[i] for rank in runs["FSDP2"]) / len(runs["FSDP2"]) for i in range(len(runs["FSDP2"][0]))]
+        first, last = f"{means[0]:.6f}", f"{means[-1]:.6f}"
+        row = [line for line in text.splitlines() if line.startswith(f"| {label} |")]
+        assert row and f"{first} / {first}" in row[0] and f"{last} / {last}" in row[0], (row, first, last)
+    tt = report["torchtitan"]["runs"]
+    assert report["torchtitan"]["equal"] and tt["FSDP2"] == tt["flatshard"]
+    row = [line for line in text.splitlines() if line.startswith("| torchtitan |")]
+    first, last, norm = f"{tt['FSDP2'][0][0]:.6f}", f"{tt['FSDP2'][-1][0]:.6f}", f"{tt['FSDP2'][-1][1]:.6f}"
+    assert row and f"{first} / {first}" in row[0] and f"{last} / {last}" in row[0] and norm in row[0], row
