@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,11 +91,20 @@ def _env(bin_dir: Path) -> dict[str, str]:
     return env
 
 
+REFUSE = "echo 'the doc test installs nothing: mark this block <!-- syntax-only: installs packages -->' >&2; exit 3"
+
+
 def _shims(bin_dir: Path) -> None:
-    """``flatshard``, ``python`` and ``torchrun`` as a user of this checkout has them."""
+    """``flatshard``, ``python`` and ``torchrun`` as a user of this checkout has them; ``pip`` (and
+    ``python -m pip``) refuse, so a block that installs cannot change an environment."""
     for name, args in (("flatshard", "-m flatshard"), ("python", ""), ("torchrun", "-m torch.distributed.run")):
         shim = bin_dir / name
-        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" {args} "$@"\n')
+        guard = f'case "$1 $2" in "-m pip"*) {REFUSE};; esac\n' if name == "python" else ""
+        shim.write_text(f'#!/bin/sh\n{guard}exec "{sys.executable}" {args} "$@"\n')
+        shim.chmod(0o755)
+    for name in ("pip", "pip3", "python3", "uv"):
+        shim = bin_dir / name
+        shim.write_text(f"#!/bin/sh\n{REFUSE}\n")
         shim.chmod(0o755)
 
 
@@ -109,8 +119,19 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str]) -> str | None:
     return f"exit status {done.returncode}\n{(done.stdout + done.stderr)[-3000:]}"
 
 
+TIMES: dict[str, float] = {}  # seconds per job (its first block's place), printed by the test
+
+
 def check(job: list[Block], work: Path, bin_dir: Path) -> list[str]:
     """Run one job (a python block, or a page's shell blocks in order); the failures, as messages."""
+    start = time.perf_counter()
+    try:
+        return _check(job, work, bin_dir)
+    finally:
+        TIMES[job[0].where] = time.perf_counter() - start
+
+
+def _check(job: list[Block], work: Path, bin_dir: Path) -> list[str]:
     env = _env(bin_dir)
     failures = []
     for i, b in enumerate(job):
@@ -190,7 +211,10 @@ def test_every_code_block_runs():
     for reason, k in sorted(reasons.items(), key=lambda kv: -kv[1]):
         print(f"  syntax-only x{k}: {reason}")
     assert n["run"] >= MIN_RUN, f"only {n['run']} blocks run (at least {MIN_RUN} did): were blocks marked away?"
+    started = time.perf_counter()
     failures = run_all(blocks)
+    slowest = sorted(TIMES.items(), key=lambda kv: -kv[1])[:6]
+    print(f"  {time.perf_counter() - started:.0f} s; slowest: " + ", ".join(f"{w} {t:.0f} s" for w, t in slowest))
     assert not failures, "code blocks that do not run as written:\n\n" + "\n\n".join(failures)
 
 
@@ -210,6 +234,10 @@ assert dist.get_world_size() == 3, "two ranks"
 
 ```sh
 flatshard plan --no-such-flag
+```
+
+```sh
+pip install --no-such-package-here
 ```
 
 <!-- syntax-only: a fragment -->
@@ -240,6 +268,7 @@ def test_a_broken_block_is_reported():
     assert [(b.lang, b.how) for b in blocks] == [
         ("python", "run"),
         ("python", "torchrun"),
+        ("sh", "run"),
         ("sh", "run"),
         ("python", "syntax"),
         ("sh", "syntax"),
