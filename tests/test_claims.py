@@ -228,3 +228,23 @@ def test_the_frameworks_table_is_the_committed_runs():
     row = [line for line in text.splitlines() if line.startswith("| torchtitan |")]
     first, last, norm = f"{tt['FSDP2'][0][0]:.6f}", f"{tt['FSDP2'][-1][0]:.6f}", f"{tt['FSDP2'][-1][1]:.6f}"
     assert row and f"{first} / {first}" in row[0] and f"{last} / {last}" in row[0] and norm in row[0], row
+
+
+# ---------------------------------------------------------------- the reference names everything public
+def test_the_reference_documents_every_public_name_and_keyword():
+    """docs/reference/api.md has a ``:::`` entry for every name ``flatshard`` exports (the docstrings make
+    the page), and docs/reference/keywords.md a row for every keyword of both front ends."""
+    import inspect
+
+    import flatshard
+
+    api = (ROOT / "docs" / "reference" / "api.md").read_text()
+    documented = {line.split()[-1].rsplit(".", 1)[-1] for line in api.splitlines() if line.startswith("::: ")}
+    missing = sorted(set(flatshard.__all__) - documented - {"FSDP"})  # FSDP: the wrapper's short name
+    assert not missing, f"docs/reference/api.md has no ::: entry for {missing}"
+    assert "`flatshard.FSDP` is `FullyShardedDataParallel`" in api
+    keywords = (ROOT / "docs" / "reference" / "keywords.md").read_text()
+    for fn in (flatshard.FullyShardedDataParallel.__init__, flatshard.fully_shard):
+        names = [n for n in inspect.signature(fn).parameters if n not in ("self", "module")]
+        absent = [n for n in names if f"| `{n}`" not in keywords and f", `{n}` |" not in keywords]
+        assert not absent, f"docs/reference/keywords.md has no row for {fn.__qualname__}'s {absent}"
