@@ -116,7 +116,7 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str]) -> str | None:
         return f"timed out after {TIMEOUT_S} s"
     if done.returncode == 0:
         return None
-    return f"exit status {done.returncode}\n{(done.stdout + done.stderr)[-3000:]}"
+    return f"exit status {done.returncode}\nstdout: {done.stdout[-1500:]}\nstderr: {done.stderr[-3000:]}"
 
 
 TIMES: dict[str, float] = {}  # seconds per job (its first block's place), printed by the test
