@@ -5,14 +5,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: run test lint install clean
+.PHONY: run test lint install clean docs
 
 install: $(VENV)/.installed
 
 # constraints/cpu.txt pins the torch build of this project's machines; the package asks only for torch>=2.13
 $(VENV)/.installed: pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[examples,test,lint]'
+	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[examples,test,lint,docs]'
 	touch $@
 
 run: install
@@ -30,8 +30,11 @@ lint: install  # ruff: the formatter's check and the linter; mypy over src/ (bot
 bench: install  # flatshard vs FSDP2 vs DDP (docs/bench.md); ARGS="--quick" for a short run
 	$(PY) -m bench.compare $(ARGS)
 
+docs: install  # the documentation site from docs/ into site/ (MkDocs-Material, mkdocstrings); warnings are errors
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) src/*.egg-info
+	rm -rf $(VENV) src/*.egg-info site
 
 .PHONY: cluster
 cluster: install  # as root: an emulated 2-node cluster; calibration, measured and predicted steps; FSDP2's HSDP as users run it (docs/multi_node.md)

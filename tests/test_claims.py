@@ -1,14 +1,15 @@
-"""Every NotBuiltError flatshard can raise is in README.md's "Status: what is built" table, in its not-built
-column, and the ones that table once left out raise it.
+"""Every NotBuiltError flatshard can raise is in docs/reference/status.md's table, in its not-built column,
+and the ones that table once left out raise it.
 
 Each place in src/flatshard that builds a NotBuiltError is found from the source (ast: the function
-around the call), and NOT_BUILT names, per function and in source order, the words of the README's
+around the call), and NOT_BUILT names, per function and in source order, the words of the page's
 not-built column that cover each one. A new place, one removed or one moved to another function fails
-here until this map, and with it the README, says so."""
+here until this map, and with it the page, says so."""
 
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from tests.helpers.dist import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "flatshard"
 
-# (file under src/flatshard, function) -> what the README's not-built column says of each NotBuiltError
+# (file under src/flatshard, function) -> what the status page's not-built column says of each NotBuiltError
 # built there, in source order
 NOT_BUILT = {
     ("fsdp.py", "FullyShardedDataParallel._fqn_modifiers"): [
@@ -104,26 +105,28 @@ def _not_built_sites() -> dict[tuple[str, str], int]:
     return sites
 
 
-def _readme_not_built_column() -> str:
-    text = (ROOT / "README.md").read_text()
-    table = text[text.index("### Status: what is built") :]
-    table = table[: table.index("\n## ")]
+STATUS = ROOT / "docs" / "reference" / "status.md"
+
+
+def _status_not_built_column() -> str:
+    text = STATUS.read_text()
+    table = text[text.index("## The table") :]
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| built |")]
     return "\n".join(row.strip().strip("|").split(" | ")[-1] for row in rows)
 
 
-def test_every_not_built_error_is_in_the_readme_status_table():
+def test_every_not_built_error_is_in_the_status_table():
     sites = _not_built_sites()
     assert sites, "no NotBuiltError found in src/flatshard: the search is broken"
     assert set(sites) == set(NOT_BUILT), (
         f"NotBuiltError sites not in NOT_BUILT: {sorted(set(sites) - set(NOT_BUILT))}; "
         f"in NOT_BUILT but gone: {sorted(set(NOT_BUILT) - set(sites))}"
     )
-    column = _readme_not_built_column()
+    column = _status_not_built_column()
     for key, count in sites.items():
         assert len(NOT_BUILT[key]) == count, f"{key} builds {count} NotBuiltError(s), NOT_BUILT names {NOT_BUILT[key]}"
         for words in NOT_BUILT[key]:
-            assert words in column, f"README's not-built column does not say {words!r} ({key})"
+            assert words in column, f"docs/reference/status.md's not-built column does not say {words!r} ({key})"
 
 
 def _raises(fn) -> str:
@@ -164,3 +167,93 @@ def test_the_not_built_features_the_table_left_out_raise_not_built_error():
         assert out["custom policy"].startswith("NotBuiltError: CustomPolicy returning per-module keyword"), out
         assert out["named optimizer"].startswith("NotBuiltError: optim_state_dict_to_load(is_named_optimizer"), out
         assert out["0-D"].startswith("ValueError: fully_shard shards parameters along dim 0, and ['scale']"), out
+
+
+# ---------------------------------------------------------------- figures in the pages, from the result files
+RESULTS = ROOT / "bench" / "results"
+SYSTEMS = ("flatshard", "flatshard fully_shard", "FSDP2", "DDP")
+
+
+def _bench_rows(report: dict) -> list[str]:
+    """docs/bench.md's table of the figures, one row per comparison of bench/results/bench.json."""
+    rows = []
+    for r in (r for r in report["results"] if r["kind"] == "comparison"):
+        sy = r["systems"]
+        ms = " | ".join(f"{sy[n]['step_s_median'] * 1e3:,.0f}" for n in SYSTEMS)
+        mib = " / ".join(f"{max(sy[n]['peak_bytes_per_rank']) / 2**20:.1f}" for n in SYSTEMS)
+        rows.append(
+            f"| {r['size']} | {r['world']} | {r['dtype']} | {ms} | {r['flatshard/FSDP2']:.2f} | "
+            f"{r['fully_shard/FSDP2']:.2f} | {mib} |"
+        )
+    return rows
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.2f}–{max(values):.2f}"
+
+
+def test_the_bench_page_is_the_committed_run():
+    """The table, the ranges its prose gives and the ablation of docs/bench.md are bench/results/bench.json."""
+    report = json.loads((RESULTS / "bench.json").read_text())
+    text = (ROOT / "docs" / "bench.md").read_text()
+    prose = " ".join(text.split())
+    rows = _bench_rows(report)
+    assert len(rows) == 8 and all(row in text for row in rows), [row for row in rows if row not in text]
+    comparisons = [r for r in report["results"] if r["kind"] == "comparison"]
+    for key, words in (
+        ("flatshard/FSDP2", "**flatshard FULL_SHARD**"),
+        ("fully_shard/FSDP2", "**flatshard `fully_shard`**"),
+    ):
+        fp32 = _span([r[key] for r in comparisons if r["dtype"] == "fp32"])
+        bf16 = _span([r[key] for r in comparisons if r["dtype"] == "bf16"])
+        sentence = prose[prose.index(words) :][:200]
+        assert f"{fp32} of its step in fp32, {bf16} in bf16" in sentence, (sentence, fp32, bf16)
+    (ablation,) = [r for r in report["results"] if r["kind"] == "ablation"]
+    default = ablation["systems"]["BACKWARD_PRE (default)"]["step_s_median"]
+    for name, s in ablation["systems"].items():
+        row = (
+            f"| {name} | {s['step_s_median'] * 1e3:,.0f} | {s['step_s_median'] / default:.2f} | "
+            f"{max(s['peak_bytes_per_rank']) / 2**20:.1f} |"
+        )
+        assert row in text, row
+    assert f"FULL_SHARD / NO_SHARD = {ablation['FULL_SHARD/NO_SHARD']:.2f}" in prose
+    assert f'`shard_boundaries="rows"` is {ablation["rows/flat"]:.2f} of the flat step' in prose
+    assert f'`"params"` {ablation["params/flat"]:.2f}' in prose
+
+
+def test_the_frameworks_table_is_the_committed_runs():
+    """docs/how-to/migrate.md's losses are bench/results/frameworks.json's, FSDP2 and flatshard equal to the bit."""
+    report = json.loads((RESULTS / "frameworks.json").read_text())
+    text = (ROOT / "docs" / "how-to" / "migrate.md").read_text()
+    for name, label in (("lightning", "Lightning"), ("accelerate", "Accelerate")):
+        runs = report[name]["runs"]
+        assert report[name]["equal"] and runs["FSDP2"] == runs["flatshard"], name
+        means = [sum(rank[i] for rank in runs["FSDP2"]) / len(runs["FSDP2"]) for i in range(len(runs["FSDP2"][0]))]
+        first, last = f"{means[0]:.6f}", f"{means[-1]:.6f}"
+        row = [line for line in text.splitlines() if line.startswith(f"| {label} |")]
+        assert row and f"{first} / {first}" in row[0] and f"{last} / {last}" in row[0], (row, first, last)
+    tt = report["torchtitan"]["runs"]
+    assert report["torchtitan"]["equal"] and tt["FSDP2"] == tt["flatshard"]
+    row = [line for line in text.splitlines() if line.startswith("| torchtitan |")]
+    first, last, norm = f"{tt['FSDP2'][0][0]:.6f}", f"{tt['FSDP2'][-1][0]:.6f}", f"{tt['FSDP2'][-1][1]:.6f}"
+    assert row and f"{first} / {first}" in row[0] and f"{last} / {last}" in row[0] and norm in row[0], row
+
+
+# ---------------------------------------------------------------- the reference names everything public
+def test_the_reference_documents_every_public_name_and_keyword():
+    """docs/reference/api.md has a ``:::`` entry for every name ``flatshard`` exports (the docstrings make
+    the page), and docs/reference/keywords.md a row for every keyword of both front ends."""
+    import inspect
+
+    import flatshard
+
+    api = (ROOT / "docs" / "reference" / "api.md").read_text()
+    documented = {line.split()[-1].rsplit(".", 1)[-1] for line in api.splitlines() if line.startswith("::: ")}
+    missing = sorted(set(flatshard.__all__) - documented - {"FSDP"})  # FSDP: the wrapper's short name
+    assert not missing, f"docs/reference/api.md has no ::: entry for {missing}"
+    assert "`flatshard.FSDP` is `FullyShardedDataParallel`" in api
+    keywords = (ROOT / "docs" / "reference" / "keywords.md").read_text()
+    for fn in (flatshard.FullyShardedDataParallel.__init__, flatshard.fully_shard):
+        names = [n for n in inspect.signature(fn).parameters if n not in ("self", "module")]
+        absent = [n for n in names if f"| `{n}`" not in keywords and f", `{n}` |" not in keywords]
+        assert not absent, f"docs/reference/keywords.md has no row for {fn.__qualname__}'s {absent}"

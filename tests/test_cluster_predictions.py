@@ -81,11 +81,11 @@ def _counts() -> tuple[int, int]:
 
 
 def test_the_documents_state_the_count_the_committed_runs_give():
-    """README.md, docs/planner.md and docs/multi_node.md say "N of M step predictions" for the committed
+    """docs/planner.md and docs/multi_node.md say "N of M step predictions" for the committed
     runs; N and M are recomputed here, so the sentence cannot drift from the data."""
     within, judged = _counts()
     assert judged - within == len(KNOWN_MISSES)
-    for doc in ("README.md", "docs/planner.md", "docs/multi_node.md"):
+    for doc in ("docs/planner.md", "docs/multi_node.md"):
         stated = re.findall(r"\b(\d+)\s+of\s+(\d+)\s+step\s+predictions\b", (ROOT / doc).read_text())
         assert stated, f"{doc} no longer states the count"
         assert all((int(a), int(b)) == (within, judged) for a, b in stated), (doc, stated, (within, judged))

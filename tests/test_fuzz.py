@@ -85,10 +85,11 @@ def test_pinned_configurations_match_the_reference_every_step(reports):
     _assert_pass(reports, [(SEED, i) for i in INDICES])
 
 
-def test_readme_figures_are_the_committed_fuzz_run():
-    """README's paragraph on the fuzzer says what bench/results/fuzz.json (make fuzz N=200) holds."""
+def test_docs_figures_are_the_committed_fuzz_run():
+    """docs/internals/testing.md's paragraph on the fuzzer says what bench/results/fuzz.json (make fuzz N=200)
+    holds."""
     run = json.loads((ROOT / "bench" / "results" / "fuzz.json").read_text())
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((ROOT / "docs" / "internals" / "testing.md").read_text().split())
     assert run["failed"] == 0 and not run["failing"], run["failing"]
     assert "+" not in run["commit"], "the committed run must come from a clean tree"
     n, seed = (int(v) for v in re.search(r"-n (\d+) --seed (\d+)", run["command"]).groups())

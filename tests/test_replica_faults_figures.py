@@ -1,4 +1,4 @@
-"""What docs/multi_node.md and README.md say of the replica-group run is the committed
+"""What docs/multi_node.md and docs/how-to/failures.md say of the replica-group run is the committed
 bench/results/replica_faults.json: the kills' table, the figures in the prose, and the claims they make
 (the other group kept at least 0.7 of its rate over each kill's whole window, from its last commit
 before the kill to its commit of the rejoin's step, [Note: the survivors' rate over the whole window] in
@@ -47,11 +47,11 @@ def figures() -> dict[str, str]:
 def test_the_docs_table_and_figures_are_the_committed_run():
     doc = (ROOT / "docs" / "multi_node.md").read_text()
     assert "\n".join(replica_faults.table(RESULT)) in doc
-    doc, readme = flat("docs/multi_node.md"), flat("README.md")
+    doc, guide = flat("docs/multi_node.md"), flat("docs/how-to/failures.md")
     for name, text in figures().items():
         assert text in doc, (name, text)
     for name in ("ratios", "away", "inside", "excursion"):
-        assert figures()[name] in readme, (name, figures()[name])
+        assert figures()[name] in guide, (name, figures()[name])
 
 
 def test_the_claims_hold_in_the_committed_run():

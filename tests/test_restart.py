@@ -1,4 +1,4 @@
-"""Restart and resume, bitwise (README, "When machines fail").
+"""Restart and resume, bitwise (docs/how-to/failures.md).
 
 1. ``checkpoint.Checkpointer`` in a loop that draws from torch's, numpy's and Python's RNGs every step
    and reads its rows through a loader with a per-rank position of its own (``state=``): a run stopped
@@ -263,17 +263,17 @@ def test_fault_specs_and_plans(monkeypatch, capsys):
         assert err.count("error:") == 1 and needle in err, (argv, err)
 
 
-# ---------------------------------------------------------------- the soak's figures in the README
-def test_readme_soak_figures_are_the_committed_result():
-    """README's "When machines fail" quotes bench/results/soak.json, a run in which every check passed
+# ---------------------------------------------------------------- the soak's figures in the docs
+def test_docs_soak_figures_are_the_committed_result():
+    """docs/how-to/failures.md's "Soak" quotes bench/results/soak.json, a run in which every check passed
     and every phase was hit in each strategy."""
     doc = json.loads((ROOT / "bench" / "results" / "soak.json").read_text())
     assert doc["passed"] and not any(r["problems"] for r in doc["runs"])
     for run in doc["runs"]:
         assert run["losses_bitwise_equal"] and run["final_checkpoint_files_identical"], run["strategy"]
         assert all(run["faults_by_phase"].values()), run["faults_by_phase"]
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## When machines fail") :]
+    page = (ROOT / "docs" / "how-to" / "failures.md").read_text()
+    section = page[page.index("## Soak") :]
     section = " ".join(section[: section.index("\n## ", 10)].split())
     t, settings = doc["total"], doc["settings"]
     delays = [e[0] for r in doc["runs"] for stop in r["stop_errors"] for e in stop["errors"].values()]

@@ -50,11 +50,27 @@ class ShardingStrategy(enum.Enum):
 
 
 class BackwardPrefetch(enum.Enum):
+    """When a unit's backward all-gather is issued, as PyTorch FSDP1's enum of the same name.
+
+    ``BACKWARD_PRE`` (the wrapper's default): the next unit's parameters are gathered before the current
+    unit's gradient computation, so the gather overlaps it (more memory: two gathered units at once).
+    ``BACKWARD_POST``: after the current unit's gradients are computed (less overlap, less memory).
+    ``backward_prefetch=None``: no prefetch; each unit gathers when its backward starts.
+    """
+
     BACKWARD_PRE = enum.auto()
     BACKWARD_POST = enum.auto()
 
 
 class StateDictType(enum.Enum):
+    """What ``state_dict()`` returns under ``FullyShardedDataParallel.state_dict_type``, as PyTorch FSDP1's enum.
+
+    ``FULL_STATE_DICT``: full tensors under the original names (gathered; ``FullStateDictConfig`` chooses
+    CPU offload and rank 0 only). ``LOCAL_STATE_DICT``: each rank's flat shards as they are, loadable only
+    at the same world size and wrapping. ``SHARDED_STATE_DICT``: ``ShardedTensor`` values of the full
+    shapes, which ``torch.distributed.checkpoint`` saves and loads at any world size, factor or strategy.
+    """
+
     FULL_STATE_DICT = enum.auto()
     LOCAL_STATE_DICT = enum.auto()
     SHARDED_STATE_DICT = enum.auto()

@@ -1,6 +1,6 @@
-"""The conformance differences README.md lists: one place that run.py and tests/test_conformance.py read.
+"""The conformance differences docs/concepts/differences.md lists, read by run.py and test_conformance.py.
 
-In README.md's section "Differences from PyTorch FSDP", the first list after the paragraph that begins
+In that page (README.md names it), the first list after the paragraph that begins
 with ``MARKER`` holds one bullet per reason: ``- <reason> Tests: `<test id>`, `<test id>` ...``; the list
 ends at the first line that is neither a bullet nor its continuation.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent.parent / "docs" / "concepts" / "differences.md"
 MARKER = "PyTorch's own FSDP2 tests (`test/distributed/_composable/fsdp/`"
 
 

@@ -219,7 +219,7 @@ def summarize(tests: list[dict], listed: dict[str, str]) -> tuple[str, int]:
             by_reason.setdefault(listed[t["id"]], []).append(t["id"])
         else:
             unlisted.append(t)
-    lines.append(f"listed differences (README.md): {sum(map(len, by_reason.values()))}")
+    lines.append(f"listed differences (docs/concepts/differences.md): {sum(map(len, by_reason.values()))}")
     for reason, ids in by_reason.items():
         lines.append(f"  - {reason}")
         lines.extend(f"      {i}" for i in ids)
@@ -228,7 +228,7 @@ def summarize(tests: list[dict], listed: dict[str, str]) -> tuple[str, int]:
         lines.append(f"  {t['id']}\n      {t.get('flatshard_error', '')[:300]}")
     stale = sorted(set(listed) - {t["id"] for t in public_fail})
     if stale:
-        lines.append(f"listed in README.md but not failing (stale): {len(stale)}")
+        lines.append(f"listed in docs/concepts/differences.md but not failing (stale): {len(stale)}")
         lines.extend(f"  {i}" for i in stale)
     return "\n".join(lines), len(unlisted) + len(stale)
 
