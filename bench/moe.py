@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from bench import provenance
+
 WORLD, VOCAB, DIM, HIDDEN, EXPERTS, TOP_K, LAYERS, BATCH, SEQ = 4, 512, 128, 256, 8, 2, 4, 4, 64
 
 
@@ -73,7 +75,7 @@ def _rank(rank: int, store_path: str, rounds: int, out_path: str) -> None:
 def write_results(path: Path, report: dict) -> None:
     """The one place bench/results/moe.json is written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    path.write_text(json.dumps(provenance.stamp(report), indent=1) + "\n")
 
 
 def main(argv=None) -> int:

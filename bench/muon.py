@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.optim._muon import _zeropower_via_newtonschulz  # torch.optim.Muon's own Newton-Schulz
 
+from bench import provenance
 from examples.gpt import GPT, GPTConfig
 
 SIZES = {
@@ -170,7 +171,7 @@ def _ratios(r: dict) -> dict:
 
 def write_json(path: Path, report: dict) -> None:
     """The one place this tool writes its result file."""
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    path.write_text(json.dumps(provenance.stamp(report), indent=1) + "\n")
 
 
 def main(argv=None) -> None:

@@ -31,8 +31,11 @@ NOT_BUILT = {
     ],
     ("fsdp.py", "FullyShardedDataParallel._deprecated_optim.method"): ["the deprecated `full_optim_state_dict`"],
     ("fsdp.py", "FullyShardedDataParallel.register_comm_hook"): ["`register_comm_hook`"],
-    ("fsdp2/module.py", "_not_built.method"): ["FSDP2's `set_reduce_scatter_unused_params` and kin"],
-    ("fsdp2/module.py", "FSDPModule.set_requires_all_reduce"): ["`set_requires_all_reduce(False)` (under HSDP)"],
+    ("fsdp2/module.py", "_not_built.method"): ["FSDP2's `set_symm_mem_for_comm` and kin"],
+    ("fsdp2/module.py", "FSDPModule.set_requires_all_reduce"): [
+        "`set_requires_all_reduce(False)` (under HSDP)",
+        "and `set_requires_all_reduce(False)` on such a module",
+    ],
     ("fsdp2/module.py", "FSDPModule.set_all_reduce_hook"): [
         "`set_all_reduce_hook(stream=...)`",
         "`set_all_reduce_hook` on a module whose parameters gather themselves",
@@ -66,12 +69,16 @@ NOT_BUILT = {
         "or an int `reshard_after_forward`"
     ],
     ("fsdp2/frontend.py", "fully_shard"): ["`dp_mesh_dims`"],
-    # README's row still names the whole keyword; until it is rewritten, each site points at that phrase. What
-    # they refuse: "flat" / "rows" on fully_shard (wanted); "params" on a 2-D mesh, on meta parameters, and with
-    # shard_placement_fn, an int reshard_after_forward, tensor-parallel or self-gathering parameters or
-    # CPUOffloadPolicy on an accelerator (check)
-    ("fsdp2/whole.py", "wanted"): ["`shard_boundaries` on `fully_shard`"],
-    ("fsdp2/whole.py", "check"): ["`shard_boundaries` on `fully_shard`"] * 3,
+    ("fsdp2/whole.py", "wanted"): ['`shard_boundaries="flat"` / `"rows"` on `fully_shard`'],
+    ("fsdp2/whole.py", "check"): [
+        '`"params"` on `fully_shard` with a 2-D (HSDP) mesh',
+        "meta parameters, `shard_placement_fn`, an int `reshard_after_forward`, tensor-parallel or self-gathering",
+        "`CPUOffloadPolicy` on an accelerator",
+    ],
+    ("fsdp2/frontend.py", "_check_across_replicas"): [
+        "on `fully_shard` with `compress_inter_node`, parameters on a mesh of their own, tensor-parallel parameters"
+    ],
+    ("checkpoint/dtensors.py", "save"): ["`checkpoint.save(async_save=True)` for `fully_shard` models"],
     ("interop.py", "_mixed_precision"): ["`MixedPrecision(_module_classes_to_ignore=...)`"],
     ("runtime/build/units.py", "become_root"): ["units under one root with different process groups"],
     ("runtime/build/units.py", "owner_ranks"): [
@@ -79,7 +86,9 @@ NOT_BUILT = {
     ],
     ("runtime/comm/int8.py", "check"): ['`compress_inter_node="int8"` off gloo\'s CPU exchanges', "8 or more replicas"],
     ("runtime/build/optim_check.py", "_before_step"): ["optimizers that read whole tensors"],
-    ("state/model_view.py", "model_view"): ["flatshard's state dicts and `flatshard.checkpoint` on `fully_shard`"],
+    ("state/model_view.py", "model_view"): [
+        "flatshard's state dicts and `flatshard.checkpoint` on `fully_shard` through the wrapper's state-dict views"
+    ],
     ("wrap.py", "CustomPolicy.__call__"): ["`CustomPolicy` returning per-module keyword overrides"],
 }
 

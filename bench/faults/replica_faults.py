@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import provenance
 from bench.cluster.net import Cluster, Topology, free_ports, parse_rate, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -483,7 +484,7 @@ def main(argv=None) -> int:
 def write_result(path: Path, result: dict) -> None:
     """The result file: every write of bench/results/replica_faults.json goes through here."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path.write_text(json.dumps(provenance.stamp(result), indent=1) + "\n")
 
 
 if __name__ == "__main__":

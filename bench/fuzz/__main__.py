@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import provenance
 from bench.cluster.jobs import source_commit
 from bench.fuzz import config, pool, worker
 
@@ -147,7 +148,7 @@ def repro(cfg: dict) -> str:
 
 def write_json(path: Path, summary: dict) -> None:
     """The run's record, the one place the fuzzer writes a result file."""
-    path.write_text(json.dumps(summary, indent=1) + "\n")
+    path.write_text(json.dumps(provenance.stamp(summary), indent=1) + "\n")
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench import provenance
 from bench.cluster.jobs import source_commit
 
 HERE = Path(__file__).resolve().parent
@@ -50,7 +51,7 @@ def run_plant(patch: Path, n: int, seed: int) -> dict:
 
 def write_json(path: Path, summary: dict) -> None:
     """The run's record, the one place this runner writes a result file."""
-    path.write_text(json.dumps(summary, indent=1) + "\n")
+    path.write_text(json.dumps(provenance.stamp(summary), indent=1) + "\n")
 
 
 def main(argv=None) -> int:
