@@ -187,9 +187,15 @@ class ReplicaChunkedLayout:
         """(outer, inner, S_w) blocks as (inner, outer, S_w), contiguous, flattened."""
         return blocks.view(outer, inner, self.owner.seg_numel).transpose(0, 1).reshape(-1)
 
-    def to_rank_major(self, full: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The owner layout's W blocks (v = r·F + p) as F blocks of R (p after p)."""
-        return self._swap(self.owner.to_rank_major(full, dtype), self.replicas, self.shard_size)
+    def to_rank_major(
+        self, full: torch.Tensor, dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """The owner layout's W blocks (v = r·F + p) as F blocks of R (p after p); into ``out`` when given (a
+        custom reduce-scatter's buffer: [Note: custom collectives], reduce.py)."""
+        swapped = self._swap(self.owner.to_rank_major(full, dtype), self.replicas, self.shard_size)
+        if out is None:
+            return swapped
+        return out.view(-1).copy_(swapped.view(-1))
 
     def from_rank_major(self, staging: torch.Tensor, out: torch.Tensor) -> None:
         self.owner.from_rank_major(self._swap(staging, self.shard_size, self.replicas), out)
