@@ -106,7 +106,9 @@ def record(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(argv if argv is not None else getattr(sys, "orig_argv", sys.argv))
     if argv and Path(argv[0]).name.startswith("python"):
         argv[0] = "python"
-    changed = [line[3:] for line in _git("status", "--porcelain", "--", "src", "bench", "examples").splitlines()]
+    # The result files being written are not sources: a run after another run's uncommitted results is clean.
+    status = _git("status", "--porcelain", "--", "src", "bench", "examples", ":(exclude)bench/results")
+    changed = [line.split(maxsplit=1)[-1] for line in status.splitlines() if line.strip()]
     started, load_before = _began
     return {
         "commit": _git("rev-parse", "HEAD"),
