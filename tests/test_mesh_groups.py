@@ -133,7 +133,9 @@ def _full(model, grads: bool) -> list:
     return out
 
 
-def _train(world: int, expert_shape, shapes, opt_kind: str, rank: int, hsdp: bool = False) -> dict:
+def _train(
+    world: int, expert_shape, shapes, opt_kind: str, rank: int, hsdp: bool = False, factor: float | None = None
+) -> dict:
     import torch.distributed.fsdp as torch_fsdp
 
     import flatshard
@@ -144,6 +146,11 @@ def _train(world: int, expert_shape, shapes, opt_kind: str, rank: int, hsdp: boo
     theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
     _shard(theirs, torch_fsdp.fully_shard, dense, _placement_fn(theirs, info))
     _shard(ours, flatshard.fully_shard, dense, _placement_fn(ours, info))
+    if factor is not None:  # torchtitan's set_gradient_divide_factor on every unit, a one-rank mesh's included
+        for model in (theirs, ours):
+            for m in model.modules():
+                if hasattr(m, "set_gradient_divide_factor"):
+                    m.set_gradient_divide_factor(factor)
     infos = flatshard.units(ours)
     sizes = sorted({len(g.shard_group_ranks) for u in infos for g in u.flat_groups})
     assert sizes == sorted({dense.size(dense.ndim - 1), efsdp.size()}), sizes
@@ -220,7 +227,9 @@ def worker_4(rank: int, world: int) -> dict:
 
 
 def worker_2(rank: int, world: int) -> dict:
-    return {kind: _train(world, (2, 1), (11, 5, 7), kind, rank) for kind in ("sgd", "adamw")}
+    out = {kind: _train(world, (2, 1), (11, 5, 7), kind, rank) for kind in ("sgd", "adamw")}
+    out["factor"] = _train(world, (2, 1), (11, 5, 7), "sgd", rank, factor=float(world))
+    return out
 
 
 def test_experts_on_a_sub_mesh_train_as_fsdp2_at_w4():
@@ -248,6 +257,7 @@ def test_experts_on_a_sub_mesh_train_as_fsdp2_at_w4():
 def test_experts_on_a_one_rank_mesh_beside_padded_shards_train_as_fsdp2_at_w2():
     outs = run_distributed(worker_2, 2, timeout=300)
     for rank, out in enumerate(outs):
-        for kind in ("sgd", "adamw"):
+        # "factor": set_gradient_divide_factor(W) on every unit divides the one-rank mesh's gradients too
+        for kind in ("sgd", "adamw", "factor"):
             assert out[kind]["steps"] == STEPS, (rank, out[kind])
             assert out[kind]["bitwise"], (rank, kind, out[kind]["differ"])  # 2 ranks: every step to the bit
