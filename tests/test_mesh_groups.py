@@ -205,7 +205,16 @@ def _refusals(world: int, rank: int) -> dict:
         model = Net(*shapes)
         return lambda: _shard(model, flatshard.fully_shard, dense, _placement_fn(model, info), **kw)
 
+    def own_call():  # the experts in a fully_shard call of their own on the expert mesh, under the block's
+        model = Net(*shapes)
+        for block in model.blocks:
+            flatshard.fully_shard(block.expert, mesh=two_d["efsdp"])
+            flatshard.fully_shard(block, mesh=dense)
+        flatshard.fully_shard(model, mesh=dense)
+        model(torch.randint(0, shapes[0], (2, 3)))
+
     out = {
+        "own call on another mesh": raised(own_call),
         # ranks 0 and 1 put the experts on a mesh of their own, the others leave them on the call's mesh
         "half on the call's mesh": raised(wrap(mine if rank < 2 else None)),
         # ranks 0 and 1 on (rep, efsdp)'s efsdp dim, {0, 1}; ranks 2 and 3 on (efsdp, rep)'s: {0, 2} and {1, 3}
@@ -243,7 +252,11 @@ def test_experts_on_a_sub_mesh_train_as_fsdp2_at_w4():
             assert refusals[key] == outs[0]["refusals"][key], (rank, refusals[key])  # the same words on every rank
         assert "on different meshes" in refusals["half on the call's mesh"], refusals
         assert "disagree" in refusals["crossed meshes"] and "[0, 2]" in refusals["crossed meshes"], refusals
-        for key in ("HSDPMeshInfo", "2-D FSDPMeshInfo", "int reshard_after_forward"):
+        # what to do instead: the enclosing call's shard_placement_fn
+        assert refusals["own call on another mesh"] == outs[0]["refusals"]["own call on another mesh"], refusals
+        assert "fully_shard: pass the same mesh=" in refusals["own call on another mesh"], refusals
+        assert "ShardPlacementResult" in refusals["own call on another mesh"], refusals
+        for key in ("own call on another mesh", "HSDPMeshInfo", "2-D FSDPMeshInfo", "int reshard_after_forward"):
             assert refusals[key].startswith("NotBuiltError"), (key, refusals[key])
         assert "mesh['efsdp']" in refusals["2-D FSDPMeshInfo"], refusals
         for kind in ("sgd", "adamw"):
