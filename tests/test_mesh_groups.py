@@ -133,7 +133,9 @@ def _full(model, grads: bool) -> list:
     return out
 
 
-def _train(world: int, expert_shape, shapes, opt_kind: str, rank: int, hsdp: bool = False) -> dict:
+def _train(
+    world: int, expert_shape, shapes, opt_kind: str, rank: int, hsdp: bool = False, factor: float | None = None
+) -> dict:
     import torch.distributed.fsdp as torch_fsdp
 
     import flatshard
@@ -144,6 +146,11 @@ def _train(world: int, expert_shape, shapes, opt_kind: str, rank: int, hsdp: boo
     theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
     _shard(theirs, torch_fsdp.fully_shard, dense, _placement_fn(theirs, info))
     _shard(ours, flatshard.fully_shard, dense, _placement_fn(ours, info))
+    if factor is not None:  # torchtitan's set_gradient_divide_factor on every unit, a one-rank mesh's included
+        for model in (theirs, ours):
+            for m in model.modules():
+                if hasattr(m, "set_gradient_divide_factor"):
+                    m.set_gradient_divide_factor(factor)
     infos = flatshard.units(ours)
     sizes = sorted({len(g.shard_group_ranks) for u in infos for g in u.flat_groups})
     assert sizes == sorted({dense.size(dense.ndim - 1), efsdp.size()}), sizes
@@ -198,7 +205,16 @@ def _refusals(world: int, rank: int) -> dict:
         model = Net(*shapes)
         return lambda: _shard(model, flatshard.fully_shard, dense, _placement_fn(model, info), **kw)
 
+    def own_call():  # the experts in a fully_shard call of their own on the expert mesh, under the block's
+        model = Net(*shapes)
+        for block in model.blocks:
+            flatshard.fully_shard(block.expert, mesh=two_d["efsdp"])
+            flatshard.fully_shard(block, mesh=dense)
+        flatshard.fully_shard(model, mesh=dense)
+        model(torch.randint(0, shapes[0], (2, 3)))
+
     out = {
+        "own call on another mesh": raised(own_call),
         # ranks 0 and 1 put the experts on a mesh of their own, the others leave them on the call's mesh
         "half on the call's mesh": raised(wrap(mine if rank < 2 else None)),
         # ranks 0 and 1 on (rep, efsdp)'s efsdp dim, {0, 1}; ranks 2 and 3 on (efsdp, rep)'s: {0, 2} and {1, 3}
@@ -220,7 +236,9 @@ def worker_4(rank: int, world: int) -> dict:
 
 
 def worker_2(rank: int, world: int) -> dict:
-    return {kind: _train(world, (2, 1), (11, 5, 7), kind, rank) for kind in ("sgd", "adamw")}
+    out = {kind: _train(world, (2, 1), (11, 5, 7), kind, rank) for kind in ("sgd", "adamw")}
+    out["factor"] = _train(world, (2, 1), (11, 5, 7), "sgd", rank, factor=float(world))
+    return out
 
 
 def test_experts_on_a_sub_mesh_train_as_fsdp2_at_w4():
@@ -234,7 +252,11 @@ def test_experts_on_a_sub_mesh_train_as_fsdp2_at_w4():
             assert refusals[key] == outs[0]["refusals"][key], (rank, refusals[key])  # the same words on every rank
         assert "on different meshes" in refusals["half on the call's mesh"], refusals
         assert "disagree" in refusals["crossed meshes"] and "[0, 2]" in refusals["crossed meshes"], refusals
-        for key in ("HSDPMeshInfo", "2-D FSDPMeshInfo", "int reshard_after_forward"):
+        # what to do instead: the enclosing call's shard_placement_fn
+        assert refusals["own call on another mesh"] == outs[0]["refusals"]["own call on another mesh"], refusals
+        assert "fully_shard: pass the same mesh=" in refusals["own call on another mesh"], refusals
+        assert "ShardPlacementResult" in refusals["own call on another mesh"], refusals
+        for key in ("own call on another mesh", "HSDPMeshInfo", "2-D FSDPMeshInfo", "int reshard_after_forward"):
             assert refusals[key].startswith("NotBuiltError"), (key, refusals[key])
         assert "mesh['efsdp']" in refusals["2-D FSDPMeshInfo"], refusals
         for kind in ("sgd", "adamw"):
@@ -248,6 +270,7 @@ def test_experts_on_a_sub_mesh_train_as_fsdp2_at_w4():
 def test_experts_on_a_one_rank_mesh_beside_padded_shards_train_as_fsdp2_at_w2():
     outs = run_distributed(worker_2, 2, timeout=300)
     for rank, out in enumerate(outs):
-        for kind in ("sgd", "adamw"):
+        # "factor": set_gradient_divide_factor(W) on every unit divides the one-rank mesh's gradients too
+        for kind in ("sgd", "adamw", "factor"):
             assert out[kind]["steps"] == STEPS, (rank, out[kind])
             assert out[kind]["bitwise"], (rank, kind, out[kind]["differ"])  # 2 ranks: every step to the bit

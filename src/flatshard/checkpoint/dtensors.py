@@ -31,8 +31,6 @@ from __future__ import annotations
 import base64
 import importlib
 import os
-import time
-import uuid
 from typing import Any
 
 import torch
@@ -46,12 +44,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from flatshard import __version__
 from flatshard.api import CheckpointError, NotBuiltError
 from flatshard.checkpoint.directory import PARTIAL, commit, locate, manifest_in, prepare
-from flatshard.checkpoint.format import FORMAT, FORMAT_VERSION, MANIFEST, fsync_dir, write_json_atomic
-from flatshard.checkpoint.load import Loaded
-from flatshard.checkpoint.save import SavePlan
+from flatshard.checkpoint.format import MANIFEST, fsync_dir, write_json_atomic
+from flatshard.checkpoint.load import Loaded, check_names
+from flatshard.checkpoint.save import SavePlan, manifest_head
 from flatshard.runtime.comm.agree import agree, gather_json, rank_in, run_agreed, world_of
 
 KIND = "dcp-safetensors"  # the manifest's "layout"/"kind" of a fully_shard checkpoint
@@ -157,12 +154,7 @@ def _manifest(partial: str, head: dict, ranks: list, world: int) -> dict:
         if n.endswith(".safetensors")
     }
     return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "flatshard_version": __version__,
-        "torch_version": torch.__version__,
-        "committed_at": time.time(),
-        "save_id": uuid.uuid4().hex,
+        **manifest_head(),
         "world_size": world,
         "layout": {"kind": KIND, "front_end": "fully_shard"},
         **head,
@@ -216,17 +208,7 @@ def _open(path: str) -> tuple[str, dict]:
 
 
 def _check(path: str, manifest: dict, model, optimizer, strict: bool) -> None:
-    saved = manifest["model"]["keys"]
-    names = list(get_model_state_dict(model))
-    missing = [n for n in names if n not in set(saved)]
-    unexpected = [n for n in saved if n not in set(names)]
-    if strict and (missing or unexpected):
-        parts = [f"the model's {', '.join(missing[:6])} not in the checkpoint"] if missing else []
-        parts += [f"the checkpoint's {', '.join(unexpected[:6])} not in the model"] if unexpected else []
-        raise CheckpointError(
-            f"checkpoint {path} does not match the model: {'; '.join(parts)}. Load it into the model "
-            "it was saved from, or pass strict=False to load the names both have"
-        )
+    check_names(path, manifest["model"]["keys"], list(get_model_state_dict(model)), strict)
     if optimizer is not None and manifest.get("optim") is None:
         raise CheckpointError(
             f"checkpoint {path} holds no optimizer state; call load without optimizer=, or save with it"

@@ -91,16 +91,7 @@ def _same_save(path: str, where: str, manifest: dict, group, record) -> None:
 
 def _check_model(path: str, manifest: dict, view, optimizer, strict: bool) -> None:
     saved = manifest["model"]["keys"]
-    names = view.names()
-    missing = [n for n in names if n not in set(saved)]
-    unexpected = [n for n in saved if n not in set(names)]
-    if strict and (missing or unexpected):
-        parts = [f"the model's {_listed(missing)} not in the checkpoint"] if missing else []
-        parts += [f"the checkpoint's {_listed(unexpected)} not in the model"] if unexpected else []
-        raise CheckpointError(
-            f"checkpoint {path} does not match the model: {'; '.join(parts)}. Load it into the model "
-            "it was saved from, or pass strict=False to load the names both have"
-        )
+    check_names(path, saved, view.names(), strict)
     for kind, name, obj in view.entries:
         if kind is EntryKind.EXTRA or name not in saved:
             continue
@@ -133,6 +124,20 @@ def _check_state(path: str, manifest: dict, state, world: int) -> None:
             f"checkpoint {path} was saved by {manifest['world_size']} ranks and this job has {world}: each "
             f"rank's loop state ({_listed(list(state))}) belongs to a rank of that job. Resume with "
             f"{manifest['world_size']} ranks, or load without state= and rebuild it from the step"
+        )
+
+
+def check_names(path: str, saved: list[str], names: list[str], strict: bool) -> None:
+    """Under ``strict``, a CheckpointError naming what the model has and the checkpoint lacks and the
+    reverse (either front end's load)."""
+    missing = [n for n in names if n not in set(saved)]
+    unexpected = [n for n in saved if n not in set(names)]
+    if strict and (missing or unexpected):
+        parts = [f"the model's {_listed(missing)} not in the checkpoint"] if missing else []
+        parts += [f"the checkpoint's {_listed(unexpected)} not in the model"] if unexpected else []
+        raise CheckpointError(
+            f"checkpoint {path} does not match the model: {'; '.join(parts)}. Load it into the model "
+            "it was saved from, or pass strict=False to load the names both have"
         )
 
 

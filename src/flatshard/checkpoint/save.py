@@ -457,6 +457,12 @@ def _manifest(plan: SavePlan, records: list[dict]) -> dict:
     for key, entry in tensors.items():
         entry["pieces"].sort(key=lambda p: p[1])
         _check_cover(key, entry)
+    return {**manifest_head(), **plan.head, "tensors": tensors, "files": files}
+
+
+def manifest_head() -> dict:
+    """What every manifest begins with, whichever front end wrote it: the format and its version, the
+    versions that wrote it, when, and this save's id."""
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -464,9 +470,6 @@ def _manifest(plan: SavePlan, records: list[dict]) -> dict:
         "torch_version": torch.__version__,
         "committed_at": time.time(),
         "save_id": uuid.uuid4().hex,
-        **plan.head,
-        "tensors": tensors,
-        "files": files,
     }
 
 

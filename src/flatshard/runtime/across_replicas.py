@@ -60,7 +60,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from flatshard.runtime.chunked import ChunkedLayout
+from flatshard.runtime.chunked import ChunkedLayout, EqualShards
 from flatshard.runtime.comm import collectives
 from flatshard.runtime.comm.streams import Lane, Streams
 from flatshard.runtime.layout import FlatLayout, ParamInfo
@@ -131,14 +131,13 @@ class Pieces:
         return out
 
 
-class ReplicaChunkedLayout:
+class ReplicaChunkedLayout(EqualShards):
     """The shard group's layout under fully_shard with pieces ([Note: pieces in the chunked layout]): shard
     rank p's flat shard is the owner shards r·F + p of ``owner`` (the chunked layout over W), r = 0..R-1.
     The same interface as ``ChunkedLayout``, whose arithmetic it reuses."""
 
     boundaries = "chunks"
     rank_major: Literal[True] = True
-    uniform = True
 
     def __init__(self, owner: ChunkedLayout, shard_size: int, replicas: int):
         self.owner = owner
@@ -146,17 +145,6 @@ class ReplicaChunkedLayout:
         self.infos, self.total, self.padded = owner.infos, owner.total, owner.padded
         self.split_sizes, self.dims = owner.split_sizes, owner.dims
         self.seg_numel = replicas * owner.seg_numel  # R·S_w
-
-    @property
-    def shard_sizes(self) -> list[int]:
-        return [self.seg_numel] * self.shard_size
-
-    @property
-    def shard_numel(self) -> int:
-        return self.seg_numel
-
-    def shard_numel_of(self, rank: int) -> int:  # noqa: ARG002 - every shard has R·S_w elements
-        return self.seg_numel
 
     @property
     def signature(self) -> str:

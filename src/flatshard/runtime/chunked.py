@@ -34,7 +34,26 @@ import torch
 from flatshard.runtime.layout import ParamInfo
 
 
-class ChunkedLayout:
+class EqualShards:
+    """The sizes of a layout whose F shards all hold ``seg_numel`` elements (the chunked layouts)."""
+
+    seg_numel: int
+    shard_size: int
+    uniform = True
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        return [self.seg_numel] * self.shard_size
+
+    @property
+    def shard_numel(self) -> int:
+        return self.seg_numel
+
+    def shard_numel_of(self, rank: int) -> int:  # noqa: ARG002 - every shard has seg_numel elements
+        return self.seg_numel
+
+
+class ChunkedLayout(EqualShards):
     """Per-rank dim-0 chunks of every parameter (see the Note); the same interface as ``FlatLayout``."""
 
     boundaries = "chunks"
@@ -65,19 +84,7 @@ class ChunkedLayout:
             offset += c * r
         self.seg_numel = offset  # S
 
-    # ---- sizes ---------------------------------------------------------------------------------------
-    @property
-    def shard_sizes(self) -> list[int]:
-        return [self.seg_numel] * self.shard_size
-
-    @property
-    def shard_numel(self) -> int:
-        return self.seg_numel
-
-    def shard_numel_of(self, rank: int) -> int:  # noqa: ARG002 - every shard has S elements
-        return self.seg_numel
-
-    uniform = True
+    # ---- sizes: EqualShards ----------------------------------------------------------------------------
 
     @property
     def signature(self) -> str:

@@ -246,7 +246,10 @@ def become_root(host: UnitHost, config: ScheduleConfig, mixed_precision: Optiona
     if len({id(g.groups.process_group) for h in hosts for g in h._unit.flat_groups}) > 1:
         raise NotBuiltError(
             "units under one root use different process groups; flatshard needs one process group per "
-            "root for now. Pass the same process_group to every FullyShardedDataParallel."
+            "root for now. FullyShardedDataParallel: pass the same process_group to every wrapper. fully_shard: "
+            "pass the same mesh= to every call, and put parameters that live on another mesh (experts) there "
+            "from the enclosing call's shard_placement_fn, returning ShardPlacementResult(placement, "
+            "FSDPMeshInfo(mesh=..., shard_mesh_dim=0))."
         )
     for path, m in host.named_modules():  # named before the context is made: its order checks name them
         if isinstance(m, UnitHost):
