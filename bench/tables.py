@@ -1,7 +1,8 @@
-"""docs/bench.md's tables, made from the committed result files: ``python -m bench.tables`` prints them
-(the main comparison, the ablation, the compiled rows) each under the line that says where and when the
-file was measured (its provenance record, bench/provenance.py). The page quotes this output; the tests
-(tests/test_claims.py, tests/test_bench.py) hold the page to the files with tables they make themselves."""
+"""docs/bench.md's tables, made from the committed result file: ``python -m bench.tables`` prints them
+(the main comparison, the ablation, the compiled rows; all from bench/results/bench.json) each under
+the line that says where and when the file was measured (its provenance record, bench/provenance.py).
+The page quotes this output; the tests (tests/test_claims.py, tests/test_bench.py) hold the page to the
+file with tables they make themselves."""
 
 from __future__ import annotations
 
@@ -91,12 +92,12 @@ BEGIN = "<!-- python -m bench.tables --write: {name} -->"
 END = "<!-- end of {name} -->"
 
 
-def sections(bench: dict[str, Any], compiled: dict[str, Any]) -> dict[str, list[str]]:
+def sections(bench: dict[str, Any]) -> dict[str, list[str]]:
     """Each generated section of docs/bench.md: the line saying where the file was measured, then its table."""
     return {
         "comparison": [measured_at(bench), "", *comparison_table(bench)],
         "ablation": [measured_at(bench), "", *ablation_table(bench)],
-        "compiled": [measured_at(compiled), "", *compiled_table(compiled)],
+        "compiled": [measured_at(bench), "", *compiled_table(bench)],
     }
 
 
@@ -115,10 +116,9 @@ def write(page: Path, parts: dict[str, list[str]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="docs/bench.md's tables from the committed result files")
     p.add_argument("--bench", type=Path, default=RESULTS / "bench.json")
-    p.add_argument("--compiled", type=Path, default=RESULTS / "bench_compiled.json")
     p.add_argument("--write", action="store_true", help="replace the generated sections of docs/bench.md")
     args = p.parse_args(argv)
-    parts = sections(json.loads(args.bench.read_text()), json.loads(args.compiled.read_text()))
+    parts = sections(json.loads(args.bench.read_text()))
     if args.write:
         page = ROOT / "docs" / "bench.md"
         page.write_text(write(page, parts))

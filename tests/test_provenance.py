@@ -12,8 +12,6 @@ from bench import provenance
 # Files whose writers do not stamp them yet, or that no run has regenerated since the writers do.
 # strict: once a file is regenerated with its provenance, its entry here fails the test until removed.
 NOT_YET_STAMPED = {
-    "bench/results/bench.json": "make bench (bench.compare stamps it) not rerun yet",
-    "bench/results/bench_compiled.json": "bench.compare stamps it; not rerun yet",
     "bench/results/cluster_1gbit.json": "make cluster (root, ip, tc) not rerun yet",
     "bench/results/cluster_200mbit.json": "make cluster (root, ip, tc) not rerun yet",
     "bench/results/cluster_hsdp.json": "make cluster not rerun yet",
