@@ -66,7 +66,6 @@ figures: install
 	$(PY) -m bench.figures.boundaries --json bench/results/boundaries.json
 	$(PY) -m bench.figures.compress_accuracy
 	$(PY) -m bench.compare
-	$(PY) -m bench.compare --sizes 30M --world 2 4 --dtypes fp32 bf16 --no-ablation --steps 6 --json bench/results/bench_compiled.json
 	$(MAKE) cluster
 	$(PY) -m bench.cluster.hsdp --size 30M --batch-sizes 4 --steps 8 --out bench/results/cluster_hsdp_30M.json
 	$(PY) -m bench.cluster.slow_link
