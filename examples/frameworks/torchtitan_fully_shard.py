@@ -9,7 +9,8 @@ What a torchtitan user changes: the one import of ``fully_shard`` in torchtitan/
 before the Trainer is built: ``apply_fsdp_to_decoder`` reads that module's name at each call), and, on
 torchtitan 0.3.0 with more than one data-parallel rank, ``--parallelism.spmd_backend partial_dtensor``:
 by torchtitan's code, its default backend (``spmd_types``) passes ``dp_mesh_dims=``, which flatshard's
-fully_shard refuses (NotBuiltError). The Trainer so changed has not run here (it needs a GPU, below).
+fully_shard builds for DTensor parameters (tests/test_dp_mesh_dims.py) but which has not run in this
+recipe. The Trainer so changed has not run here (it needs a GPU, below).
 torchtitan finds its FSDP modules with ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` (to set the
 gradient divide factor to 1 and to drive its chunked loss's head), which flatshard's modules satisfy.
 

@@ -8,6 +8,7 @@
   tensor_parallel.py  FSDP over tensor-parallel DTensor parameters (a 2-D mesh: TP inside, FSDP across)
   extensions.py       parameters that gather themselves (FSDP2's fsdp_pre/post_all_gather)
   whole.py            shard_boundaries="params": every parameter whole on one rank (Muon), clip_grad_norm_
+  spmd.py             dp_mesh_dims: parameters already DTensors on the whole SPMD mesh
 
 (The function's file is frontend.py, not fully_shard.py: a submodule named like the function would
 replace it as ``flatshard.fsdp2.fully_shard``.)

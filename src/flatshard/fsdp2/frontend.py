@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from flatshard import interop
 from flatshard.api import MixedPrecision, NotBuiltError, ShardingStrategy
-from flatshard.fsdp2 import checks, extensions, meshes, tensor_parallel, whole
+from flatshard.fsdp2 import checks, extensions, meshes, spmd, tensor_parallel, whole
 from flatshard.fsdp2.module import FSDPModule
 from flatshard.runtime import build, hooks, precision
 from flatshard.runtime.build import deferred
@@ -103,14 +103,19 @@ def fully_shard(
     across replicas on fully_shard]): ``shard_optimizer_across_replicas=True`` keeps the parameters sharded
     over the shard dim but splits gradients and optimizer state over every rank; ``compress_inter_node="int8"``
     sends the reduction across replicas as int8 ([Note: inter-node compression], runtime/comm/int8.py).
+    ``dp_mesh_dims``: FSDP2's; ``mesh`` is then the whole SPMD mesh the parameters are DTensors on
+    (``Replicate()`` on the named dims), and FSDP shards over the dim named ``shard`` and replicates over
+    the one named ``replicate`` ([Note: parameters on the whole SPMD mesh], spmd.py).
     Returns ``module``, whose class now also is ``FSDPModule``."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard got an empty list of modules: pass a module, or a list of them (one group)")
     for m in modules:
         checks.check_module(m)
+    on_mesh = None  # [Note: parameters on the whole SPMD mesh] (spmd.py)
     if dp_mesh_dims is not None:
-        raise NotBuiltError("fully_shard(dp_mesh_dims=...) is not built: pass the data-parallel mesh as mesh=")
+        on_mesh = spmd.resolve(mesh, dp_mesh_dims, reshard_after_forward)
+        mesh = on_mesh.dp_mesh
     # [Note: a group of modules]
     # fully_shard([a, b]) makes one unit of the parameters of a and b (FSDP2's
     # group: one all-gather, one reduce-scatter). It is built over a container holding them; each module
@@ -122,7 +127,7 @@ def fully_shard(
     mesh, placements = _mesh(mesh, target)
     # [Note: parameters that gather themselves] (extensions.py): kept out of the flat shard
     self_gathered = [(n, p) for n, p in checks.call_parameters(target, ignored_params) if extensions.gathers_itself(p)]
-    tp_specs = tensor_parallel.tensor_parallel_params(target, ignored_params, mesh)
+    tp_specs = tensor_parallel.tensor_parallel_params(target, ignored_params, mesh, on_mesh)
     placed = meshes.Placed({}, {}, {})
     if shard_placement_fn is not None:  # one exchange over the call's ranks ([Note: a flat group per mesh])
         placed = meshes.placements(lambda: checks.shard_dims(target, shard_placement_fn, ignored_params), mesh)

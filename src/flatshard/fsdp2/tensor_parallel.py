@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
 from flatshard.api import NotBuiltError
+from flatshard.fsdp2 import spmd
 from flatshard.fsdp2.checks import call_parameters
 
 
@@ -44,13 +45,26 @@ class TPSpec:
     placements: tuple
     shape: torch.Size
     stride: tuple[int, ...]
+    spmd: Optional[spmd.SpmdMesh] = None  # a dp_mesh_dims call: the mesh holds the data-parallel dims too
 
 
-def tensor_parallel_params(module: nn.Module, ignored_params, dp_mesh: DeviceMesh) -> dict[int, TPSpec]:
+def tensor_parallel_params(
+    module: nn.Module, ignored_params, dp_mesh: DeviceMesh, on_mesh: Optional[spmd.SpmdMesh] = None
+) -> dict[int, TPSpec]:
     """id(parameter) -> TPSpec for this call's DTensor parameters (inner calls' and ignored ones are not
-    this call's); each one checked to be what is built, on every rank alike (the model is the same)."""
+    this call's); each one checked to be what is built, on every rank alike (the model is the same).
+    ``on_mesh``: a dp_mesh_dims call's whole mesh ([Note: parameters on the whole SPMD mesh], spmd.py)."""
     specs: dict[int, TPSpec] = {}
-    for name, param in call_parameters(module, ignored_params):
+    named = list(call_parameters(module, ignored_params))
+    if on_mesh is not None:
+        spmd.check_params(named, on_mesh)
+        for _, param in named:
+            assert isinstance(param, DTensor)  # check_params refused any other
+            specs[id(param)] = TPSpec(
+                param.device_mesh, tuple(param.placements), param.shape, tuple(param.stride()), on_mesh
+            )
+        return specs
+    for name, param in named:
         if not isinstance(param, DTensor):
             continue
         tp_mesh = param.device_mesh
@@ -106,7 +120,9 @@ def spec_of(info: Any, uses: dict[tuple[int, str], TPSpec]) -> Optional[TPSpec]:
 def sharded_placement(spec: TPSpec, dim: int, dp_mesh: DeviceMesh) -> tuple[DeviceMesh, tuple, torch.Size]:
     """(mesh, placements, global shape) of the sharded DTensor parameter: the DP and TP meshes
     concatenated, the DP chunk along ``dim`` strided when TP already cuts that dim (FSDP2's placement),
-    replicated first over an HSDP mesh's replicate dim."""
+    replicated first over an HSDP mesh's replicate dim; a dp_mesh_dims call's whole mesh (spmd.py)."""
+    if spec.spmd is not None:
+        return spec.mesh, spmd.sharded_placement(spec.spmd, spec.placements, dim), spec.shape
     split = 1
     for placement, size in zip(spec.placements, spec.mesh.shape):
         if isinstance(placement, Shard) and placement.dim == dim:
@@ -118,6 +134,8 @@ def sharded_placement(spec: TPSpec, dim: int, dp_mesh: DeviceMesh) -> tuple[Devi
 
 def compute_wrapper(spec: TPSpec) -> Callable[[torch.Tensor], DTensor]:
     """The gathered local tensor as the DTensor the module's TP forward expects (differentiable)."""
+    if spec.spmd is not None:
+        return spmd.compute_wrapper(spec.spmd, spec.placements, spec.shape, spec.stride)
 
     def wrap(view: torch.Tensor) -> DTensor:
         return DTensor.from_local(

@@ -113,6 +113,7 @@ Index of every [Note: ...] in the package
   a group of modules .............. fsdp2/frontend.py
   optimizer state across replicas on fully_shard .. fsdp2/frontend.py
   FSDP over tensor-parallel parameters .. fsdp2/tensor_parallel.py
+  parameters on the whole SPMD mesh .. fsdp2/spmd.py
   parameters that gather themselves .... fsdp2/extensions.py
   whole parameters on fully_shard .... fsdp2/whole.py
   flat ranges as boxes ............ state/sharded_tensors.py

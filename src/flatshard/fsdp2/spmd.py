@@ -1,0 +1,179 @@
+"""``fully_shard(model, mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...))``:
+parameters that are already DTensors on the whole SPMD mesh, FSDP taking the named data-parallel dims.
+
+[Note: parameters on the whole SPMD mesh]
+With ``dp_mesh_dims`` (FSDP2's keyword) the model was distributed over one mesh that
+holds every dim, the data-parallel ones included: each parameter is a DTensor on it, ``Replicate()`` on
+the dims the keyword names, sharded or replicated by tensor parallelism on the others, and the model's
+forward runs on DTensors of that mesh. flatshard builds the unit as it does for tensor-parallel
+parameters ([Note: FSDP over tensor-parallel parameters], tensor_parallel.py): the engine shards each
+parameter's local tensor over the data-parallel ranks, the named dims sliced out of the mesh (the shard
+dim, or (replicate, shard) for HSDP). Three things differ, each as FSDP2 has them:
+
+- the sharded parameter is a DTensor on the whole mesh, in the mesh's own dim order: the shard dim's
+  ``Replicate()`` becomes ``Shard(d)``, or ``_StridedShard(d, split_factor=k)`` where the dims right of it
+  already cut dim d into k pieces (so the global tensor reads back in order); the other dims keep theirs;
+- the compute view is a DTensor on the whole mesh with the parameter's original placements;
+- in backward, the gradient is brought to the original placements on the other dims only: what is
+  partial over the data-parallel dims stays partial, and the reduce-scatter (and the all-reduce across
+  replicas) sums it, where ``DTensor.from_local``'s backward would first all-reduce it over them.
+
+Built: one shard dim, at most one replicate dim, other dims beside them (tests/test_dp_mesh_dims.py: the
+shard dim alone, beside one tensor-parallel dim, and under one replicate dim, each in both orders).
+Refused as FSDP2 refuses (plain parameters, a data-parallel dim not ``Replicate()``, a name not in the
+mesh, an int ``reshard_after_forward``); not built (NotBuiltError): several names flattened into one
+dim, and ``replicate`` alone (FSDP2's DDP over an SPMD mesh).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, _StridedShard
+
+from flatshard.api import NotBuiltError
+
+
+@dataclass(frozen=True)
+class SpmdMesh:
+    """The whole mesh of a ``dp_mesh_dims`` call, its data-parallel dims' indices, and the mesh the engine
+    shards over (1-D: shard; 2-D: (replicate, shard))."""
+
+    mesh: DeviceMesh
+    shard: int
+    replicate: int | None
+    dp_mesh: DeviceMesh
+
+    @property
+    def dp_indices(self) -> frozenset[int]:
+        return frozenset(i for i in (self.shard, self.replicate) if i is not None)
+
+
+def resolve(mesh: DeviceMesh | None, dims, reshard_after_forward) -> SpmdMesh:
+    """Check a ``dp_mesh_dims`` call as FSDP2 does, on every rank alike (the inputs are the same on every
+    rank), and slice the data-parallel mesh out of the whole one."""
+    shard = _names(dims, "shard")
+    replicate = _names(dims, "replicate")
+    if not shard and not replicate:
+        raise ValueError("fully_shard got a dp_mesh_dims that names no dim: set shard= (and replicate= for HSDP)")
+    if mesh is None or mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"fully_shard(dp_mesh_dims=...) needs mesh=, the whole SPMD mesh the parameters are DTensors on, with "
+            f"named dims; got {mesh}. Make it with init_device_mesh(..., mesh_dim_names=(...))"
+        )
+    names = mesh.mesh_dim_names
+    for name in (*shard, *replicate):
+        if name not in names:
+            raise ValueError(f"dp_mesh_dims names '{name}', which is not a dim of the mesh {names}: name one of those")
+    if not shard:
+        raise NotBuiltError(
+            f"fully_shard(dp_mesh_dims=DataParallelMeshDims(replicate={dims.replicate!r})) without a shard dim "
+            "(FSDP2's DDP over an SPMD mesh) is not built in flatshard: name the dim to shard over "
+            "(shard=...), or use torch.distributed.fsdp.fully_shard for this model"
+        )
+    if len(shard) > 1 or len(replicate) > 1:
+        raise NotBuiltError(
+            f"fully_shard(dp_mesh_dims=...) with several dims flattened into one ({shard} to shard over, "
+            f"{replicate} to replicate over) is not built in flatshard: name one mesh dim for each (a mesh with "
+            "those dims as one named dim), or use torch.distributed.fsdp.fully_shard for this model"
+        )
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims=...) takes reshard_after_forward True or False, not the int "
+            f"{reshard_after_forward} (FSDP2 refuses an int with dp_mesh_dims too)"
+        )
+    s = names.index(shard[0])
+    r = names.index(replicate[0]) if replicate else None
+    if r is None:
+        dp_mesh = mesh[names[s]]
+    elif r < s:
+        dp_mesh = mesh[names[r], names[s]]
+    else:  # a mesh slices in its own dim order only; FSDP2 concatenates the two alike
+        dp_mesh = DeviceMesh._concatenate([mesh[names[r]], mesh[names[s]]])
+    return SpmdMesh(mesh, s, r, dp_mesh)
+
+
+def _names(dims, field: str) -> tuple[str, ...]:
+    value = getattr(dims, field, None)
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def check_params(named: list[tuple[str, torch.nn.Parameter]], spmd: SpmdMesh) -> None:
+    """Every parameter of the call a DTensor on the whole mesh, ``Replicate()`` on the data-parallel dims and
+    no ``Partial`` elsewhere (FSDP2's ValueErrors; the model is the same on every rank, so every rank
+    raises alike)."""
+    names = spmd.mesh.mesh_dim_names
+    assert names is not None  # resolve() checked it
+    for name, param in named:
+        if not isinstance(param, DTensor):
+            raise ValueError(
+                f"fully_shard(dp_mesh_dims=...) got '{name}', a plain tensor: with dp_mesh_dims every parameter is a "
+                "DTensor on the mesh passed (distribute_module or distribute_tensor onto it, Replicate() on the "
+                "data-parallel dims)"
+            )
+        if param.device_mesh != spmd.mesh:
+            raise ValueError(
+                f"fully_shard(dp_mesh_dims=...) got '{name}', a DTensor on {param.device_mesh}, not on the mesh "
+                f"passed ({spmd.mesh}): distribute it onto that mesh"
+            )
+        for idx in sorted(spmd.dp_indices):
+            if not isinstance(param.placements[idx], Replicate):
+                what = "shard" if idx == spmd.shard else "replicate"
+                raise ValueError(
+                    f"fully_shard(dp_mesh_dims=...) got '{name}' placed {param.placements[idx]} on '{names[idx]}', "
+                    f"the data-parallel {what} dim: place it Replicate() there (fully_shard shards it)"
+                )
+        if any(isinstance(p, Partial) for p in param.placements):
+            raise NotBuiltError(
+                f"fully_shard got {name}, a DTensor placed {param.placements}: Partial parameters are not built in "
+                "flatshard; use torch.distributed.fsdp.fully_shard for this model"
+            )
+
+
+def sharded_placement(spmd: SpmdMesh, placements: tuple, dim: int) -> tuple:
+    """The sharded parameter's placements on the whole mesh: the shard dim's ``Replicate()`` made
+    ``Shard(dim)``, strided by what the dims right of it cut ``dim`` into (FSDP2's placement)."""
+    split = 1
+    for j in range(spmd.shard + 1, spmd.mesh.ndim):
+        p = placements[j]
+        if isinstance(p, (Shard, _StridedShard)) and p.dim == dim:
+            split *= spmd.mesh.size(j)
+    new = list(placements)
+    new[spmd.shard] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    return tuple(new)
+
+
+class _ToMesh(torch.autograd.Function):
+    """The gathered local tensor as a DTensor of the whole mesh; backward leaves the data-parallel dims'
+    partial sums to the reduction (see the Note above)."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, placements, shape, stride, dp_indices):
+        ctx.placements, ctx.dp_indices = placements, dp_indices
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            target = tuple(grad.placements[i] if i in ctx.dp_indices else p for i, p in enumerate(ctx.placements))
+            if target != tuple(grad.placements):
+                grad = grad.redistribute(placements=target)
+            grad = grad._local_tensor
+            if hasattr(grad, "wait"):  # an AsyncCollectiveTensor
+                grad = grad.wait()
+        return grad, None, None, None, None, None
+
+
+def compute_wrapper(spmd: SpmdMesh, placements: tuple, shape: torch.Size, stride: tuple) -> Callable:
+    """The compute view's wrapper: the module's forward sees the parameter as it was given."""
+
+    def wrap(view: torch.Tensor) -> DTensor:
+        return _ToMesh.apply(view, spmd.mesh, placements, shape, stride, spmd.dp_indices)
+
+    return wrap

@@ -1,0 +1,241 @@
+"""``fully_shard(model, mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims(...))`` ([Note: parameters on the whole
+SPMD mesh], fsdp2/spmd.py): the model's parameters already DTensors on one mesh that holds the data-parallel dims
+and the tensor-parallel one, its forward on DTensors of that mesh, as FSDP2's dp_mesh_dims takes them. Against
+PyTorch's FSDP2 given the same model and calls, every step, every rank: the sharded parameters' meshes and
+placements, the losses, local gradients and local parameters to the bit; the full parameters and the state dict
+read whole against the single-process model at fp32's default tolerance. Meshes: the shard dim alone (W = 2),
+shard × TP and HSDP (replicate × shard), each in both dim orders (W = 4), widths that split unevenly. And what
+FSDP2 refuses is refused alike, what flatshard does not build raises NotBuiltError, on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.dist import raised, run_distributed
+
+STEPS = 3
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(dim, hidden)
+        self.out_proj = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.out_proj(torch.relu(self.in_proj(x)))
+
+
+def _model(dim: int, hidden: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(MLP(dim, hidden), MLP(dim, hidden))
+
+
+def _lift(model: nn.Module, mesh, tp: bool) -> nn.Module:
+    """Every parameter a DTensor on the whole mesh: Replicate() on the data-parallel dims; on "tp", the
+    in_proj column-wise (weight and bias along dim 0) and the out_proj weight row-wise (dim 1)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    names = mesh.mesh_dim_names
+    for mod_name, mod in model.named_modules():
+        for attr, p in list(mod._parameters.items()):
+            placements = [Replicate()] * mesh.ndim
+            if tp and mod_name.endswith("in_proj"):
+                placements[names.index("tp")] = Shard(0)
+            elif tp and mod_name.endswith("out_proj") and attr == "weight":
+                placements[names.index("tp")] = Shard(1)
+            mod._parameters[attr] = nn.Parameter(distribute_tensor(p.detach().clone(), mesh, placements))
+    return model
+
+
+def _build(fully_shard, mesh, dims, tp: bool, dim: int, hidden: int) -> nn.Module:
+    model = _lift(_model(dim, hidden), mesh, tp)
+    for mlp in model:
+        fully_shard(mlp, mesh=mesh, dp_mesh_dims=dims)
+    return fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+
+
+def _train(model: nn.Module, mesh, dp: tuple, dim: int) -> dict:
+    """Each data-parallel rank trains on its 2 rows of a global batch; the input is a DTensor on the whole
+    mesh, sharded along the batch over the data-parallel dims, replicated over the others."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    names = mesh.mesh_dim_names
+    dp_rank = 0
+    for name in dp:  # row-major over the data-parallel dims, as Shard(0) over several dims cuts the batch
+        dp_rank = dp_rank * mesh[name].size() + mesh[name].get_local_rank()
+    dp_size = 1
+    for name in dp:
+        dp_size *= mesh[name].size()
+    placements = [Shard(0) if n in dp else Replicate() for n in names]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    out: dict = {"losses": [], "grads": [], "params": []}
+    for _ in range(STEPS):
+        x = torch.randn(2 * dp_size, dim, generator=gen)
+        inp = DTensor.from_local(x[2 * dp_rank : 2 * dp_rank + 2], mesh, placements, run_check=False)
+        loss = model(inp).pow(2).mean()
+        loss.backward()
+        out["grads"].append([p.grad.to_local().clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.full_tensor().item())
+        out["params"].append([p.to_local().clone() for p in model.parameters()])
+    out["full"] = [p.full_tensor() for p in model.parameters()]
+    out["placements"] = [(str(p.device_mesh.mesh.tolist()), str(p.placements)) for p in model.parameters()]
+    out["dp_size"] = dp_size
+    out["state dict"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return out
+
+
+def _reference(dim: int, hidden: int, dp_size: int) -> dict:
+    model = _model(dim, hidden)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randn(2 * dp_size, dim, generator=gen)
+        loss = model(x).pow(2).mean()
+        # the DTensor gradient sums the data-parallel ranks' parts of the whole batch's loss, and the
+        # reduction then divides by their number (FSDP2's default divide factor): the single-process
+        # model steps on the loss divided alike
+        (loss / dp_size).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "full": [p.detach().clone() for p in model.parameters()], "state dict": state}
+
+
+def worker(rank: int, world: int, shape: tuple, names: tuple, shard: str, replicate, sizes: list) -> dict:  # noqa: ARG001
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import flatshard
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dims = DataParallelMeshDims(shard=shard, replicate=replicate)
+    dp = tuple(n for n in names if n in (shard, replicate))
+    tp = "tp" in names
+    out = {}
+    for dim, hidden in sizes:
+        out[(dim, hidden)] = {
+            name: _train(_build(fn, mesh, dims, tp, dim, hidden), mesh, dp, dim)
+            for name, fn in (("flatshard", flatshard.fully_shard), ("fsdp2", torch_fully_shard))
+        }
+    return out
+
+
+def _check(outs: list, sizes: list) -> None:
+    for rank, out in enumerate(outs):
+        for size in sizes:
+            ours, theirs = out[size]["flatshard"], out[size]["fsdp2"]
+            assert ours["placements"] == theirs["placements"], (rank, size, ours["placements"], theirs["placements"])
+            assert ours["losses"] == theirs["losses"], (rank, size, ours["losses"], theirs["losses"])
+            for what in ("grads", "params"):
+                for step, (a, b) in enumerate(zip(ours[what], theirs[what])):
+                    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), (rank, size, what, step)
+            ref = _reference(*size, ours["dp_size"])
+            assert ours["losses"] == [pytest.approx(v, rel=1.3e-6, abs=1e-5) for v in ref["losses"]], (
+                ours["losses"],
+                ref["losses"],
+            )
+            for got, want in zip(ours["full"], ref["full"]):
+                torch.testing.assert_close(got, want)  # fp32 defaults
+            state, want = ours["state dict"], ref["state dict"]  # the state dict read whole: the same names
+            assert list(state) == list(want), (list(state), list(want))
+            for name in want:
+                torch.testing.assert_close(state[name], want[name])
+
+
+SIZES = [(8, 16), (5, 6)]  # even; odd widths: uneven chunks (TP needs even splits: 6 over 2)
+
+
+def test_shard_dim_alone_matches_fsdp2():
+    _check(run_distributed(worker, 2, (2,), ("fsdp",), "fsdp", None, SIZES), SIZES)
+
+
+def test_shard_dim_beside_tensor_parallel_matches_fsdp2():
+    """("fsdp", "tp"): TP cuts in_proj's rows before FSDP does, so its shard is strided, as in FSDP2."""
+    outs = run_distributed(worker, 4, (2, 2), ("fsdp", "tp"), "fsdp", None, SIZES)
+    _check(outs, SIZES)
+    assert outs[0][SIZES[0]]["flatshard"]["placements"][0][1] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+
+
+def test_tensor_parallel_dim_first_matches_fsdp2():
+    """("tp", "fsdp"): the shard dim right of TP's, a plain Shard(0) after it."""
+    outs = run_distributed(worker, 4, (2, 2), ("tp", "fsdp"), "fsdp", None, SIZES[1:])
+    _check(outs, SIZES[1:])
+    assert outs[0][SIZES[1]]["flatshard"]["placements"][0][1] == "(Shard(dim=0), Shard(dim=0))"
+
+
+def test_hsdp_replicate_and_shard_dims_match_fsdp2():
+    outs = run_distributed(worker, 4, (2, 2), ("dp_replicate", "fsdp"), "fsdp", "dp_replicate", SIZES[1:])
+    _check(outs, SIZES[1:])
+    assert outs[0][SIZES[1]]["flatshard"]["placements"][0][1] == "(Replicate(), Shard(dim=0))"
+
+
+def refusals_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """Each bad call to both fully_shards: what each raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import flatshard
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
+    unnamed = init_device_mesh("cpu", (2,))
+
+    def lifted():
+        return _lift(_model(4, 6), mesh, tp=False)
+
+    def sharded_on_dp():
+        model = lifted()
+        w = model[0].in_proj.weight
+        model[0].in_proj.weight = nn.Parameter(distribute_tensor(w.full_tensor().detach(), mesh, [Shard(0)]))
+        return model
+
+    cases = {
+        "plain parameters": (lambda: _model(4, 6), {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims("fsdp")}),
+        "not Replicate on the shard dim": (sharded_on_dp, {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims("fsdp")}),
+        "a name not in the mesh": (lifted, {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims("dp")}),
+        "an unnamed mesh": (lifted, {"mesh": unnamed, "dp_mesh_dims": DataParallelMeshDims("fsdp")}),
+        "an int reshard_after_forward": (
+            lifted,
+            {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims("fsdp"), "reshard_after_forward": 2},
+        ),
+        "replicate alone": (lifted, {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(replicate="fsdp")}),
+        "two dims flattened": (lifted, {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(shard=("fsdp", "fsdp"))}),
+    }
+    return {
+        what: {
+            name: raised(lambda fn=fn, make=make, kw=kw: fn(make(), **kw))
+            for name, fn in (("flatshard", flatshard.fully_shard), ("fsdp2", torch_fully_shard))
+        }
+        for what, (make, kw) in cases.items()
+    }
+
+
+def test_refusals_as_fsdp2_and_what_is_not_built():
+    outs = run_distributed(refusals_worker, 2)
+    assert outs[0] == outs[1], outs  # every rank alike
+    got = outs[0]
+    for what in ("plain parameters", "not Replicate on the shard dim", "a name not in the mesh", "an unnamed mesh"):
+        ours, theirs = got[what]["flatshard"], got[what]["fsdp2"]
+        assert ours.split("/")[0] == theirs.split("/")[0] == "ValueError", (what, ours, theirs)
+    ours, theirs = got["an int reshard_after_forward"]["flatshard"], got["an int reshard_after_forward"]["fsdp2"]
+    assert ours.split("/")[0] == theirs.split("/")[0] == "NotImplementedError", (ours, theirs)
+    for what in ("replicate alone", "two dims flattened"):  # FSDP2 builds these; flatshard says it does not
+        assert got[what]["flatshard"].startswith("NotBuiltError/"), got[what]
+        assert "torch.distributed.fsdp.fully_shard" in got[what]["flatshard"], got[what]
+
+
+def test_hsdp_with_the_replicate_dim_after_the_shard_dim_matches_fsdp2():
+    """("fsdp", "dp_replicate"): the data-parallel mesh is (replicate, shard) all the same."""
+    outs = run_distributed(worker, 4, (2, 2), ("fsdp", "dp_replicate"), "fsdp", "dp_replicate", SIZES[1:])
+    _check(outs, SIZES[1:])
+    assert outs[0][SIZES[1]]["flatshard"]["placements"][0][1] == "(Shard(dim=0), Replicate())"
