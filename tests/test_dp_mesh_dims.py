@@ -2,10 +2,12 @@
 SPMD mesh], fsdp2/spmd.py): the model's parameters already DTensors on one mesh that holds the data-parallel dims
 and the tensor-parallel one, its forward on DTensors of that mesh, as FSDP2's dp_mesh_dims takes them. Against
 PyTorch's FSDP2 given the same model and calls, every step, every rank: the sharded parameters' meshes and
-placements, the losses, local gradients and local parameters to the bit; the full parameters and the state dict
-read whole against the single-process model at fp32's default tolerance. Meshes: the shard dim alone (W = 2),
-shard × TP and HSDP (replicate × shard), each in both dim orders (W = 4), widths that split unevenly. And what
-FSDP2 refuses is refused alike, what flatshard does not build raises NotBuiltError, on every rank."""
+placements, the losses, local gradients and local parameters to the bit (where the data-parallel dim has 2 ranks;
+over 4, whose sum's order is each implementation's own, at fp32's default tolerance); the full parameters and the
+state dict read whole against the single-process model at fp32's default tolerance. Meshes: the shard dim alone (W
+= 2), shard × TP and HSDP (replicate × shard), each in both dim orders, and two shard dims flattened into one (W =
+4), widths that split unevenly. And what FSDP2 refuses is refused alike, what flatshard does not build raises
+NotBuiltError, on every rank."""
 
 from __future__ import annotations
 
@@ -118,7 +120,8 @@ def worker(rank: int, world: int, shape: tuple, names: tuple, shard: str, replic
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     dims = DataParallelMeshDims(shard=shard, replicate=replicate)
-    dp = tuple(n for n in names if n in (shard, replicate))
+    named = {*((shard,) if isinstance(shard, str) else shard), replicate}
+    dp = tuple(n for n in names if n in named)
     tp = "tp" in names
     out = {}
     for dim, hidden in sizes:
@@ -134,10 +137,21 @@ def _check(outs: list, sizes: list) -> None:
         for size in sizes:
             ours, theirs = out[size]["flatshard"], out[size]["fsdp2"]
             assert ours["placements"] == theirs["placements"], (rank, size, ours["placements"], theirs["placements"])
-            assert ours["losses"] == theirs["losses"], (rank, size, ours["losses"], theirs["losses"])
+            # two ranks' gradients sum to the same bits in either order; four ranks' need not (the reduction's
+            # order is each implementation's own): there, PyTorch's fp32 default tolerance
+            exact = ours["dp_size"] <= 2
+            if exact:
+                assert ours["losses"] == theirs["losses"], (rank, size, ours["losses"], theirs["losses"])
+            else:
+                assert ours["losses"] == pytest.approx(theirs["losses"], rel=1.3e-6, abs=1e-5), (rank, size)
             for what in ("grads", "params"):
                 for step, (a, b) in enumerate(zip(ours[what], theirs[what])):
-                    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), (rank, size, what, step)
+                    assert len(a) == len(b), (rank, size, what, step)
+                    for x, y in zip(a, b):
+                        if exact:
+                            assert torch.equal(x, y), (rank, size, what, step)
+                        else:
+                            torch.testing.assert_close(x, y, msg=lambda m: f"{(rank, size, what, step)}: {m}")
             ref = _reference(*size, ours["dp_size"])
             assert ours["losses"] == [pytest.approx(v, rel=1.3e-6, abs=1e-5) for v in ref["losses"]], (
                 ours["losses"],
@@ -209,7 +223,6 @@ def refusals_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harnes
             {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims("fsdp"), "reshard_after_forward": 2},
         ),
         "replicate alone": (lifted, {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(replicate="fsdp")}),
-        "two dims flattened": (lifted, {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(shard=("fsdp", "fsdp"))}),
     }
     return {
         what: {
@@ -229,9 +242,9 @@ def test_refusals_as_fsdp2_and_what_is_not_built():
         assert ours.split("/")[0] == theirs.split("/")[0] == "ValueError", (what, ours, theirs)
     ours, theirs = got["an int reshard_after_forward"]["flatshard"], got["an int reshard_after_forward"]["fsdp2"]
     assert ours.split("/")[0] == theirs.split("/")[0] == "NotImplementedError", (ours, theirs)
-    for what in ("replicate alone", "two dims flattened"):  # FSDP2 builds these; flatshard says it does not
-        assert got[what]["flatshard"].startswith("NotBuiltError/"), got[what]
-        assert "torch.distributed.fsdp.fully_shard" in got[what]["flatshard"], got[what]
+    what = "replicate alone"  # FSDP2 builds it; flatshard says it does not
+    assert got[what]["flatshard"].startswith("NotBuiltError/"), got[what]
+    assert "torch.distributed.fsdp.fully_shard" in got[what]["flatshard"], got[what]
 
 
 def test_hsdp_with_the_replicate_dim_after_the_shard_dim_matches_fsdp2():
@@ -239,3 +252,12 @@ def test_hsdp_with_the_replicate_dim_after_the_shard_dim_matches_fsdp2():
     outs = run_distributed(worker, 4, (2, 2), ("fsdp", "dp_replicate"), "fsdp", "dp_replicate", SIZES[1:])
     _check(outs, SIZES[1:])
     assert outs[0][SIZES[1]]["flatshard"]["placements"][0][1] == "(Shard(dim=0), Replicate())"
+
+
+def test_two_shard_dims_flattened_match_fsdp2():
+    """shard=("dp_shard", "cp"): both dims flattened into one data-parallel dim of 4 ranks; the sharded
+    parameter lives on the flattened mesh, as in FSDP2."""
+    outs = run_distributed(worker, 4, (2, 2), ("dp_shard", "cp"), ("dp_shard", "cp"), None, SIZES[1:])
+    _check(outs, SIZES[1:])
+    mesh, placements = outs[0][SIZES[1]]["flatshard"]["placements"][0]
+    assert (mesh, placements) == ("[0, 1, 2, 3]", "(Shard(dim=0),)"), (mesh, placements)

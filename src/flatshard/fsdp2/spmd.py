@@ -18,11 +18,12 @@ dim, or (replicate, shard) for HSDP). Three things differ, each as FSDP2 has the
   partial over the data-parallel dims stays partial, and the reduce-scatter (and the all-reduce across
   replicas) sums it, where ``DTensor.from_local``'s backward would first all-reduce it over them.
 
-Built: one shard dim, at most one replicate dim, other dims beside them (tests/test_dp_mesh_dims.py: the
-shard dim alone, beside one tensor-parallel dim, and under one replicate dim, each in both orders).
-Refused as FSDP2 refuses (plain parameters, a data-parallel dim not ``Replicate()``, a name not in the
-mesh, an int ``reshard_after_forward``); not built (NotBuiltError): several names flattened into one
-dim, and ``replicate`` alone (FSDP2's DDP over an SPMD mesh).
+Several dims named ``shard`` (or ``replicate``) are flattened into one data-parallel dim, as FSDP2 does,
+and the sharded parameter is then placed on a mesh made of the flattened dim and the others.
+Tested (tests/test_dp_mesh_dims.py): the shard dim alone, beside one tensor-parallel dim, under one
+replicate dim, each in both orders, and two shard dims flattened. Refused as FSDP2 refuses (plain
+parameters, a data-parallel dim not ``Replicate()``, a name not in the mesh, an int
+``reshard_after_forward``); not built (NotBuiltError): ``replicate`` alone (FSDP2's DDP over an SPMD mesh).
 """
 
 from __future__ import annotations
@@ -44,13 +45,13 @@ class SpmdMesh:
     shards over (1-D: shard; 2-D: (replicate, shard))."""
 
     mesh: DeviceMesh
-    shard: int
-    replicate: int | None
+    shard: tuple[int, ...]  # indices of the dims named ``shard`` (several: flattened into one)
+    replicate: tuple[int, ...]
     dp_mesh: DeviceMesh
 
     @property
     def dp_indices(self) -> frozenset[int]:
-        return frozenset(i for i in (self.shard, self.replicate) if i is not None)
+        return frozenset((*self.shard, *self.replicate))
 
 
 def resolve(mesh: DeviceMesh | None, dims, reshard_after_forward) -> SpmdMesh:
@@ -75,26 +76,30 @@ def resolve(mesh: DeviceMesh | None, dims, reshard_after_forward) -> SpmdMesh:
             "(FSDP2's DDP over an SPMD mesh) is not built in flatshard: name the dim to shard over "
             "(shard=...), or use torch.distributed.fsdp.fully_shard for this model"
         )
-    if len(shard) > 1 or len(replicate) > 1:
-        raise NotBuiltError(
-            f"fully_shard(dp_mesh_dims=...) with several dims flattened into one ({shard} to shard over, "
-            f"{replicate} to replicate over) is not built in flatshard: name one mesh dim for each (a mesh with "
-            "those dims as one named dim), or use torch.distributed.fsdp.fully_shard for this model"
-        )
+    for group in (shard, replicate):
+        if len(group) > 1 and [names.index(n) for n in group] != sorted({names.index(n) for n in group}):
+            raise ValueError(
+                f"dp_mesh_dims names {group} to flatten into one dim: name each dim once, in the mesh's own order "
+                f"{names}"
+            )
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"fully_shard(dp_mesh_dims=...) takes reshard_after_forward True or False, not the int "
             f"{reshard_after_forward} (FSDP2 refuses an int with dp_mesh_dims too)"
         )
-    s = names.index(shard[0])
-    r = names.index(replicate[0]) if replicate else None
-    if r is None:
-        dp_mesh = mesh[names[s]]
-    elif r < s:
-        dp_mesh = mesh[names[r], names[s]]
-    else:  # a mesh slices in its own dim order only; FSDP2 concatenates the two alike
-        dp_mesh = DeviceMesh._concatenate([mesh[names[r]], mesh[names[s]]])
-    return SpmdMesh(mesh, s, r, dp_mesh)
+    dp_mesh = _one_dim(mesh, shard)
+    if replicate:  # (replicate, shard), whatever their order in the mesh, as FSDP2 concatenates them
+        dp_mesh = DeviceMesh._concatenate([_one_dim(mesh, replicate), dp_mesh])
+    index = names.index
+    return SpmdMesh(mesh, tuple(map(index, shard)), tuple(map(index, replicate)), dp_mesh)
+
+
+def _one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The named dim as a 1-D mesh; several named dims flattened into one (``DeviceMesh._flatten``, made
+    once per mesh and name: the mesh keeps it)."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[names]._flatten("_".join(names))
 
 
 def _names(dims, field: str) -> tuple[str, ...]:
@@ -124,7 +129,7 @@ def check_params(named: list[tuple[str, torch.nn.Parameter]], spmd: SpmdMesh) ->
             )
         for idx in sorted(spmd.dp_indices):
             if not isinstance(param.placements[idx], Replicate):
-                what = "shard" if idx == spmd.shard else "replicate"
+                what = "shard" if idx in spmd.shard else "replicate"
                 raise ValueError(
                     f"fully_shard(dp_mesh_dims=...) got '{name}' placed {param.placements[idx]} on '{names[idx]}', "
                     f"the data-parallel {what} dim: place it Replicate() there (fully_shard shards it)"
@@ -136,17 +141,36 @@ def check_params(named: list[tuple[str, torch.nn.Parameter]], spmd: SpmdMesh) ->
             )
 
 
-def sharded_placement(spmd: SpmdMesh, placements: tuple, dim: int) -> tuple:
-    """The sharded parameter's placements on the whole mesh: the shard dim's ``Replicate()`` made
-    ``Shard(dim)``, strided by what the dims right of it cut ``dim`` into (FSDP2's placement)."""
+def sharded_placement(spmd: SpmdMesh, placements: tuple, dim: int) -> tuple[DeviceMesh, tuple]:
+    """(mesh, placements) of the sharded parameter: on the whole mesh, the shard dim's ``Replicate()`` made
+    ``Shard(dim)``, strided by what the dims right of it cut ``dim`` into (FSDP2's placement). Several shard
+    dims, flattened: the first one's placement on the data-parallel mesh in their place (``Replicate()``
+    before it under HSDP, the replicate dims then left out), the other dims as they are, as FSDP2 places it."""
+    first = spmd.shard[0]
     split = 1
-    for j in range(spmd.shard + 1, spmd.mesh.ndim):
+    for j in range(first + 1, spmd.mesh.ndim):
         p = placements[j]
         if isinstance(p, (Shard, _StridedShard)) and p.dim == dim:
             split *= spmd.mesh.size(j)
-    new = list(placements)
-    new[spmd.shard] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
-    return tuple(new)
+    sharded = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    if len(spmd.shard) == 1:
+        new = list(placements)
+        new[first] = sharded
+        return spmd.mesh, tuple(new)
+    names = spmd.mesh.mesh_dim_names
+    assert names is not None  # resolve() checked it
+    meshes: list[DeviceMesh] = []
+    where: list = []
+    for i, name in enumerate(names):
+        if i == first:
+            meshes.append(spmd.dp_mesh)
+            where.extend((Replicate(), sharded) if spmd.replicate else (sharded,))
+        elif i in spmd.shard or (spmd.replicate and i in spmd.replicate):
+            continue
+        else:
+            meshes.append(spmd.mesh[name])
+            where.append(placements[i])
+    return DeviceMesh._concatenate(meshes), tuple(where)
 
 
 class _ToMesh(torch.autograd.Function):

@@ -122,7 +122,7 @@ def sharded_placement(spec: TPSpec, dim: int, dp_mesh: DeviceMesh) -> tuple[Devi
     concatenated, the DP chunk along ``dim`` strided when TP already cuts that dim (FSDP2's placement),
     replicated first over an HSDP mesh's replicate dim; a dp_mesh_dims call's whole mesh (spmd.py)."""
     if spec.spmd is not None:
-        return spec.mesh, spmd.sharded_placement(spec.spmd, spec.placements, dim), spec.shape
+        return (*spmd.sharded_placement(spec.spmd, spec.placements, dim), spec.shape)
     split = 1
     for placement, size in zip(spec.placements, spec.mesh.shape):
         if isinstance(placement, Shard) and placement.dim == dim:
