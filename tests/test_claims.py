@@ -61,7 +61,7 @@ NOT_BUILT = {
         "DTensor parameters of a tensor-parallel mesh of more than one dim"
     ],
     ("fsdp2/checks.py", "mesh_of"): [
-        "`ShardPlacementResult` with an `HSDPMeshInfo`",
+        "`ShardPlacementResult` with an `HSDPMeshInfo` that shards its dim 0",
         "with an `FSDPMeshInfo` over a mesh of more than one dim",
     ],
     ("fsdp2/frontend.py", "_check_other_meshes"): [

@@ -5,7 +5,8 @@ FSDP2 on the same script.
 At W = 4 the dense parameters are sharded over the call's mesh (4,) and each block's expert-like MLP over
 a 2-rank sub-mesh, the ``efsdp`` dim of a (rep, efsdp) = (2, 2) mesh, as MoE models shard their experts
 (its bias placed with ``placement=None``, FSDP2's Shard(0)); odd shapes pad both meshes' shards. Then
-the same with the dense parameters under HSDP on a (replicate, shard) = (2, 2) mesh (AdamW). At W = 2
+the same with the dense parameters under HSDP on a (replicate, shard) = (2, 2) mesh, and with the experts
+under HSDP on their own (rep, efsdp) = (2, 2) mesh (``HSDPMeshInfo``; AdamW). At W = 2
 the dense parameters pad over (2,) and the experts sit on a 1-rank ``efsdp`` dim of a (2, 1) mesh.
 Checked every step, with SGD-momentum and AdamW: the loss, every gradient and parameter (``full_tensor``)
 equal FSDP2's, bitwise where the reduction order matches FSDP2's (tolerance-free ``torch.equal``: every
@@ -14,8 +15,8 @@ default tolerance (gloo sums 4 ranks in another order); every parameter a
 DTensor on FSDP2's mesh and placement; collectives counted per group size: one all-gather per flat
 group per pass (none for a 1-rank group), one reduce-scatter per trainable group per backward. Also:
 ranks that place a parameter on meshes that disagree fail alike on every rank, naming it, and what is
-not built (HSDPMeshInfo, a 2-D FSDPMeshInfo mesh, an int reshard_after_forward beside another mesh)
-raises NotBuiltError on every rank."""
+not built (an HSDPMeshInfo sharding its dim 0, a 2-D FSDPMeshInfo mesh, an int reshard_after_forward
+beside another mesh) raises NotBuiltError on every rank."""
 
 from __future__ import annotations
 
@@ -91,16 +92,18 @@ def _shard(model: Net, shard, mesh, fn, **kw) -> Net:
     return model
 
 
-def _meshes(world: int, expert_shape: tuple[int, int], hsdp: bool = False):
+def _meshes(world: int, expert_shape: tuple[int, int], hsdp: bool = False, expert_hsdp: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
     if hsdp:
         dense = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
         dense = init_device_mesh("cpu", (world,))
-    efsdp = init_device_mesh("cpu", expert_shape, mesh_dim_names=("rep", "efsdp"))["efsdp"]
-    return dense, efsdp, FSDPMeshInfo(mesh=efsdp, shard_mesh_dim=0)
+    two_d = init_device_mesh("cpu", expert_shape, mesh_dim_names=("rep", "efsdp"))
+    if expert_hsdp:  # the experts sharded over efsdp and replicated over rep, as torchtitan's under HSDP
+        return dense, two_d["efsdp"], HSDPMeshInfo(mesh=two_d, shard_mesh_dim=1, replicate_mesh_dim=0)
+    return dense, two_d["efsdp"], FSDPMeshInfo(mesh=two_d["efsdp"], shard_mesh_dim=0)
 
 
 def _comms(rec) -> Counter:
@@ -108,10 +111,11 @@ def _comms(rec) -> Counter:
     return Counter((str(e.phase), e.kind, e.group_size) for e in rec.events if e.kind != "order_check")
 
 
-def _expected_comms(infos, replicas: int) -> Counter:
+def _expected_comms(infos, replicas: int, expert_replicas: int = 1) -> Counter:
     """Per flat group of F > 1 ranks: an all-gather per pass (the root stays gathered for backward) and a
     reduce-scatter per backward; a 1-rank group issues nothing. Under HSDP (``replicas`` > 1) each dense
-    group's reduce-scatter is followed by an all-reduce over the replicas; the experts' mesh has none."""
+    group's reduce-scatter is followed by an all-reduce over the replicas; the experts' likewise over
+    their mesh's replicate dim when it has one (``expert_replicas`` > 1)."""
     out: Counter = Counter()
     for u in infos:
         for g in u.flat_groups:
@@ -120,8 +124,11 @@ def _expected_comms(infos, replicas: int) -> Counter:
                 out[("forward", "all_gather", size)] += 1
                 out[("backward", "all_gather", size)] += 0 if u.is_root else 1
                 out[("backward", "reduce_scatter", size)] += int(g.requires_grad)
-            if replicas > 1 and not any(".expert." in f".{n}" for n in g.param_names):
+            expert = any(".expert." in f".{n}" for n in g.param_names)
+            if replicas > 1 and not expert:
                 out[("backward", "all_reduce", replicas)] += int(g.requires_grad)
+            if expert_replicas > 1 and expert:
+                out[("backward", "all_reduce", expert_replicas)] += int(g.requires_grad)
     return +out
 
 
@@ -134,13 +141,20 @@ def _full(model, grads: bool) -> list:
 
 
 def _train(
-    world: int, expert_shape, shapes, opt_kind: str, rank: int, hsdp: bool = False, factor: float | None = None
+    world: int,
+    expert_shape,
+    shapes,
+    opt_kind: str,
+    rank: int,
+    hsdp: bool = False,
+    factor: float | None = None,
+    expert_hsdp: bool = False,
 ) -> dict:
     import torch.distributed.fsdp as torch_fsdp
 
     import flatshard
 
-    dense, efsdp, info = _meshes(world, expert_shape, hsdp)
+    dense, efsdp, info = _meshes(world, expert_shape, hsdp, expert_hsdp)
     torch.manual_seed(0)
     base = Net(*shapes)
     theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
@@ -172,7 +186,9 @@ def _train(
             opt.step()
             opt.zero_grad()
             seen.append((loss.detach(), grads, _full(model, grads=False)))
-        expected = _expected_comms(infos, dense.size(0) if dense.ndim == 2 else 1)
+        expected = _expected_comms(
+            infos, dense.size(0) if dense.ndim == 2 else 1, expert_shape[0] if expert_hsdp else 1
+        )
         assert _comms(rec) == expected, (step, _comms(rec), expected)
         (loss_a, grads_a, params_a), (loss_b, grads_b, params_b) = seen
         torch.testing.assert_close(loss_b, loss_a, msg=lambda m: f"{opt_kind} step {step}: loss {m}")
@@ -219,7 +235,7 @@ def _refusals(world: int, rank: int) -> dict:
         "half on the call's mesh": raised(wrap(mine if rank < 2 else None)),
         # ranks 0 and 1 on (rep, efsdp)'s efsdp dim, {0, 1}; ranks 2 and 3 on (efsdp, rep)'s: {0, 2} and {1, 3}
         "crossed meshes": raised(wrap(mine if rank < 2 else crossed)),
-        "HSDPMeshInfo": raised(wrap(HSDPMeshInfo(mesh=two_d, shard_mesh_dim=1, replicate_mesh_dim=0))),
+        "HSDPMeshInfo sharding dim 0": raised(wrap(HSDPMeshInfo(mesh=two_d, shard_mesh_dim=0, replicate_mesh_dim=1))),
         "2-D FSDPMeshInfo": raised(wrap(FSDPMeshInfo(mesh=two_d, shard_mesh_dim=1))),
         "int reshard_after_forward": raised(wrap(mine, reshard_after_forward=2)),
     }
@@ -231,6 +247,7 @@ def worker_4(rank: int, world: int) -> dict:
     shapes = (13, 7, 9)  # vocab, dim, hidden: odd, so both meshes' shards pad
     out = {kind: _train(world, (2, 2), shapes, kind, rank) for kind in ("sgd", "adamw")}
     out["hsdp"] = _train(world, (2, 2), shapes, "adamw", rank, hsdp=True)
+    out["experts hsdp"] = _train(world, (2, 2), shapes, "adamw", rank, expert_hsdp=True)
     out["refusals"] = _refusals(world, rank)
     return out
 
@@ -256,7 +273,12 @@ def test_experts_on_a_sub_mesh_train_as_fsdp2_at_w4():
         assert refusals["own call on another mesh"] == outs[0]["refusals"]["own call on another mesh"], refusals
         assert "fully_shard: pass the same mesh=" in refusals["own call on another mesh"], refusals
         assert "ShardPlacementResult" in refusals["own call on another mesh"], refusals
-        for key in ("own call on another mesh", "HSDPMeshInfo", "2-D FSDPMeshInfo", "int reshard_after_forward"):
+        for key in (
+            "own call on another mesh",
+            "HSDPMeshInfo sharding dim 0",
+            "2-D FSDPMeshInfo",
+            "int reshard_after_forward",
+        ):
             assert refusals[key].startswith("NotBuiltError"), (key, refusals[key])
         assert "mesh['efsdp']" in refusals["2-D FSDPMeshInfo"], refusals
         for kind in ("sgd", "adamw"):
@@ -265,6 +287,10 @@ def test_experts_on_a_sub_mesh_train_as_fsdp2_at_w4():
             # the experts' first step, summed over 2 ranks before any dense difference reaches them, to the bit
             assert not [d for d in out[kind]["differ"] if d[0] == 0 and d[2] == 2], (rank, kind, out[kind]["differ"])
         assert out["hsdp"]["steps"] == STEPS and out["hsdp"]["bitwise"], (rank, out["hsdp"])  # every group of 2 ranks
+        # the experts under HSDP on their own (rep, efsdp) mesh: their first step's sums are of 2 ranks each
+        hsdp_experts = out["experts hsdp"]
+        assert hsdp_experts["steps"] == STEPS, (rank, hsdp_experts)
+        assert not [d for d in hsdp_experts["differ"] if d[0] == 0 and ".expert." in d[1]], (rank, hsdp_experts)
 
 
 def test_experts_on_a_one_rank_mesh_beside_padded_shards_train_as_fsdp2_at_w2():

@@ -57,9 +57,9 @@ def shard_dims(module: nn.Module, shard_placement_fn, ignored_params) -> tuple[d
 
 
 def mesh_of(name: str, result):
-    """The 1-D mesh a ``ShardPlacementResult`` shards ``name`` over: an ``FSDPMeshInfo`` over a 1-D mesh
-    (a slice of a larger one, ``mesh["efsdp"]``); replicating over another dim (``HSDPMeshInfo``) and a
-    mesh of more dims are not built."""
+    """The mesh a ``ShardPlacementResult`` shards ``name`` over: an ``FSDPMeshInfo`` over a 1-D mesh (a
+    slice of a larger one, ``mesh["efsdp"]``), or an ``HSDPMeshInfo`` over a 2-D (replicate, shard) mesh
+    (``mesh["dp_replicate", "efsdp"]``, torchtitan's experts under HSDP); other layouts are not built."""
     info = result.mesh_info
     kinds = {c.__name__ for c in type(info).__mro__}
     if "FSDPMeshInfo" not in kinds:
@@ -68,11 +68,13 @@ def mesh_of(name: str, result):
             "mesh_info=FSDPMeshInfo(mesh=<a 1-D DeviceMesh>, shard_mesh_dim=0)"
         )
     if "HSDPMeshInfo" in kinds or info.replicate_mesh_dim is not None:
-        raise NotBuiltError(
-            f"fully_shard(shard_placement_fn=...) returned {result!r} for {name}: a mesh of its own that replicates "
-            "over a dim (HSDPMeshInfo) is not built. Return FSDPMeshInfo(mesh=<the 1-D shard mesh>, shard_mesh_dim=0) "
-            "for it, or shard it with HSDP in a fully_shard call of its own (fully_shard(m, mesh=<the 2-D mesh>))"
-        )
+        if info.mesh.ndim != 2 or (info.replicate_mesh_dim, info.shard_mesh_dim) != (0, 1):
+            raise NotBuiltError(
+                f"fully_shard(shard_placement_fn=...) returned {result!r} for {name}: an HSDPMeshInfo other than "
+                "over a 2-D mesh with replicate_mesh_dim=0 and shard_mesh_dim=1 is not built. Pass "
+                "HSDPMeshInfo(mesh=mesh['<replicate dim>', '<shard dim>'], shard_mesh_dim=1, replicate_mesh_dim=0)"
+            )
+        return info.mesh
     if info.mesh.ndim != 1:
         names = info.mesh.mesh_dim_names
         dim = repr(names[info.shard_mesh_dim]) if names else "<its dim name>"

@@ -185,7 +185,7 @@ def fully_shard(
             continue
         if group.pieces is not None:  # [Note: pieces in the chunked layout] (runtime/across_replicas.py)
             on = _flat_mesh(mesh)
-        _as_dtensors(group, on, placements if on is mesh else (Shard(0),), tp_uses)
+        _as_dtensors(group, on, placements if on is mesh else (Replicate(),) * (on.ndim - 1) + (Shard(0),), tp_uses)
     extensions.attach(unit, target, self_gathered, mesh, placements, mp_policy, mp, dims)
     if any(group.flat_shard.is_meta for group in unit.flat_groups):
         _ON_META.add(unit)

@@ -48,10 +48,10 @@ def placements(read: Callable[[], tuple[dict[int, int], Others]], call_mesh: Dev
     others: Others = []
     try:
         dims, found = read()
-        others = [(n, p, m) for n, p, m in found if m.get_group() is not group]  # the call's own mesh again
+        others = [(n, p, m) for n, p, m in found if not _is_call_mesh(m, call_mesh, group)]
     except (ValueError, NotBuiltError) as exc:
         error = exc
-    mine = {name: dist.get_process_group_ranks(m.get_group()) for name, _, m in others}
+    mine = {name: _ranks(m) for name, _, m in others}
     said = agree.gather_json(
         {"error": None if error is None else [type(error).__name__, str(error)], "meshes": mine}, group
     )
@@ -67,6 +67,20 @@ def placements(read: Callable[[], tuple[dict[int, int], Others]], call_mesh: Dev
     return _grouped(dims, others, group)
 
 
+def _is_call_mesh(mesh: DeviceMesh, call_mesh: DeviceMesh, group) -> bool:
+    """Whether a result's mesh is the call's own again (then its parameters are the call's)."""
+    if mesh.ndim == 1:
+        return mesh.get_group() is group and call_mesh.ndim == 1
+    return mesh.ndim == call_mesh.ndim and mesh.mesh.tolist() == call_mesh.mesh.tolist()
+
+
+def _ranks(mesh: DeviceMesh) -> list[int]:
+    """A result mesh's ranks, row-major (a 2-D (replicate, shard) mesh's too)."""
+    if mesh.ndim == 1:
+        return dist.get_process_group_ranks(mesh.get_group())
+    return [int(r) for r in mesh.mesh.flatten().tolist()]
+
+
 def _call_group(call_mesh: DeviceMesh):
     """The process group over all the call's ranks (as comm/mesh.py resolves it for a 2-D mesh)."""
     if call_mesh.ndim == 1:
@@ -75,18 +89,32 @@ def _call_group(call_mesh: DeviceMesh):
 
 
 def _grouped(dims: dict[int, int], others: Others, group) -> Placed:
-    """One ShardGroups per process group (FSDP2 keys its parameter groups by process group): the mesh's
-    group as the shard group, no replicate group, the call's group as the ranks that train the model."""
-    by_pg: dict[int, ShardGroups] = {}
+    """One ShardGroups per process group (FSDP2 keys its parameter groups by process group): a 1-D mesh's
+    group as the shard group, no replicate group; a 2-D (replicate, shard) mesh's dims as the shard and
+    replicate groups (HSDP: reduce-scatter over the shard dim, all-reduce over the replicate dim); the
+    call's group as the ranks that train the model."""
+    by_pg: dict[tuple[int, ...], ShardGroups] = {}
     param_groups: dict[int, ShardGroups] = {}
     meshes: dict[int, DeviceMesh] = {}
     for _, param, mesh in others:
-        pg = mesh.get_group()
-        if id(pg) not in by_pg:
-            size = dist.get_world_size(pg)
-            on = ShardGroups(pg if size > 1 else None, None, size, dist.get_rank(pg), 1, group)
-            by_pg[id(pg)], meshes[id(on)] = on, mesh
-        param_groups[id(param)] = by_pg[id(pg)]
+        pgs = (mesh.get_group(),) if mesh.ndim == 1 else (mesh.get_group(1), mesh.get_group(0))
+        key = tuple(map(id, pgs))
+        if key not in by_pg:
+            shard_pg = pgs[0]
+            size = dist.get_world_size(shard_pg)
+            rep_pg = pgs[1] if len(pgs) == 2 else None
+            replicas = dist.get_world_size(rep_pg) if rep_pg is not None else 1
+            on = ShardGroups(
+                shard_pg if size > 1 else None,
+                rep_pg if replicas > 1 else None,
+                size,
+                dist.get_rank(shard_pg),
+                replicas,
+                group,
+                dist.get_rank(rep_pg) if rep_pg is not None else 0,
+            )
+            by_pg[key], meshes[id(on)] = on, mesh
+        param_groups[id(param)] = by_pg[key]
     return Placed(dims, param_groups, meshes)
 
 
