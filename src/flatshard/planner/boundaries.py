@@ -14,7 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-BOUNDARIES = ("flat", "rows", "params")
+BOUNDARIES = ("flat", "rows", "params")  # the FSDP1 wrapper's shard_boundaries
+PLANNED = (*BOUNDARIES, "chunks")  # and fully_shard's layout, which the planner models too
 
 Shape = tuple[int, ...]
 
@@ -76,10 +77,32 @@ def row_cut(shapes: Sequence[Shape], target: int) -> int:
     return target
 
 
+def chunk_rows(shape: Shape, shard_size: int) -> int:
+    """Rows of ``shape`` in each of fully_shard's F chunks (dim 0 cut as ``torch.chunk`` cuts it)."""
+    return math.ceil(shape[0] / shard_size) if shape else 1
+
+
+def chunk_real(shapes: Sequence[Shape], shard_size: int) -> tuple[int, ...]:
+    """Each rank's parameter elements under fully_shard's chunks (a trailing rank's chunks may be short)."""
+    out = []
+    for k in range(shard_size):
+        real = 0
+        for shape in shapes:
+            c, d0 = chunk_rows(shape, shard_size), (shape[0] if shape else 1)
+            real += max(0, min(d0, (k + 1) * c) - k * c) * numel_of(shape[1:])
+        out.append(real)
+    return tuple(out)
+
+
 def cut(shapes: Sequence[Shape], shard_size: int, boundaries: str = "flat", loads: Sequence[int] | None = None) -> Cut:
     """The cut of a unit of parameters of ``shapes`` (in the unit's order) over ``shard_size`` ranks.
     ``loads``: elements each rank holds of the units laid out before this one in the same wrap call;
-    ``"params"`` deals against them (the caller adds ``sizes`` to them for the next unit)."""
+    ``"params"`` deals against them (the caller adds ``sizes`` to them for the next unit). ``"chunks"``:
+    fully_shard's layout ([Note: chunked layout], runtime/chunked.py), every rank S = the sum over the
+    parameters of their chunk's rows (ceil(d0 / F)) times a row's elements, padding included."""
+    if boundaries == "chunks":
+        s = sum(chunk_rows(shape, shard_size) * numel_of(shape[1:]) for shape in shapes)
+        return Cut(tuple(range(len(shapes))), tuple(k * s for k in range(shard_size + 1)))
     check_boundaries(boundaries)
     numels = [numel_of(s) for s in shapes]
     total = sum(numels)

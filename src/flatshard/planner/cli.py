@@ -24,7 +24,7 @@ import json
 import sys
 from typing import Any, NoReturn
 
-from flatshard.planner.boundaries import BOUNDARIES
+from flatshard.planner.boundaries import PLANNED
 from flatshard.planner.calibration import read_calibration
 from flatshard.planner.errors import PlanError
 from flatshard.planner.inputs import EXCHANGES, OPTIMIZERS, PRECISIONS, Links, PlanInputs
@@ -175,9 +175,10 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument(
         "--shard-boundaries",
         default="flat",
-        choices=BOUNDARIES,
-        help='where units are cut between ranks, as FullyShardedDataParallel(shard_boundaries=...): "rows" and '
-        '"params" need a model shape (with --params: flat\'s figures, and a note); default flat',
+        choices=PLANNED,
+        help='where units are cut between ranks, as FullyShardedDataParallel(shard_boundaries=...), or "chunks", '
+        "fully_shard's dim-0 chunks: all but flat need a model shape (with --params: flat's figures, and a note); "
+        "default flat",
     )
     training.add_argument(
         "--optimizer-across-replicas",

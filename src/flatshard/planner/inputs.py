@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from flatshard.planner.boundaries import BOUNDARIES, numel_of
+from flatshard.planner.boundaries import PLANNED, numel_of
 from flatshard.planner.errors import PlanError
 from flatshard.planner.models import ModelShape, layout_from_module
 
@@ -150,7 +150,8 @@ class PlanInputs:
         32 GB/s raw, about 25 achieved).
     units_defaulted: the unit count was not given and defaulted to 1 (``flatshard plan --params``
         without ``--units``); the advice to use more, smaller units then says so.
-    shard_boundaries: "flat" (the default), "rows" or "params", as given to the engine: where each unit
+    shard_boundaries: "flat" (the default), "rows" or "params", as given to the engine (or "chunks",
+        fully_shard's dim-0 chunks of every parameter): where each unit
         is cut between the ranks of a shard group (planner/boundaries.py cuts as the engine does), which
         sets the largest rank's bytes and the largest shard each all-gather and reduce-scatter waits on
         ([Note: planner memory model]). It needs the parameters' shapes: ``unit_param_shapes`` (for
@@ -399,9 +400,9 @@ def _validate(p: PlanInputs) -> None:
 
 
 def _validate_boundaries(p: PlanInputs) -> None:
-    if p.shard_boundaries not in BOUNDARIES:
+    if p.shard_boundaries not in PLANNED:
         raise PlanError(
-            f"unknown shard_boundaries {p.shard_boundaries!r}", f"use one of {', '.join(BOUNDARIES)} (default flat)"
+            f"unknown shard_boundaries {p.shard_boundaries!r}", f"use one of {', '.join(PLANNED)} (default flat)"
         )
     if p.unit_param_shapes is not None:
         if len(p.unit_param_shapes) != len(p.unit_elements):

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flatshard.planner.boundaries import cut
+from flatshard.planner.boundaries import chunk_real, cut
 from flatshard.planner.inputs import OPTIMIZERS, PlanInputs, Strategy
 
 
@@ -115,6 +115,7 @@ class Unit:
     shards: tuple[int, ...] = ()
     padded: int = 0
     piece: int = 0
+    real: tuple[int, ...] = ()  # every rank's parameter elements where padding is not at the end ("chunks")
 
 
 def units_of(inputs: PlanInputs, f: int, pieces: bool = False) -> list[Unit]:
@@ -147,12 +148,16 @@ def units_of(inputs: PlanInputs, f: int, pieces: bool = False) -> list[Unit]:
         c = cut(shapes, f, mode, loads)
         for r, n in enumerate(c.sizes):
             loads[r] += n
-        built[k] = Unit(t, is_root, max(c.sizes), c.sizes, c.bounds[-1])
+        real = chunk_real(shapes, f) if mode == "chunks" else ()
+        built[k] = Unit(t, is_root, max(c.sizes), c.sizes, c.bounds[-1], real=real)
     return [built[k] for k in (-1, *range(len(inputs.unit_elements))) if k in built]
 
 
 def _real(u: Unit, rank: int) -> int:
-    """Rank ``rank``'s parameter elements of unit ``u`` (its shard less padding: only "flat" pads)."""
+    """Rank ``rank``'s parameter elements of unit ``u`` (its shard less padding: "flat" pads at the end,
+    "chunks" every parameter's chunk)."""
+    if u.real:
+        return u.real[rank]
     start = sum(u.shards[:rank])
     return max(0, min(u.elements, start + u.shards[rank]) - start)
 
