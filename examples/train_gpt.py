@@ -5,6 +5,7 @@
     python examples/train_gpt.py --nproc 1                # one process, a 1-rank group
     torchrun --standalone --nproc-per-node=2 examples/train_gpt.py --steps 50
     python examples/train_gpt.py --nproc 4 --strategy HYBRID_SHARD --sharding-factor 2
+    python examples/train_gpt.py --front-end fully_shard  # FSDP2's API: fully_shard on each block, then the root
     python examples/train_gpt.py --device cuda --nproc 8 --precision bf16 --model large   # GPUs (NCCL)
     python examples/train_gpt.py --save-every 50 --ckpt-dir runs/ckpt --resume            # resumable
     python examples/train_gpt.py --save-every 50 --ckpt-dir runs/ckpt --resume --max-restarts 3   # restarts
@@ -81,6 +82,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The arguments, every one checked here: in the launcher, before any rank is started."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_Help)
     p.add_argument("--nproc", type=int, default=2, help="world size W when not under torchrun")
+    p.add_argument(
+        "--front-end",
+        default="wrapper",
+        choices=["wrapper", "fully_shard"],
+        help="wrapper: FullyShardedDataParallel with a wrap policy (FSDP1's API); fully_shard: FSDP2's API, "
+        "fully_shard on each block and then the root (--strategy picks reshard_after_forward and the mesh)",
+    )
     p.add_argument(
         "--strategy",
         default="FULL_SHARD",
@@ -196,6 +204,17 @@ def invalid(args: argparse.Namespace) -> str | None:
         return f"the width ({cfg.dim}) must be a multiple of the number of heads ({cfg.heads}); change --dim or --heads"
     if args.sharding_factor is not None and (args.sharding_factor < 1 or world_size(args) % args.sharding_factor):
         return f"--sharding-factor {args.sharding_factor} must divide the world size {world_size(args)}"
+    if args.front_end == "fully_shard":
+        if args.strategy == "NO_SHARD":
+            return "--front-end fully_shard has no NO_SHARD (use DDP, or --front-end wrapper --strategy NO_SHARD)"
+        hybrid = args.strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+        if hybrid and args.sharding_factor is None:
+            return f"--front-end fully_shard --strategy {args.strategy} needs --sharding-factor F (the shard dim)"
+        if hybrid and args.collective_timeout is not None:
+            return (
+                "--collective-timeout reaches fully_shard's 1-D mesh only (FULL_SHARD, SHARD_GRAD_OP); drop it, or "
+                "use --front-end wrapper for a hybrid strategy with a timeout"
+            )
     if (args.save_every or args.resume == "latest") and args.ckpt_dir is None:
         return "--save-every and --resume need --ckpt-dir DIR (where the step checkpoints go)"
     if args.resume not in (None, "latest"):
@@ -218,6 +237,45 @@ def invalid(args: argparse.Namespace) -> str | None:
         if local > torch.cuda.device_count():
             return f"--device cuda: {local} ranks on this machine but {torch.cuda.device_count()} GPUs; pass fewer"
     return None
+
+
+def shard_with_fully_shard(model: torch.nn.Module, args, device: torch.device, group) -> torch.nn.Module:
+    """FSDP2's way: ``fully_shard`` on each block, then on the root. The strategy names what it means
+    there: FULL_SHARD frees the gathered blocks after forward (``reshard_after_forward=True``),
+    SHARD_GRAD_OP keeps them for backward (False); the hybrid ones shard over a 2-D (replicate, shard)
+    mesh of W / F replicas of F ranks. The same precision and Muon's whole matrices as the wrapper."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from flatshard import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size()
+    if args.strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        f = args.sharding_factor
+        mesh = init_device_mesh(device.type, (world // f, f), mesh_dim_names=("replicate", "shard"))
+    else:  # over the training group, so that --collective-timeout reaches its collectives
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+    bf16 = torch.bfloat16
+    policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) if args.precision == "bf16" else None
+    kw = {
+        "mesh": mesh,
+        "reshard_after_forward": args.strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+        "mp_policy": policy or MixedPrecisionPolicy(),
+        "shard_boundaries": "params" if args.optimizer == "muon" else None,  # Muon needs whole matrices
+    }
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    return fully_shard(model, **kw)
+
+
+def clip_grad_norm(model: torch.nn.Module, args) -> None:
+    """The gradients' norm clipped to 1: the wrapper's method; for fully_shard's DTensor gradients torch's
+    function, or for whole matrices on their owners (Muon's) flatshard's, with one all-reduce."""
+    if args.front_end == "wrapper":
+        model.clip_grad_norm_(1.0)
+    elif args.optimizer == "muon":
+        flatshard.fsdp2.clip_grad_norm_(model.parameters(), 1.0)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
 
 def model_config(args):
@@ -376,16 +434,19 @@ def main(argv=None) -> int:
     np.random.seed(args.seed)
     random.seed(args.seed)
     bf16 = torch.bfloat16
-    model = FSDP(
-        GPT(cfg),
-        sharding_strategy=ShardingStrategy[args.strategy],
-        auto_wrap_policy=ModuleWrapPolicy({Block}),
-        sharding_factor=args.sharding_factor,
-        device_id=device if device.type == "cuda" else None,
-        process_group=train_group,
-        mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16) if args.precision == "bf16" else None,
-        shard_boundaries="params" if args.optimizer == "muon" else "flat",  # Muon needs whole matrices
-    )
+    if args.front_end == "fully_shard":
+        model = shard_with_fully_shard(GPT(cfg).to(device), args, device, train_group)
+    else:
+        model = FSDP(
+            GPT(cfg),
+            sharding_strategy=ShardingStrategy[args.strategy],
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            sharding_factor=args.sharding_factor,
+            device_id=device if device.type == "cuda" else None,
+            process_group=train_group,
+            mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16) if args.precision == "bf16" else None,
+            shard_boundaries="params" if args.optimizer == "muon" else "flat",  # Muon needs whole matrices
+        )
     units = flatshard.units(model)  # one read-only UnitInfo per unit, root first
     n_params = sum(u.numel for u in units)
 
@@ -417,8 +478,9 @@ def main(argv=None) -> int:
     if master:
         print(
             f"GPT of {n_params:,} parameters ({cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, context "
-            f"{cfg.block_size}) in {len(units)} units, {args.strategy} over W={world} ranks ({device.type}, "
-            f"{args.precision}, {args.optimizer}); {len(corpus):,} bytes of stdlib source, {len(val_data):,} held out",
+            f"{cfg.block_size}) in {len(units)} units, {args.strategy} ({args.front_end}) over W={world} ranks "
+            f"({device.type}, {args.precision}, {args.optimizer}); {len(corpus):,} bytes of stdlib source, "
+            f"{len(val_data):,} held out",
             flush=True,
         )
     mode = "quiet" if args.quiet or not master else ("bar" if sys.stdout.isatty() else "lines")
@@ -433,7 +495,7 @@ def main(argv=None) -> int:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
             loss.backward()
-            model.clip_grad_norm_(1.0)
+            clip_grad_norm(model, args)
             faults.before_optimizer_step()
             opt.step()
             loss_sum += loss.detach()

@@ -180,6 +180,7 @@ def figures(run: dict) -> dict:
     losses = run["losses"]
     return {
         "strategy": args.strategy,
+        "front_end": args.front_end,
         "precision": args.precision,
         "optimizer": args.optimizer,
         "shard_boundaries": units[0].shard_boundaries,
@@ -237,12 +238,13 @@ def print_summary(fig: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    front = ", fully_shard" if fig.get("front_end") == "fully_shard" else ""
     console = Console()
     if not console.is_terminal:  # piped or logged: rich would assume 80 columns and squeeze the tables
         console = Console(width=110)
     head = Table(
-        title=f"flatshard: byte-level GPT on the standard library's source ({fig['strategy']}, {fig['precision']}, "
-        f"{fig['optimizer']})",
+        title=f"flatshard: byte-level GPT on the standard library's source ({fig['strategy']}{front}, "
+        f"{fig['precision']}, {fig['optimizer']})",
         show_header=False,
     )
     val = "-" if fig["val_loss"] is None else f"{fig['val_loss']:.3f}"
