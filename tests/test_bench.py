@@ -161,3 +161,22 @@ def test_compress_accuracy_steps_the_learning_rate_of_the_example(monkeypatch):
     for steps in (1, 2, 19, 40, 200):
         for step in range(steps):
             assert compress_accuracy.lr_at(step, steps, 3e-3) == example.lr_at(step, steps, 3e-3), (step, steps)
+
+
+def test_moe_page_quotes_the_committed_run():
+    """docs/how-to/moe.md's figures of ``python -m bench.moe`` are bench/results/moe.json's, with the commit,
+    machine and load it was measured at (a rerun fails this until the page says what the file says)."""
+    from bench.tables import measured_at
+
+    run = json.loads((ROOT / "bench" / "results" / "moe.json").read_text())
+    prose = " ".join((ROOT / "docs" / "how-to" / "moe.md").read_text().split())
+    med = run["step_s_median"]
+    steps = (
+        f"a median step (slowest rank, {run['rounds']} rounds) of {med['flatshard']:.2f} s for flatshard and "
+        f"{med['fsdp2']:.2f} s for FSDP2 (ratio {run['step_ratio_flatshard_over_fsdp2']:.2f})"
+    )
+    assert steps in prose, steps
+    held = {h[k] for h in run["held_bytes_per_rank"] for k in ("flatshard", "fsdp2")}
+    assert len(run["held_bytes_per_rank"]) == run["world"] and len(held) == 1, run["held_bytes_per_rank"]
+    assert f"the same bytes held on every rank by both ({held.pop():,}:" in prose
+    assert " ".join(measured_at(run).split()) in prose

@@ -19,7 +19,6 @@ NOT_YET_STAMPED = {
     "bench/results/frameworks.json": "joined by hand from examples/frameworks/*; no generator yet",
     "bench/results/fuzz.json": "bench.fuzz stamps it; not rerun since its writer was wired",
     "bench/results/fuzz_plants.json": "bench.fuzz.plants stamps it; not rerun since its writer was wired",
-    "bench/results/moe.json": "bench.moe stamps it; not rerun since its writer was wired",
     "bench/results/muon.json": "bench.muon stamps it; not rerun since its writer was wired",
     "bench/results/replica_faults.json": "bench.faults.replica_faults stamps it; not rerun since its writer was wired",
     "bench/results/slow_link_1gbit.json": "bench.cluster.slow_link stamps it; not rerun yet",
