@@ -15,24 +15,13 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import sharded_training
 from tests.helpers.dist import raised, run_distributed
 
 STEPS = 3
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.in_proj = nn.Linear(dim, hidden)
-        self.out_proj = nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        return self.out_proj(torch.relu(self.in_proj(x)))
-
-
-def _model(dim: int, hidden: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(MLP(dim, hidden), MLP(dim, hidden))
+_model = sharded_training.two_mlps
 
 
 def _lift(model: nn.Module, mesh, tp: bool) -> nn.Module:

@@ -21,19 +21,8 @@ from tests.helpers.dist import run_distributed
 STEPS = 3
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.in_proj = nn.Linear(dim, hidden)
-        self.out_proj = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(torch.relu(self.in_proj(x)))
-
-
-def _model(dim: int, hidden: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(MLP(dim, hidden), MLP(dim, hidden))
+_model = sharded_training.two_mlps
+MLP = sharded_training.MLP
 
 
 def _build(dim: int, hidden: int, fully_shard, dp_mesh, tp_mesh, placement_fn=None) -> nn.Sequential:

@@ -1,11 +1,28 @@
 """The few steps of AdamW that tests/test_shard_dims.py and tests/test_tensor_parallel.py train a
 ``fully_shard`` model for (each data-parallel rank on its own two rows of a seeded batch), and the same
-steps on the unsharded model over the whole batch, for comparing every step."""
+steps on the unsharded model over the whole batch, for comparing every step; and the two-layer MLP that
+tests/test_tensor_parallel.py and tests/test_dp_mesh_dims.py shard."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(dim, hidden)
+        self.out_proj = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.out_proj(torch.relu(self.in_proj(x)))
+
+
+def two_mlps(dim: int, hidden: int) -> nn.Sequential:
+    """Two MLPs in a row, seeded: the same weights on every rank and in the reference."""
+    torch.manual_seed(0)
+    return nn.Sequential(MLP(dim, hidden), MLP(dim, hidden))
 
 
 def train(model: nn.Module, rank: int, world: int, dim: int, steps: int) -> dict:
