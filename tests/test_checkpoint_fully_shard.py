@@ -11,7 +11,9 @@ RNG in the checkpoint; the directory holds safetensors files and ``manifest.json
 - ``torch.distributed.checkpoint`` alone (``HuggingFaceStorageReader``, no process group) reads the
   model's tensors into a plain TinyGPT, equal to the saved ones;
 - a wrapper (FullyShardedDataParallel) checkpoint given to a fully_shard model, and ``async_save``,
-  raise the errors that name what to do, on every rank.
+  raise the errors that name what to do, on every rank;
+- ``flatshard inspect`` summarises one and reads every file whole; a file overwritten or cut short is
+  named.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def test_fully_shard_checkpointer_saves_resumes_and_reshards(tmp_path: pathlib.P
     assert checkpoint.latest(directory) == os.path.join(directory, "step-00000003")
     files = sorted(os.listdir(os.path.join(directory, "step-00000003")))
     assert files == ["manifest.json"] + [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)], files
+    _inspect_reports_a_damaged_file(os.path.join(directory, "step-00000002"), str(tmp_path / "copy"))
 
     saved = ran[0]["saved"]
     for world in (2, 1, 3):
@@ -120,6 +123,34 @@ def test_fully_shard_checkpointer_saves_resumes_and_reshards(tmp_path: pathlib.P
             if world == 2:
                 assert got["pos"] == ran[rank]["pos"], (rank, got["pos"])
                 assert got["losses"] == ran[rank]["losses"], (rank, got["losses"], ran[rank]["losses"])
+
+
+def _inspect_reports_a_damaged_file(saved: str, ckpt: str) -> None:
+    """``flatshard inspect`` on a copy of a fully_shard checkpoint: what it holds, every file read whole;
+    a file whose bytes were overwritten (its size kept) is a problem that names it, and one cut short
+    is refused as the manifest is read, naming it."""
+    import io
+    import shutil
+
+    import pytest
+
+    from flatshard.api import CheckpointError
+    from flatshard.checkpoint.tools import inspect
+
+    shutil.copytree(saved, ckpt)
+    out = io.StringIO()
+    assert inspect(ckpt, out=out) == [], out.getvalue()
+    assert "saved at W=2 by fully_shard" in out.getvalue() and "all 2 present at their sizes" in out.getvalue()
+    name = "shard-00002-model-00001-of-00001.safetensors"
+    victim = os.path.join(ckpt, name)
+    with open(victim, "r+b") as f:  # the safetensors header's length, overwritten
+        f.write(b"\xff" * 8)
+    problems = inspect(ckpt, out=io.StringIO())
+    assert len(problems) == 1 and problems[0].startswith(f"{name}: not a valid safetensors file"), problems
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) - 8)
+    with pytest.raises(CheckpointError, match=f"{name} is truncated or altered"):
+        inspect(ckpt, out=io.StringIO())
 
 
 def test_plain_dcp_reads_a_fully_shard_checkpoint(tmp_path: pathlib.Path):

@@ -16,6 +16,8 @@
    here, ``--collective-timeout``) + 30 s; torchrun's agent then waits 30 s for the stopped rank to
    obey SIGTERM before it kills it and restarts both. That run starts when collection ends, so its
    waiting passes while earlier tests run; the other two start together when this file needs them.
+3. The same script with ``--front-end fully_shard``, 8 steps, killed four times (backward, a checkpoint
+   being written, the optimizer step, before the commit): bitwise as its uninterrupted run.
 """
 
 from __future__ import annotations
@@ -228,6 +230,44 @@ def test_a_stopped_rank_fails_every_other_rank_in_time_and_the_restart_recovers(
     assert RUN["timeout_s"] <= delay <= RUN["timeout_s"] + soak.AGENT_GRACE_S, delay
     assert soak.UNIT_PHASE.search(what) and " in backward" in what, what  # names the unit and the phase
     assert result["restarts"] == 1 and result["final_checkpoint_files_identical"]
+
+
+# ---------------------------------------------------------------- 3. the same under fully_shard
+FS_RUN = {**RUN, "steps": 8}
+FS_KILLS = [  # checkpoints after steps 3 and 6, and at the end
+    "kill:backward:step=1:rank=0",  # before any checkpoint: starts over at 0
+    "kill:checkpoint:step=2:rank=1",  # writing step-00000003, the first: starts over at 0 again
+    "kill:optimizer:step=4:rank=1",  # resumes from step 3
+    "kill:commit:step=5:rank=0",  # step-00000006's manifest written, not renamed: resumes from 3
+]
+FULLY_SHARD = ("--front-end", "fully_shard")
+
+
+def test_fully_shard_restart_resumes_bitwise_after_kills(tmp_path):
+    """``train_gpt.py --front-end fully_shard`` under torchrun's restarts: killed in backward, while writing
+    a checkpoint, in the optimizer step and before the commit, it resumes each time from the newest committed
+    checkpoint (flatshard.checkpoint on fully_shard's DTensors), every step's loss bitwise equal to the
+    uninterrupted fully_shard run's, the final checkpoint's files equal to its (their tensor bytes and headers,
+    the headers' keys sorted: DCP writes them in an order that varies between runs; bench/faults/soak.py)."""
+    reference = soak.Job(soak.train_command(tmp_path, "reference", **FS_RUN, extra=FULLY_SHARD), tmp_path, "reference")
+    killed = soak.Job(
+        soak.train_command(tmp_path, "killed", **FS_RUN, faults=_faults(FS_KILLS), extra=FULLY_SHARD),
+        tmp_path,
+        "killed",
+    )
+    try:
+        for job in (reference, killed):
+            job.wait(JOB_TIMEOUT_S)
+        run = {k: v for k, v in FS_RUN.items() if k != "strategy"}
+        result = soak.check_run(reference, killed, _faults(FS_KILLS), **run)
+    finally:
+        for job in (reference, killed):
+            if job.returncode is None:
+                job.wait(0)
+    assert result["problems"] == [], "\n".join(result["problems"])
+    assert result["restarts"] == len(FS_KILLS) == 4
+    assert result["steps_recomputed"] == (1 - 0) + (3 - 0) + (4 - 3) + (6 - 3)
+    assert result["losses_bitwise_equal"] and result["final_checkpoint_files_identical"]
 
 
 # ---------------------------------------------------------------- fault specs and plans are checked

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -231,8 +232,32 @@ def losses(path: Path) -> list[tuple[int, float]]:
 
 
 def file_hashes(ckpt: str) -> dict[str, str]:
+    """Every data file of a checkpoint and its sha256: the manifest's where it records one (the wrapper's
+    rank files); else (fully_shard's DCP safetensors, whose manifest holds sizes) of the file's tensor
+    bytes and its header with every key sorted, since DCP writes the header's keys in an order that
+    varies from run to run."""
     with open(os.path.join(ckpt, "manifest.json")) as f:
-        return {name: rec["sha256"] for name, rec in json.load(f)["files"].items()}
+        files = json.load(f)["files"]
+    return {
+        name: rec["sha256"] if "sha256" in rec else _safetensors_hash(os.path.join(ckpt, name))
+        for name, rec in files.items()
+    }
+
+
+def _safetensors_hash(path: str) -> str:
+    with open(path, "rb") as f:
+        data = f.read()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    meta = header.get("__metadata__", {})
+    for key, value in meta.items():  # DCP's metadata values are JSON texts themselves
+        try:
+            meta[key] = json.loads(value)
+        except (TypeError, ValueError):
+            pass
+    digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    digest.update(data[8 + n :])
+    return digest.hexdigest()
 
 
 def directory_problems(directory: Path, keep_last: int, world: int, last: int) -> list[str]:
@@ -249,8 +274,11 @@ def directory_problems(directory: Path, keep_last: int, world: int, last: int) -
     pointer = json.loads((directory / "latest").read_text())
     if pointer.get("checkpoint") != steps[-1]:
         problems.append(f"{directory}/latest names {pointer.get('checkpoint')}, the newest is {steps[-1]}")
-    want = {"manifest.json", *(f"rank-{r:05d}-of-{world:05d}.safetensors" for r in range(world))}
     for s in steps:
+        listed = json.loads((directory / s / "manifest.json").read_text())["files"]
+        if len(listed) != world:
+            problems.append(f"{directory / s}: its manifest lists {len(listed)} data files, not one per rank ({world})")
+        want = {"manifest.json", *listed}
         held = set(os.listdir(directory / s))
         if held != want:
             problems.append(f"{directory / s} holds {sorted(held ^ want)} beyond or short of its files")
