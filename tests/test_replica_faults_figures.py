@@ -1,9 +1,9 @@
 """What docs/multi_node.md and docs/how-to/failures.md say of the replica-group run is the committed
 bench/results/replica_faults.json: the kills' table, the figures in the prose, and the claims they make
-(the other group kept at least 0.7 of its rate over each kill's whole window, from its last commit
+(the other group kept at least 0.8 of its rate over each kill's whole window, from its last commit
 before the kill to its commit of the rejoin's step, [Note: the survivors' rate over the whole window] in
-bench/faults/replica_faults.py; the faulty run out of the loss band by no more than the no-failure
-controls are; bitwise-equal replicas at the end). And the definition itself, on a
+bench/faults/replica_faults.py; the faulty run out of the loss band by more than the no-failure controls
+are, and ending above it, as the committed run did; bitwise-equal replicas at the end). And the definition itself, on a
 made-up run: the stall after a kill and before a rejoin count, and a group that never came back is an
 error, not a window left out."""
 
@@ -63,17 +63,20 @@ def test_the_claims_hold_in_the_committed_run():
             assert f["others_rate_ratio"][g] == round(60.0 * w["steps"] / w["seconds"] / steady, 3), f
             ratios.append(f["others_rate_ratio"][g])
     assert len(ratios) == RESULT["kills"] and RESULT["worst_rate_ratio_during_failure"] == min(ratios)
-    # the other group never stops, but 0.8 of its rate is not what it keeps: with kills anywhere in a step
-    # ([Note: where a kill lands]) the step the kill breaks costs up to 1.1 s more than a step (its failed
-    # all-reduce and the quorum that drops the dead group), and the committed run's worst window is 0.72
-    assert min(ratios) >= 0.7
+    # the other group never stops and keeps at least 0.8 of its rate over every window, though with kills
+    # anywhere in a step ([Note: where a kill lands]) the step the kill breaks costs up to 1.1 s more than a
+    # step (its failed all-reduce and the quorum that drops the dead group)
+    assert min(ratios) >= 0.8
     assert len(band["controls"]) >= 2
-    # out of the band by less than each run without failures is, and inside it at a number of steps
-    # between the controls' ([Note: the band's control]): what docs/multi_node.md says of the committed run
+    # what docs/multi_node.md says of the committed run ([Note: the band's control]): out of the band by
+    # more than each run without failures is, inside it at fewer steps than either, and ending above it
     controls = band["controls"].values()
-    assert band["largest_excursion"] < min(c["largest_excursion"] for c in controls)
-    inside = [c["steps_inside"] for c in controls]
-    assert min(inside) <= band["steps_inside"] <= max(inside)
+    assert band["largest_excursion"] > max(c["largest_excursion"] for c in controls)
+    assert band["steps_inside"] < min(c["steps_inside"] for c in controls)
+    assert band["final_loss_faulty"] > band["final_loss_band"][1]
+    assert f"above the band's [{band['final_loss_band'][0]:.4f}, {band['final_loss_band'][1]:.4f}]" in flat(
+        "docs/multi_node.md"
+    )
     assert all(r["parameters_equal"] and r["optimizer_equal"] for r in RESULT["final_state"].values())
 
 
