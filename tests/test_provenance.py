@@ -20,7 +20,6 @@ NOT_YET_STAMPED = {
     "bench/results/muon.json": "bench.muon stamps it; not rerun since its writer was wired",
     "bench/results/slow_link_1gbit.json": "bench.cluster.slow_link stamps it; not rerun yet",
     "bench/results/slow_link_200mbit.json": "bench.cluster.slow_link stamps it; not rerun yet",
-    "bench/results/soak.json": "make soak stamps it; not rerun yet",
     "tests/conformance/results.json": "make conformance stamps it; not rerun yet (needs PyTorch's test files)",
 }
 
