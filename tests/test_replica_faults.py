@@ -14,6 +14,7 @@ Needs torchft (the ``ft`` extra, in the ``test`` extra too); skips and says so w
 from __future__ import annotations
 
 from argparse import Namespace
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -30,7 +31,13 @@ ARGS = dict(
 
 
 def test_a_group_dropped_and_rejoined_holds_bitwise_the_same_state(tmp_path):
-    args = Namespace(**ARGS, port=replica_faults.free_ports(ARGS["groups"] + 1))
+    dropped_and_rejoined(tmp_path, ARGS)
+
+
+def dropped_and_rejoined(tmp_path, settings: dict) -> dict:
+    """Runs ``settings`` (ARGS, or ARGS with another ``front``) with one kill and asserts the rejoin, the
+    steps each group trained and the bitwise equal state; returns the run."""
+    args = Namespace(**settings, port=replica_faults.free_ports(settings["groups"] + 1))
     nodes = [replica_faults.Node("127.0.0.1") for _ in range(args.groups)]
     run = replica_faults.run_once(nodes, args, seed=0, kills=1, log_dir=tmp_path)
     tails = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("torchrun-g*.log")))
@@ -54,6 +61,40 @@ def test_a_group_dropped_and_rejoined_holds_bitwise_the_same_state(tmp_path):
         assert state != "missing", rank
         assert state["parameters_equal"] and state["optimizer_equal"], (rank, state)
         assert len(set(state["steps"])) == 1, (rank, state)
+    return run
+
+
+@contextmanager
+def quorum(rank: int, world: int, per_group: int, model, optim):
+    """Ranks ``[g * per_group, (g + 1) * per_group)`` as replica group ``g``, with a store per group (under
+    torchrun, its rendezvous store) and one Lighthouse (on rank 0) that waits for every group: yields this
+    rank's ``ft.Manager`` and ``ft.Optimizer``, and stops them (and the Lighthouse) once every rank is
+    done with the quorum."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from flatshard import ft
+
+    group, group_rank = divmod(rank, per_group)
+    replicas = world // per_group
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if group_rank == 0 else None
+    lighthouse = ft.Lighthouse(bind="[::]:0", min_replicas=replicas) if rank == 0 else None
+    found = [None] * world
+    dist.all_gather_object(found, (store and store.port, lighthouse and lighthouse.address()))
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=30))
+    manager = ft.Manager(
+        model, optim, min_replica_size=replicas, pg=pg, lighthouse_addr=found[0][1], replica_id=f"g{group}",
+        hostname="127.0.0.1", store_addr="127.0.0.1", store_port=found[group * per_group][0], rank=group_rank,
+        world_size=per_group, init_sync=False, timeout=timedelta(seconds=30),
+    )  # fmt: skip
+    yield manager, ft.Optimizer(manager, optim)
+    dist.barrier()  # every rank done with the quorum before any stops its server
+    manager.shutdown()
+    pg.shutdown()
+    dist.barrier()
+    if lighthouse is not None:
+        lighthouse.shutdown()
 
 
 def quorum_average_worker(rank: int, world: int) -> dict:
@@ -63,49 +104,29 @@ def quorum_average_worker(rank: int, world: int) -> dict:
     averages over its 2 ranks, the quorum's all-reduce over its 2 groups; a sum over the groups would
     double the gradient)."""
     import copy
-    from datetime import timedelta
 
     import torch.distributed as dist
     from torch import nn
 
     from flatshard import FullyShardedDataParallel as FSDP
-    from flatshard import ft
 
     per_group, lr = 2, 0.5
-    group, group_rank = divmod(rank, per_group)
-    replicas = world // per_group
-    inside = [dist.new_group(list(range(g * per_group, (g + 1) * per_group))) for g in range(replicas)]
-    # a store per group (under torchrun, its rendezvous store) and one Lighthouse, on rank 0
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if group_rank == 0 else None
-    lighthouse = ft.Lighthouse(bind="[::]:0", min_replicas=replicas) if rank == 0 else None
-    found = [None] * world
-    dist.all_gather_object(found, (store and store.port, lighthouse and lighthouse.address()))
+    group = rank // per_group
+    inside = [dist.new_group(list(range(g * per_group, (g + 1) * per_group))) for g in range(world // per_group)]
 
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     model = FSDP(copy.deepcopy(ref), process_group=inside[group])
     optim = torch.optim.SGD(model.parameters(), lr=lr)
-    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=30))
-    manager = ft.Manager(
-        model, optim, min_replica_size=replicas, pg=pg, lighthouse_addr=found[0][1], replica_id=f"g{group}",
-        hostname="127.0.0.1", store_addr="127.0.0.1", store_port=found[group * per_group][0], rank=group_rank,
-        world_size=per_group, init_sync=False, timeout=timedelta(seconds=30),
-    )  # fmt: skip
-    optimizer = ft.Optimizer(manager, optim)
-    xs = torch.randn(world, 4, 6, generator=torch.Generator().manual_seed(1))  # one batch per rank
+    with quorum(rank, world, per_group, model, optim) as (manager, optimizer):
+        xs = torch.randn(world, 4, 6, generator=torch.Generator().manual_seed(1))  # one batch per rank
 
-    optimizer.zero_grad()
-    model(xs[rank]).square().mean().backward()
-    committed = optimizer.step()
-    participants = manager.num_participants()
-    with FSDP.summon_full_params(model, with_grads=True):
-        ours = {name: (p.detach().clone(), p.grad.clone()) for name, p in model.named_parameters()}
-    dist.barrier()  # every rank done with the quorum before any stops its server
-    manager.shutdown()
-    pg.shutdown()
-    dist.barrier()
-    if lighthouse is not None:
-        lighthouse.shutdown()
+        optimizer.zero_grad()
+        model(xs[rank]).square().mean().backward()
+        committed = optimizer.step()
+        participants = manager.num_participants()
+        with FSDP.summon_full_params(model, with_grads=True):
+            ours = {name: (p.detach().clone(), p.grad.clone()) for name, p in model.named_parameters()}
 
     ref_optim = torch.optim.SGD(ref.parameters(), lr=lr)
     torch.stack([ref(x).square().mean() for x in xs]).mean().backward()
