@@ -13,7 +13,11 @@ RNG in the checkpoint; the directory holds safetensors files and ``manifest.json
 - a wrapper (FullyShardedDataParallel) checkpoint given to a fully_shard model, and ``async_save``,
   raise the errors that name what to do, on every rank;
 - ``flatshard inspect`` summarises one and reads every file whole; a file overwritten or cut short is
-  named.
+  named;
+- a rank that does not come to a save (as one stopped while it writes) makes every other rank raise a
+  CheckpointError naming the save within the timeout of the groups the model trains over (a 1-D mesh
+  and a 2-D (replicate, shard) mesh, each built from groups with a 3 s timeout), not the default group's
+  30 minutes, and nothing is committed.
 """
 
 from __future__ import annotations
@@ -196,3 +200,59 @@ def test_fully_shard_checkpoint_errors(tmp_path: pathlib.Path):
     for out in run_distributed(errors_worker, 2, wrapper_ckpt, str(tmp_path), timeout=200):
         assert "async_save=False" in out.get("async", ""), out
         assert "saved from a FullyShardedDataParallel model" in out.get("wrapper", ""), out
+
+
+# ---- a rank that stops in a save: the others fail within the model's collective timeout ------------
+STALL_TIMEOUT_S = 3.0
+
+
+def stalled_save_worker(rank: int, world: int, directory: str, hybrid: bool) -> dict:
+    """The model's collectives wait STALL_TIMEOUT_S (its mesh built from groups given that timeout, as
+    examples/train_gpt.py builds it for --collective-timeout); one save completes, then the last rank does
+    not come to the second save, as a rank stopped while it writes. The others must raise a
+    CheckpointError naming the save within the timeout, not wait out the default group's 30 minutes."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from flatshard import checkpoint
+
+    timeout = datetime.timedelta(seconds=STALL_TIMEOUT_S)
+    if hybrid:  # (replicate, shard) = 2 x 2
+        layout, mine = torch.arange(world).view(2, world // 2), {}
+        for dim, rows in (("replicate", layout.t()), ("shard", layout)):
+            for ranks in rows.tolist():
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine[dim] = group
+        mesh = DeviceMesh.from_group(
+            [mine["replicate"], mine["shard"]], "cpu", mesh=layout, mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = DeviceMesh.from_group(dist.new_group(list(range(world)), timeout=timeout), "cpu")
+    _, model = fsdp2_pair(mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, opt, Loader())
+    checkpoint.save(os.path.join(directory, "first"), model, opt, step=1)
+    if rank == world - 1:
+        return {}
+    start = time.monotonic()
+    try:
+        checkpoint.save(os.path.join(directory, "second"), model, opt, step=2)
+    except Exception as exc:  # noqa: BLE001 - what it raised, and when, is what the test reads
+        return {"after_s": time.monotonic() - start, "type": type(exc).__name__, "message": str(exc)}
+    return {"after_s": time.monotonic() - start, "type": None, "message": "the save completed"}
+
+
+def test_a_rank_missing_from_a_fully_shard_save_fails_the_others_within_the_collective_timeout(tmp_path):
+    for hybrid in (False, True):
+        directory = tmp_path / ("hybrid" if hybrid else "one_dim")
+        directory.mkdir()
+        out = run_distributed(stalled_save_worker, 4, str(directory), hybrid, timeout=120, fresh=True)
+        for rank, got in enumerate(out[:-1]):
+            assert got["type"] == "CheckpointError", (hybrid, rank, got)
+            assert f"the save to {directory / 'second'}" in got["message"], (hybrid, rank, got)
+            assert got["after_s"] <= STALL_TIMEOUT_S + 10, (hybrid, rank, got)
+        assert not (directory / "second").exists()  # nothing committed

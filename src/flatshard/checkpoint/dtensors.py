@@ -24,6 +24,21 @@ Not chosen: consolidating to full tensors on save (``enable_consolidation``) cos
 and rank 0's time; a pickle-free rewrite of DCP's ``.metadata`` would be a format only flatshard reads.
 ``async_save`` is not built here (``NotBuiltError``): DCP's ``async_save`` stages through its own
 executor, whose commit flatshard would have to wrap; a synchronous save is crash-safe as it is.
+
+[Note: a fully_shard checkpoint waits as long as the model does]
+A save or load is collective over every rank of the job (DCP plans and writes over one group). Over the
+default group, a rank stopped in a save (SIGSTOP, a hung filesystem) would stall every other rank for
+the default group's timeout (30 minutes on gloo), however short the timeout the user gave the groups
+the model trains over. So the checkpoint's collectives run over ``job_group(model)``: the default group
+when the groups the model gathers and reduces over (each flat group's shard and replicate groups) wait
+as long as it does; else a group of every rank waiting the longest of those groups' timeouts (never
+shorter than training's own waits): a 1-D mesh's
+group when it is every rank in order with that timeout, else one made once per model (``new_group`` at
+its first save or load, which every rank of the job calls together). The user sets the timeout where
+FSDP2's users do, on the groups of the mesh; nothing new to pass. The error then names the save
+(``saving.peer_errors``) on every rank that waited.
+Not chosen: a ``process_group=`` keyword as DCP's ``save`` has (a second place to say what the mesh
+already says, and a wrong one given silently hangs as before).
 """
 
 from __future__ import annotations
@@ -31,9 +46,12 @@ from __future__ import annotations
 import base64
 import importlib
 import os
-from typing import Any
+import weakref
+from datetime import timedelta
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (
@@ -50,6 +68,8 @@ from flatshard.checkpoint.format import MANIFEST, fsync_dir, write_json_atomic
 from flatshard.checkpoint.load import Loaded, check_names
 from flatshard.checkpoint.save import SavePlan, manifest_head
 from flatshard.runtime.comm.agree import agree, gather_json, rank_in, run_agreed, world_of
+from flatshard.runtime.comm.mesh import group_timeout
+from flatshard.runtime.tree import unit_hosts
 
 KIND = "dcp-safetensors"  # the manifest's "layout"/"kind" of a fully_shard checkpoint
 
@@ -59,6 +79,33 @@ def is_dcp(manifest: dict) -> bool:
     return isinstance(layout, dict) and layout.get("kind") == KIND
 
 
+_JOB_GROUPS: weakref.WeakKeyDictionary[torch.nn.Module, Optional[dist.ProcessGroup]] = weakref.WeakKeyDictionary()
+
+
+def job_group(model) -> Optional[dist.ProcessGroup]:
+    """The group a fully_shard model's checkpoint collectives run over: every rank of the job, waiting as
+    long as the model's own collectives ([Note: a fully_shard checkpoint waits as long as the model does]);
+    None for the default group. Collective on its first call for a model that needs a group of its own."""
+    if model in _JOB_GROUPS:
+        return _JOB_GROUPS[model]
+    used = {
+        id(g): g
+        for host in unit_hosts(model)
+        for flat in host._unit.flat_groups
+        for g in (flat.groups.shard_group, flat.groups.replicate_group)  # what gathers and reduces
+        if g is not None and dist.get_world_size(g) > 1
+    }
+    waits = [t for t in map(group_timeout, used.values()) if t is not None]
+    longest: Optional[timedelta] = max(waits, default=None)
+    chosen: Optional[dist.ProcessGroup] = None
+    if longest is not None and longest != group_timeout(None):
+        every = list(range(dist.get_world_size()))
+        found = [g for g in used.values() if group_timeout(g) == longest and dist.get_process_group_ranks(g) == every]
+        chosen = found[0] if found else dist.new_group(every, timeout=longest)
+    _JOB_GROUPS[model] = chosen
+    return chosen
+
+
 def save(path: str, model, optimizer, step, extra, async_save: bool, keep_last, state) -> None:
     """save.py's ``save`` for a fully_shard model ([Note: fully_shard checkpoints are DCP safetensors])."""
     if async_save:
@@ -66,7 +113,7 @@ def save(path: str, model, optimizer, step, extra, async_save: bool, keep_last, 
             "checkpoint.save(async_save=True) is not built for fully_shard models; save synchronously "
             "(async_save=False; Checkpointer(async_save=False)) -- the save is crash-safe either way"
         )
-    group = None  # DCP's collectives run over the default group: every rank of the job calls save
+    group = job_group(model)  # every rank of the job calls save
     with saving.peer_errors(f"the save to {path}"):
         head = run_agreed(lambda: _head(model, optimizer, step, extra, keep_last, state), group)
         message = None
@@ -78,7 +125,7 @@ def save(path: str, model, optimizer, step, extra, async_save: bool, keep_last, 
         agree(message, group)
         partial = path + PARTIAL
         sd = _tensors(model, optimizer)
-        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(partial, save_distributed=True))
+        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(partial, save_distributed=True), process_group=group)
         saving._reached("writing")
         ranks = gather_json(_rank_record(state), group)
         message = None
@@ -166,7 +213,7 @@ def _manifest(partial: str, head: dict, ranks: list, world: int) -> dict:
 def load(path: str, model, optimizer, strict: bool, rng: bool, state) -> Loaded:
     """load.py's ``load`` for a fully_shard model: ``dcp.load`` through ``HuggingFaceStorageReader``
     reshards to this job's DTensors (any world size or mesh); returns ``(step, extra)``."""
-    group = None
+    group = job_group(model)
     with saving.peer_errors(f"the load of {path}"):
         where, manifest = run_agreed(lambda: _open(path), group)
         loading._same_save(path, where, manifest, group, None)
@@ -176,7 +223,7 @@ def load(path: str, model, optimizer, strict: bool, rng: bool, state) -> Loaded:
         if not strict:
             keys = set(manifest["model"]["keys"])
             sd["model"] = {k: v for k, v in sd["model"].items() if k in keys}
-        dcp.load(sd, storage_reader=HuggingFaceStorageReader(where))
+        dcp.load(sd, storage_reader=HuggingFaceStorageReader(where), process_group=group)
     set_model_state_dict(model, sd["model"], options=_options(strict))
     if optimizer is not None:
         set_optimizer_state_dict(

@@ -33,6 +33,7 @@ import os
 from typing import Any, Optional
 
 from flatshard.api import CheckpointError
+from flatshard.checkpoint import dtensors
 from flatshard.checkpoint.directory import latest, read_manifest, step_path
 from flatshard.checkpoint.front import load, save
 from flatshard.checkpoint.save import AsyncSave
@@ -77,8 +78,8 @@ class Checkpointer:
         """Load the newest complete checkpoint under the directory (or ``path``) into the model, the
         optimizer, this rank's RNG states and ``state``; return its step, the first step to run. With
         none there yet, load nothing and return 0."""
-        if holds_dtensors(self.model):  # fully_shard: its checkpoint collectives run over the default group
-            group, record = None, None
+        if holds_dtensors(self.model):  # fully_shard: [Note: a fully_shard checkpoint waits as long as the model does]
+            group, record = dtensors.job_group(self.model), None
         else:
             view = model_view(self.model)
             group, record = view.group, view.record

@@ -122,6 +122,7 @@ Index of every [Note: ...] in the package
   latest and rotation ............. checkpoint/directory.py
   checksums ....................... checkpoint/format.py
   fully_shard checkpoints are DCP safetensors .. checkpoint/dtensors.py
+  a fully_shard checkpoint waits as long as the model does .. checkpoint/dtensors.py
   bf16-mixed accounting ........... planner/inputs.py
   planner memory model ............ planner/memory.py
   planner communication model ..... planner/comm.py
