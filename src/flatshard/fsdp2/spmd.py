@@ -141,18 +141,25 @@ def check_params(named: list[tuple[str, torch.nn.Parameter]], spmd: SpmdMesh) ->
             )
 
 
+def data_parallel_shard(dim: int, after: list, sizes: list[int]) -> Shard | _StridedShard:
+    """The data-parallel dim's placement of a parameter sharded along ``dim``: ``Shard(dim)``, or FSDP2's
+    ``_StridedShard`` when dims after it on the mesh (``after``, of ``sizes``) cut ``dim`` too, strided by
+    the product of their sizes. One rule for the SPMD mesh here and tensor_parallel.py's concatenated one."""
+    split = 1
+    for placement, size in zip(after, sizes):
+        if isinstance(placement, (Shard, _StridedShard)) and placement.dim == dim:
+            split *= size
+    return _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+
+
 def sharded_placement(spmd: SpmdMesh, placements: tuple, dim: int) -> tuple[DeviceMesh, tuple]:
     """(mesh, placements) of the sharded parameter: on the whole mesh, the shard dim's ``Replicate()`` made
     ``Shard(dim)``, strided by what the dims right of it cut ``dim`` into (FSDP2's placement). Several shard
     dims, flattened: the first one's placement on the data-parallel mesh in their place (``Replicate()``
     before it under HSDP, the replicate dims then left out), the other dims as they are, as FSDP2 places it."""
     first = spmd.shard[0]
-    split = 1
-    for j in range(first + 1, spmd.mesh.ndim):
-        p = placements[j]
-        if isinstance(p, (Shard, _StridedShard)) and p.dim == dim:
-            split *= spmd.mesh.size(j)
-    sharded = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    right = range(first + 1, spmd.mesh.ndim)
+    sharded = data_parallel_shard(dim, [placements[j] for j in right], [spmd.mesh.size(j) for j in right])
     if len(spmd.shard) == 1:
         new = list(placements)
         new[first] = sharded

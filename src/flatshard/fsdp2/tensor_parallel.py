@@ -29,8 +29,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Partial, _StridedShard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import Partial
 
 from flatshard.api import NotBuiltError
 from flatshard.fsdp2 import spmd
@@ -123,11 +123,7 @@ def sharded_placement(spec: TPSpec, dim: int, dp_mesh: DeviceMesh) -> tuple[Devi
     replicated first over an HSDP mesh's replicate dim; a dp_mesh_dims call's whole mesh (spmd.py)."""
     if spec.spmd is not None:
         return (*spmd.sharded_placement(spec.spmd, spec.placements, dim), spec.shape)
-    split = 1
-    for placement, size in zip(spec.placements, spec.mesh.shape):
-        if isinstance(placement, Shard) and placement.dim == dim:
-            split *= size
-    dp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    dp = spmd.data_parallel_shard(dim, list(spec.placements), list(spec.mesh.shape))
     replicate = (Replicate(),) * (dp_mesh.ndim - 1)  # HSDP: (replicate, shard)
     return DeviceMesh._concatenate([dp_mesh, spec.mesh]), (*replicate, dp, *spec.placements), spec.shape
 
