@@ -31,6 +31,7 @@ from typing import Literal, Optional
 
 import torch
 
+from flatshard.planner import boundaries as cuts
 from flatshard.runtime.layout import ParamInfo
 
 
@@ -77,7 +78,7 @@ class ChunkedLayout(EqualShards):
         self._index = {id(info): i for i, info in enumerate(infos)}
         self.rows = [i.shape[d] for i, d in zip(infos, self.dims)]
         self.row_numel = [math.prod(i.shape[:d]) * math.prod(i.shape[d + 1 :]) for i, d in zip(infos, self.dims)]
-        self.chunk_rows = [math.ceil(d0 / shard_size) for d0 in self.rows]
+        self.chunk_rows = [cuts.chunk_rows((d0,), shard_size) for d0 in self.rows]  # the planner's cut
         self.seg_offsets, offset = [], 0  # where each parameter's chunk starts in a flat shard
         for c, r in zip(self.chunk_rows, self.row_numel):
             self.seg_offsets.append(offset)
