@@ -210,11 +210,6 @@ def invalid(args: argparse.Namespace) -> str | None:
         hybrid = args.strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
         if hybrid and args.sharding_factor is None:
             return f"--front-end fully_shard --strategy {args.strategy} needs --sharding-factor F (the shard dim)"
-        if hybrid and args.collective_timeout is not None:
-            return (
-                "--collective-timeout reaches fully_shard's 1-D mesh only (FULL_SHARD, SHARD_GRAD_OP); drop it, or "
-                "use --front-end wrapper for a hybrid strategy with a timeout"
-            )
     if (args.save_every or args.resume == "latest") and args.ckpt_dir is None:
         return "--save-every and --resume need --ckpt-dir DIR (where the step checkpoints go)"
     if args.resume not in (None, "latest"):
@@ -249,7 +244,9 @@ def shard_with_fully_shard(model: torch.nn.Module, args, device: torch.device, g
     from flatshard import MixedPrecisionPolicy, fully_shard
 
     world = dist.get_world_size()
-    if args.strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+    if args.strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2") and args.collective_timeout is not None:
+        mesh = hybrid_mesh_with_timeout(world, args.sharding_factor, device.type, args.collective_timeout)
+    elif args.strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
         f = args.sharding_factor
         mesh = init_device_mesh(device.type, (world // f, f), mesh_dim_names=("replicate", "shard"))
     else:  # over the training group, so that --collective-timeout reaches its collectives
@@ -265,6 +262,24 @@ def shard_with_fully_shard(model: torch.nn.Module, args, device: torch.device, g
     for block in model.blocks:
         fully_shard(block, **kw)
     return fully_shard(model, **kw)
+
+
+def hybrid_mesh_with_timeout(world: int, f: int, device_type: str, timeout_s: float):
+    """The (replicate, shard) mesh of W / F replicas of F ranks that ``init_device_mesh`` would build, made
+    of groups whose collectives wait ``timeout_s`` seconds (``init_device_mesh`` takes no timeout). Every
+    rank creates every group, in the same order, as ``new_group`` requires."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    layout = torch.arange(world).view(world // f, f)
+    timeout, mine = timedelta(seconds=timeout_s), {}
+    for dim, rows in (("replicate", layout.t()), ("shard", layout)):
+        for ranks in rows.tolist():
+            group = dist.new_group(ranks, timeout=timeout)
+            if dist.get_rank() in ranks:
+                mine[dim] = group
+    return DeviceMesh.from_group(
+        [mine["replicate"], mine["shard"]], device_type, mesh=layout, mesh_dim_names=("replicate", "shard")
+    )
 
 
 def clip_grad_norm(model: torch.nn.Module, args) -> None:
