@@ -60,8 +60,9 @@ soak: install  # restart and resume through 48 injected faults at W = 4 (both fr
 .PHONY: figures
 # Every committed result file, each from its generator once, in this order, each stamped by bench/provenance.py
 # (python -m bench.provenance lists them). Root for cluster and replica_faults; SOURCE=<PyTorch's
-# test/distributed/_composable/fsdp> for conformance. Not here: bench/results/gpu_check.json (needs a GPU:
-# bash bench/gpu/check.sh) and frameworks.json (joined from examples/frameworks/*, torchtitan needs triton).
+# test/distributed/_composable/fsdp> for conformance; TORCHTITAN_PYTHON=<a Python with torchtitan and triton>
+# for frameworks' torchtitan run (recorded as not run without one). Not here: bench/results/gpu_check.json
+# (needs a GPU: bash bench/gpu/check.sh).
 figures: install
 	$(PY) -m bench.figures.boundaries --json bench/results/boundaries.json
 	$(PY) -m bench.figures.compress_accuracy
@@ -73,4 +74,5 @@ figures: install
 	$(PY) -m bench.faults.replica_faults
 	$(MAKE) soak
 	$(MAKE) conformance
+	$(PY) -m bench.frameworks $(if $(TORCHTITAN_PYTHON),--torchtitan-python $(TORCHTITAN_PYTHON))
 	$(PY) -m bench.provenance

@@ -232,7 +232,11 @@ def test_the_bench_page_is_the_committed_run():
 
 
 def test_the_frameworks_table_is_the_committed_runs():
-    """docs/how-to/migrate.md's losses are bench/results/frameworks.json's, FSDP2 and flatshard equal to the bit."""
+    """docs/how-to/migrate.md's losses are bench/results/frameworks.json's (``python -m bench.frameworks``), FSDP2
+    and flatshard equal to the bit, Lightning's Muon run and one process equal to the bit, with the commit,
+    machine and load it was measured at."""
+    from bench.tables import measured_at
+
     report = json.loads((RESULTS / "frameworks.json").read_text())
     text = (ROOT / "docs" / "how-to" / "migrate.md").read_text()
     for name, label in (("lightning", "Lightning"), ("accelerate", "Accelerate")):
@@ -242,11 +246,24 @@ def test_the_frameworks_table_is_the_committed_runs():
         first, last = f"{means[0]:.6f}", f"{means[-1]:.6f}"
         row = [line for line in text.splitlines() if line.startswith(f"| {label} |")]
         assert row and f"{first} / {first}" in row[0] and f"{last} / {last}" in row[0], (row, first, last)
-    tt = report["torchtitan"]["runs"]
-    assert report["torchtitan"]["equal"] and tt["FSDP2"] == tt["flatshard"]
     row = [line for line in text.splitlines() if line.startswith("| torchtitan |")]
-    first, last, norm = f"{tt['FSDP2'][0][0]:.6f}", f"{tt['FSDP2'][-1][0]:.6f}", f"{tt['FSDP2'][-1][1]:.6f}"
-    assert row and f"{first} / {first}" in row[0] and f"{last} / {last}" in row[0] and norm in row[0], row
+    if not report["torchtitan"]["run"]:  # python -m bench.frameworks without an interpreter that has torchtitan
+        assert row and "not run" in row[0], row
+    else:
+        tt = report["torchtitan"]["runs"]
+        assert report["torchtitan"]["equal"] and tt["FSDP2"] == tt["flatshard"]
+        first, last, norm = f"{tt['FSDP2'][0][0]:.6f}", f"{tt['FSDP2'][-1][0]:.6f}", f"{tt['FSDP2'][-1][1]:.6f}"
+        assert row and f"{first} / {first}" in row[0] and f"{last} / {last}" in row[0] and norm in row[0], row
+    prose = " ".join(text.split())
+    for key in ("lightning_muon", "lightning_muon_lightning_checkpoint"):  # Muon: against one process, bitwise
+        muon = report[key]
+        runs = muon["runs"]
+        assert muon["equal"] and muon["params_equal"] and muon["resumed_equal"], key
+        assert runs["flatshard"] == runs["single process"] == runs["flatshard saved+resumed"], key
+    muon = report["lightning_muon"]
+    means = [sum(rank[i] for rank in muon["runs"]["flatshard"]) / 2 for i in range(muon["optimizer_steps"])]
+    assert f"every one of the {muon['optimizer_steps']} steps (first {means[0]:.6f}, last {means[-1]:.6f}," in prose
+    assert " ".join(measured_at(report).split()) in prose
 
 
 # ---------------------------------------------------------------- the reference names everything public

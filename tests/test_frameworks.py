@@ -1,7 +1,9 @@
 """Frameworks driving flatshard's ``fully_shard`` (examples/frameworks/), each through its own API at W = 2
 on CPU, every rank's losses equal to the same framework's run on PyTorch's FSDP2, and a run saved half
 way with the framework's checkpointing, loaded and resumed equal to the uninterrupted one: Lightning
-(ModelParallelStrategy, its distributed checkpoint), torchtitan's debug model (its FSDP function, chunked
+(ModelParallelStrategy, its distributed checkpoint), Lightning training ``torch.optim.Muon`` on whole matrices
+(``shard_boundaries="params"``) equal to one process over the global batch bitwise, saved and resumed with
+``flatshard.checkpoint`` through the strategy, torchtitan's debug model (its FSDP function, chunked
 loss, optimizer, schedule, data loader and CheckpointManager; its Trainer needs CUDA) and Accelerate
 (which drops its FSDP plugin on CPU: the recipe shows that, then prepares the optimizer and data only).
 
@@ -71,6 +73,26 @@ def test_lightning_model_parallel_strategy(tmp_path):
     assert_equal_runs(fig, per_rank_batches)
     saved = tmp_path / "ckpt" / "half.ckpt"  # the strategy's checkpoint: DCP shards and Lightning's meta.pt
     assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+
+
+@needs("lightning", "lightning")
+def test_lightning_muon_on_whole_matrices_equals_one_process(tmp_path):
+    fig = run_recipe("lightning_muon.py", tmp_path, "--ckpt", str(tmp_path / "ckpt"))
+    runs = fig["runs"]  # [rank][batch]: that rank's loss; the single process's for the same rank's batch
+    assert fig["world"] == 2 and fig["checkpoint"] == "flatshard"
+    assert runs["flatshard"] == runs["single process"], "the losses differ from one process's"
+    assert fig["params_equal"], "the final parameters differ from one process's"
+    assert runs["flatshard saved+resumed"] == runs["flatshard"] and fig["resumed_equal"], "the resume differs"
+    assert fig["equal"] is True and all(len(rank) == fig["optimizer_steps"] == 12 for rank in runs["flatshard"])
+    owned = fig["owned"]  # every parameter whole on exactly one rank, Muon's matrices on both
+    assert not set(owned[0]) & set(owned[1]) and len(owned[0]) + len(owned[1]) == 3 * 6 + 2, owned
+    assert all(any(n.endswith(("up.weight", "down.weight")) for n in names) for names in owned), owned
+    assert fig["refusal"].startswith("RuntimeError: the optimizers of ranks [1] hold other parameters"), fig
+    saved = tmp_path / "ckpt" / "half"  # flatshard's checkpoint: safetensors shards and the manifest, no pickle
+    shards = [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)]
+    assert sorted(p.name for p in saved.iterdir()) == ["manifest.json", *shards]
+    extra = json.loads((saved / "manifest.json").read_text())["extra"]
+    assert extra["epoch"] == 0 and "fit_loop" in extra["loops"], extra  # Lightning's loop state
 
 
 @needs("torchtitan.trainer", "torchtitan triton")

@@ -16,7 +16,6 @@ NOT_YET_STAMPED = {
     "bench/results/cluster_200mbit.json": "make cluster (root, ip, tc) not rerun yet",
     "bench/results/cluster_hsdp.json": "make cluster not rerun yet",
     "bench/results/cluster_hsdp_30M.json": "bench.cluster.hsdp --size 30M not rerun yet",
-    "bench/results/frameworks.json": "joined by hand from examples/frameworks/*; no generator yet",
     "bench/results/muon.json": "bench.muon stamps it; not rerun since its writer was wired",
     "bench/results/slow_link_1gbit.json": "bench.cluster.slow_link stamps it; not rerun yet",
     "bench/results/slow_link_200mbit.json": "bench.cluster.slow_link stamps it; not rerun yet",
