@@ -256,3 +256,41 @@ def test_a_rank_missing_from_a_fully_shard_save_fails_the_others_within_the_coll
             assert f"the save to {directory / 'second'}" in got["message"], (hybrid, rank, got)
             assert got["after_s"] <= STALL_TIMEOUT_S + 10, (hybrid, rank, got)
         assert not (directory / "second").exists()  # nothing committed
+
+
+# ---- optimizers whose param_groups differ between ranks ----------------------------------------------
+def rank_groups_worker(rank: int, world: int, directory: str) -> dict:
+    """Each rank's optimizer has hyperparameters of its own (as each rank's optimizer over the matrices it
+    owns under ``shard_boundaries="params"`` has groups of its own). Saved and loaded at the same W into
+    optimizers built otherwise, every rank gets its own groups back; loaded at another W, the load is
+    refused on every rank (no rank's groups belong to a rank of another job)."""
+    from flatshard import checkpoint
+
+    _, model = fsdp2_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01 * (rank + 1), weight_decay=0.1 * rank)
+    step(model, opt, Loader())
+    path = os.path.join(directory, "ranked")
+    checkpoint.save(path, model, opt, step=1)
+    _, fresh = fsdp2_pair(seed=1)
+    other = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    checkpoint.load(path, fresh, other)
+    return {"lr": other.param_groups[0]["lr"], "weight_decay": other.param_groups[0]["weight_decay"]}
+
+
+def other_world_worker(rank: int, world: int, path: str) -> str:
+    from flatshard import checkpoint
+
+    _, model = fsdp2_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    try:
+        checkpoint.load(path, model, opt)
+    except Exception as exc:  # noqa: BLE001 - the message is what the test reads
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_fully_shard_checkpoint_keeps_each_ranks_optimizer_groups(tmp_path: pathlib.Path):
+    out = run_distributed(rank_groups_worker, 2, str(tmp_path), timeout=200)
+    assert out == [{"lr": 0.01, "weight_decay": 0.0}, {"lr": 0.02, "weight_decay": 0.1}], out
+    for got in run_distributed(other_world_worker, 3, str(tmp_path / "ranked"), timeout=200):
+        assert got.startswith("CheckpointError") and "differ between ranks" in got, got

@@ -16,10 +16,12 @@ owners' one-rank meshes as well.
 
 Every rank's optimizers hold every parameter of their kind, other ranks' too (empty DTensors here, whose
 ops do nothing), so their parameter groups are alike on every rank; each rank steps what it owns
-(``flatshard.owned_named_parameters``). A checkpoint needs that: Lightning's save (through DCP) and
-``flatshard.checkpoint`` keep one rank's ``param_groups``. With optimizers built on each rank's own
-parameters only, both loads report success and the next step fails on a rank with ``KeyError: 'lr'`` (it
-was given another rank's groups). The strategies here refuse to save or load so, on every rank, saying why.
+(``flatshard.owned_named_parameters``). Lightning's own checkpoint needs that: its save (through DCP)
+keeps one rank's ``param_groups``, so with optimizers built on each rank's own parameters only its load
+reports success and the next step fails on a rank with ``KeyError: 'lr'`` (it was given another rank's
+groups). ``flatshard.checkpoint`` keeps each rank's groups where they differ (and refuses them at another
+world size), but the recipe keeps them alike so that either checkpoint serves; both strategies here
+refuse, on every rank and saying why, optimizers whose groups differ.
 
 Run (Lightning starts the 2 CPU processes itself; no torchrun):
 
@@ -116,8 +118,8 @@ def same_groups(module: nn.Module, optimizers: list) -> None:
     differ = [r for r, groups in enumerate(every) if groups != every[0]]
     if differ:
         raise RuntimeError(
-            f"the optimizers of ranks {differ} hold other parameters than rank 0's: a checkpoint keeps one "
-            "rank's param_groups, so the others would load another rank's groups. Give every rank's "
+            f"the optimizers of ranks {differ} hold other parameters than rank 0's: Lightning's checkpoint keeps "
+            "one rank's param_groups, so the others would load another rank's groups. Give every rank's "
             "optimizers every parameter of their kind (those other ranks own are empty DTensors there, "
             "whose ops do nothing), not flatshard.owned_named_parameters alone"
         )

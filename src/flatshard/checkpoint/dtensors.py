@@ -127,11 +127,12 @@ def save(path: str, model, optimizer, step, extra, async_save: bool, keep_last, 
         sd = _tensors(model, optimizer)
         dcp.save(sd, storage_writer=HuggingFaceStorageWriter(partial, save_distributed=True), process_group=group)
         saving._reached("writing")
-        ranks = gather_json(_rank_record(state), group)
+        groups = None if head["optim"] is None else head["optim"]["param_groups"]
+        ranks = gather_json({**_rank_record(state), "param_groups": groups}, group)
         message = None
         if rank_in(group) == 0:
             try:
-                manifest = _manifest(partial, head, ranks, world_of(group))
+                manifest = _manifest(partial, head, _groups_per_rank(ranks), world_of(group))
                 write_json_atomic(os.path.join(partial, MANIFEST), manifest)
                 fsync_dir(partial)
                 saving._reached("before_commit")
@@ -181,6 +182,17 @@ def _tensors(model, optimizer) -> dict:
     return sd
 
 
+def _groups_per_rank(ranks: list) -> list:
+    """The ranks' records with each rank's optimizer ``param_groups`` kept only where they differ between
+    ranks (each rank's optimizer over what it owns, or hyperparameters of its own); where every rank's
+    are the same, the manifest's ``optim.param_groups`` (rank 0's) serves all."""
+    groups = [r.pop("param_groups") for r in ranks]
+    if any(g != groups[0] for g in groups):
+        for record, g in zip(ranks, groups):
+            record["param_groups"] = g
+    return ranks
+
+
 def _rank_record(state) -> dict:
     """This rank's RNG states and loop state, as JSON (bytes as base64)."""
     tensors, meta = saving._rng_state()
@@ -217,7 +229,7 @@ def load(path: str, model, optimizer, strict: bool, rng: bool, state) -> Loaded:
     with saving.peer_errors(f"the load of {path}"):
         where, manifest = run_agreed(lambda: _open(path), group)
         loading._same_save(path, where, manifest, group, None)
-        run_agreed(lambda: _check(path, manifest, model, optimizer, strict), group)
+        run_agreed(lambda: _check(path, manifest, model, optimizer, strict, world_of(group)), group)
         run_agreed(lambda: loading._check_state(path, manifest, state, world_of(group)), group)
         sd = _tensors(model, optimizer)
         if not strict:
@@ -225,11 +237,13 @@ def load(path: str, model, optimizer, strict: bool, rng: bool, state) -> Loaded:
             sd["model"] = {k: v for k, v in sd["model"].items() if k in keys}
         dcp.load(sd, storage_reader=HuggingFaceStorageReader(where), process_group=group)
     set_model_state_dict(model, sd["model"], options=_options(strict))
-    if optimizer is not None:
-        set_optimizer_state_dict(
-            model, optimizer, {"state": sd["optim"]["state"], "param_groups": manifest["optim"]["param_groups"]}
-        )
     mine = manifest["ranks"][rank_in(group)] if manifest["world_size"] == world_of(group) else None
+    if optimizer is not None:
+        # the ranks' own groups where they differ (_check made sure the world size is the one saved)
+        groups = (
+            mine["param_groups"] if mine is not None and "param_groups" in mine else manifest["optim"]["param_groups"]
+        )
+        set_optimizer_state_dict(model, optimizer, {"state": sd["optim"]["state"], "param_groups": groups})
     if rng and mine is not None:
         _restore_rng(mine)
     for name, obj in (state or {}).items():
@@ -254,11 +268,19 @@ def _open(path: str) -> tuple[str, dict]:
     return where, manifest
 
 
-def _check(path: str, manifest: dict, model, optimizer, strict: bool) -> None:
+def _check(path: str, manifest: dict, model, optimizer, strict: bool, world: int) -> None:
     check_names(path, manifest["model"]["keys"], list(get_model_state_dict(model)), strict)
     if optimizer is not None and manifest.get("optim") is None:
         raise CheckpointError(
             f"checkpoint {path} holds no optimizer state; call load without optimizer=, or save with it"
+        )
+    per_rank = any("param_groups" in r for r in manifest["ranks"])
+    if optimizer is not None and per_rank and manifest["world_size"] != world:
+        raise CheckpointError(
+            f"checkpoint {path} was saved by {manifest['world_size']} ranks whose optimizers' param_groups "
+            f"differ between ranks (each rank's own parameters or hyperparameters), so no rank of a job of "
+            f"{world} has groups to load; load it at world size {manifest['world_size']}, or load the model "
+            "alone (optimizer=None) and build the optimizers anew"
         )
 
 
