@@ -3,6 +3,7 @@ emulated cluster (2 nodes x 2 ranks, as root; bench/cluster/net.py).
 
     python -m bench.cluster.slow_link                       # 1gbit and 200mbit, 3M GPT, 8 steps (about 6 min)
     python -m bench.cluster.slow_link --rates 1gbit --steps 4 --size tiny
+    python -m bench.cluster.slow_link --table               # docs/multi_node.md's table of the committed runs
 
 At each rate, one job (bench/cluster/worker.py --set link) runs interleaved, step after step: flatshard
 HYBRID_SHARD (F = ranks per node), FULL_SHARD and NO_SHARD, each with ``inter_node_in_flight=False``
@@ -14,7 +15,9 @@ _HYBRID_SHARD_ZERO2 (no gathers in backward) with the default and int8; DDP; PyT
 communication. It prints the median step of the slowest rank, its ratio to the step
 without communication and to FSDP2 HSDP's, the bytes each node's link sent per step (the kernel's
 counter), and how each system's losses compare: in flight must be the same bits as off; int8 is
-compared with the exact run of its strategy. Results go to bench/results/slow_link_<rate>.json.
+compared with the exact run of its strategy. Results go to bench/results/slow_link_<rate>.json;
+``--table`` prints them as one Markdown table (a column group per rate), measuring nothing and needing
+no root.
 """
 
 from __future__ import annotations
@@ -106,6 +109,27 @@ def print_report(report: dict) -> None:
         )
 
 
+def _rate_label(rate: str) -> str:
+    bits = net.parse_rate(rate)
+    return f"{bits / 1e9:g} Gbit/s" if bits >= 10**9 else f"{bits / 1e6:g} Mbit/s"
+
+
+def table(reports: list[dict]) -> list[str]:
+    """docs/multi_node.md's table: one row per system, one column group per rate's report."""
+    head = " | ".join(f"{_rate_label(r['rate'])} step ms | / compute | / FSDP2 HSDP" for r in reports)
+    lines = [f"| system | {head} | link MB/step/node |", "|---" * (2 + 3 * len(reports)) + "|"]
+    for name in reports[0]["rows"]:
+        figs = [r["rows"][name] for r in reports]
+        cells = " | ".join(
+            f"{1e3 * f['step_s']:,.0f} | {f['per_compute']:.2f} | "
+            + ("–" if f["per_fsdp2_hsdp"] is None else f"{f['per_fsdp2_hsdp']:.2f}")
+            for f in figs
+        )
+        link = " / ".join(f"{f['link_mb_per_step_per_node']:.1f}" for f in figs)
+        lines.append(f"| {name} | {cells} | {link} |")
+    return lines
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.cluster.slow_link", description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", nargs="+", default=["1gbit", "200mbit"])
@@ -115,6 +139,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a job is stopped")
     p.add_argument("--json-dir", type=Path, default=jobs.RESULTS, help="where slow_link_<rate>.json goes")
+    p.add_argument("--table", action="store_true", help="print the committed results' table, measure nothing")
     args = p.parse_args(argv)
     args.argv = argv
     return args
@@ -122,6 +147,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.table:
+        reports = [json.loads((args.json_dir / f"slow_link_{rate}.json").read_text()) for rate in args.rates]
+        print("\n".join(table(reports)))
+        return 0
     status = 0
     try:
         with tempfile.TemporaryDirectory(prefix="slow-link-") as tmp:
