@@ -7,6 +7,7 @@ figures."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -17,27 +18,33 @@ from bench.cluster import predict as cluster_predict
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = [(k, r) for k in ("cluster", "slow_link") for r in ("1gbit", "200mbit")]
 
-# The predictions that are not within 25%, named, and why (docs/multi_node.md, "Verdicts"): at 1 Gbit/s the
-# all-reduce across nodes of a system with a replicate group spanning the nodes (hybrid, NO_SHARD) is left
-# in flight while backward computes, and the planner counts that time as hidden; on 2 shared cores gloo's
-# threads and the kernel's TCP take CPU time from compute, which the planner's compute figure (measured
-# without communication) leaves out. So each is predicted too fast.
+# The predictions that are not within 25%, named, and why (docs/multi_node.md, "Verdicts"), each predicted
+# too fast and of one of two kinds:
+# * IN_FLIGHT: at 1 Gbit/s the all-reduce across nodes of a system with a replicate group spanning the nodes
+#   (hybrid, NO_SHARD) is left in flight while backward computes, and the planner counts that time as
+#   hidden; on 2 shared cores gloo's threads and the kernel's TCP take CPU time from compute, which the
+#   planner's compute figure (measured without communication) leaves out.
+# * SPANNING: at 200 Mbit/s a strategy whose shard group spans both nodes (FULL_SHARD, SHARD_GRAD_OP) does
+#   not keep the link full with its exchanges across; the calibration's one-unit reduce-scatter across the
+#   nodes alone takes longer than the planner's time for it (test below).
 # [Note: what a known miss asserts] No band is drawn around a committed ratio: every prediction not named
 # here must be within 25%; every one named must be a miss, in the documented direction (predicted below
-# measured), of the documented kind (1 Gbit/s, in flight on, its all-reduce crossing nodes). A rerun that
-# turns a miss into a hit, or a new miss, fails, and with it the count the documents state (test below).
+# measured), of the documented kind. A rerun that turns a miss into a hit, or a new miss, fails, and with
+# it the count the documents state (test below).
+IN_FLIGHT, SPANNING = "in flight across nodes at 1 Gbit/s", "shard group across nodes at 200 Mbit/s"
 KNOWN_MISSES = {
-    ("cluster", "1gbit", "flatshard HYBRID_SHARD F=2"),
-    ("slow_link", "1gbit", "flatshard HYBRID_SHARD F=2"),
-    ("slow_link", "1gbit", "flatshard HYBRID_SHARD F=2, optimizer across replicas"),
-    ("slow_link", "1gbit", "flatshard _HYBRID_SHARD_ZERO2 F=2"),
-    ("slow_link", "1gbit", "flatshard NO_SHARD"),
+    ("cluster", "1gbit", "flatshard HYBRID_SHARD F=2"): IN_FLIGHT,
+    ("slow_link", "1gbit", "flatshard HYBRID_SHARD F=2, optimizer across replicas"): IN_FLIGHT,
+    ("slow_link", "1gbit", "flatshard _HYBRID_SHARD_ZERO2 F=2"): IN_FLIGHT,
+    ("cluster", "200mbit", "flatshard SHARD_GRAD_OP"): SPANNING,
+    ("slow_link", "200mbit", "flatshard FULL_SHARD, in flight off"): SPANNING,
 }
 # The same effect on the in-flight saving (step in flight over step with it off): predicted within 0.1 of
 # the measured ratio but for these, where the planner predicts more saving than measured, as above.
 KNOWN_IN_FLIGHT_MISSES = {("1gbit", "flatshard NO_SHARD")}
 IN_FLIGHT_BOUND = 0.1
 CROSSING_ALL_REDUCE = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD")  # F < W: replicas on both nodes
+SPANNING_SHARD_GROUP = ("FULL_SHARD", "SHARD_GRAD_OP")  # F = W: every shard group on both nodes
 
 
 def _ratio(row: dict) -> float:
@@ -48,9 +55,13 @@ def _within(row: dict) -> bool:
     return abs(_ratio(row) - 1) <= cluster_predict.TOLERANCE
 
 
-def _in_flight_across_nodes(rate: str, name: str) -> bool:
+def _of_kind(kind: str, rate: str, name: str) -> bool:
     planned = cluster_predict.planned_as(name, 4, 2)  # W = 4, 2 ranks per node: every committed run
-    return rate == "1gbit" and "in flight off" not in name and planned is not None and planned[0] in CROSSING_ALL_REDUCE
+    if planned is None:
+        return False
+    if kind == IN_FLIGHT:
+        return rate == "1gbit" and "in flight off" not in name and planned[0] in CROSSING_ALL_REDUCE
+    return rate == "200mbit" and planned[0] in SPANNING_SHARD_GROUP
 
 
 @pytest.fixture(scope="module", params=RUNS)
@@ -66,7 +77,7 @@ def test_every_prediction_within_25_percent_but_the_known_misses(run):
     for name, row in judged.items():
         if (kind, rate, name) in KNOWN_MISSES:  # [Note: what a known miss asserts]
             assert _ratio(row) < 1 - cluster_predict.TOLERANCE, ("no longer a miss", kind, rate, name, _ratio(row))
-            assert _in_flight_across_nodes(rate, name), ("a miss of another kind", kind, rate, name)
+            assert _of_kind(KNOWN_MISSES[kind, rate, name], rate, name), ("a miss of another kind", kind, rate, name)
         else:
             assert _within(row), (kind, rate, name, _ratio(row))
 
@@ -144,7 +155,61 @@ def test_in_flight_is_predicted_as_much_faster_as_measured(rate):
 def test_the_table_and_summary_print(capsys):
     assert cluster_predict.main() == 0
     out = capsys.readouterr().out
-    assert out.count("| system | measured ms |") == 4 and "within 25%: 5/5" in out
+    assert out.count("| system | measured ms |") == 4
+    for kind, rate in RUNS:
+        prediction = cluster_predict.committed(rate, kind)
+        assert "\n".join(cluster_predict.table(prediction)) in out and cluster_predict.summary(prediction) in out
+
+
+def test_the_spanning_misses_are_in_the_calibration_too():
+    """SPANNING ([Note: what a known miss asserts]): at 200 Mbit/s the calibration's one-unit reduce-scatter
+    across the nodes, measured alone, takes longer than the planner's time for it (more than 1.25x), and
+    the documents quote the figures."""
+    cal = cluster_predict.committed("200mbit")["collectives"]["reduce_scatter, F=W (spans nodes)"]
+    gather = cluster_predict.committed("200mbit")["collectives"]["all_gather, F=W (spans nodes)"]
+    measured, planned = cal["measured_s"], cal["predicted_s"]
+    assert measured > (1 + cluster_predict.TOLERANCE) * planned
+    multi = " ".join((ROOT / "docs/multi_node.md").read_text().split())
+    assert (
+        f"one unit's reduce-scatter across the nodes, alone, took {measured * 1e3:.1f} ms where the planner "
+        f"gives {planned * 1e3:.1f} ms ({planned / measured:.2f}), its all-gather {gather['measured_s'] * 1e3:.1f} "
+        f"ms ({gather['predicted_s'] / gather['measured_s']:.2f})"
+    ) in multi
+    planner = " ".join((ROOT / "docs/planner.md").read_text().split())
+    assert f"reduce-scatter across the nodes alone takes {measured / planned:.2f}× the planner's time" in planner
+
+
+def test_the_documents_name_the_misses():
+    """docs/multi_node.md's and docs/planner.md's account of the misses: how many of each kind, and the
+    in-flight saving NO_SHARD is predicted at 1 Gbit/s against the measured one."""
+    kinds = list(KNOWN_MISSES.values())
+    words = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five"}
+    planner = " ".join((ROOT / "docs/planner.md").read_text().split())
+    assert f"The {words[len(kinds)]} misses are all predicted too fast, of two kinds" in planner
+    assert f"{words[kinds.count(IN_FLIGHT)]} at 1 Gbit/s, systems whose all-reduce across nodes" in planner
+    assert f"{words[kinds.count(SPANNING)]} at 200 Mbit/s, strategies whose shard group spans both nodes" in planner
+    rows = cluster_predict.committed("1gbit", "slow_link")["rows"]
+    on, off = rows["flatshard NO_SHARD"], rows["flatshard NO_SHARD, in flight off"]
+    multi = " ".join((ROOT / "docs/multi_node.md").read_text().split())
+    assert (
+        f"(the step in flight over the step with it off: {on['predicted_s'] / off['predicted_s']:.2f} predicted, "
+        f"{on['measured_s'] / off['measured_s']:.2f} measured)"
+    ) in multi
+    full_off = cluster_predict.committed("200mbit", "slow_link")["rows"]["flatshard FULL_SHARD, in flight off"]
+    assert f"run FULL_SHARD with in flight off, at {_ratio(full_off):.4f})" in multi
+
+
+def test_the_planner_page_says_where_the_runs_were_measured():
+    """docs/planner.md's table comes from four files: one commit, one machine, one day, and their loads."""
+    from bench.tables import measured_at
+
+    docs = [json.loads((cluster_predict.RESULTS / f"{k}_{r}.json").read_text()) for k, r in RUNS]
+    (line,) = {measured_at(d).split(", load ")[0] for d in docs}  # commit and machine: one for all four
+    (day,) = {d["provenance"]["finished"][:10] for d in docs}
+    loads = [d["provenance"][k] for d in docs for k in ("load_1min_before", "load_1min_after")]
+    head = line.removeprefix("Measured at ").replace("commit", "The four files were measured at commit", 1)
+    planner = " ".join((ROOT / "docs/planner.md").read_text().split())
+    assert f"{head}, {day}, at loads from {min(loads):g} to {max(loads):g}" in planner
 
 
 @pytest.mark.parametrize("rate", ["1gbit", "200mbit"])

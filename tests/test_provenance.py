@@ -12,13 +12,7 @@ from bench import provenance
 # Files whose writers do not stamp them yet, or that no run has regenerated since the writers do.
 # strict: once a file is regenerated with its provenance, its entry here fails the test until removed.
 NOT_YET_STAMPED = {
-    "bench/results/cluster_1gbit.json": "make cluster (root, ip, tc) not rerun yet",
-    "bench/results/cluster_200mbit.json": "make cluster (root, ip, tc) not rerun yet",
-    "bench/results/cluster_hsdp.json": "make cluster not rerun yet",
-    "bench/results/cluster_hsdp_30M.json": "bench.cluster.hsdp --size 30M not rerun yet",
     "bench/results/muon.json": "bench.muon stamps it; not rerun since its writer was wired",
-    "bench/results/slow_link_1gbit.json": "bench.cluster.slow_link stamps it; not rerun yet",
-    "bench/results/slow_link_200mbit.json": "bench.cluster.slow_link stamps it; not rerun yet",
     "tests/conformance/results.json": "make conformance stamps it; not rerun yet (needs PyTorch's test files)",
 }
 
