@@ -2,8 +2,8 @@
 bench/results/replica_faults.json: the kills' table, the figures in the prose, and the claims they make
 (the other group kept at least 0.8 of its rate over each kill's whole window, from its last commit
 before the kill to its commit of the rejoin's step, [Note: the survivors' rate over the whole window] in
-bench/faults/replica_faults.py; the faulty run out of the loss band by more than the no-failure controls
-are, and ending above it, as the committed run did; bitwise-equal replicas at the end). And the definition itself, on a
+bench/faults/replica_faults.py; the faulty run closer to the loss band than the no-failure controls,
+and ending above it, as the committed run did; bitwise-equal replicas at the end). And the definition itself, on a
 made-up run: the stall after a kill and before a rejoin count, and a group that never came back is an
 error, not a window left out."""
 
@@ -68,11 +68,11 @@ def test_the_claims_hold_in_the_committed_run():
     # step (its failed all-reduce and the quorum that drops the dead group)
     assert min(ratios) >= 0.8
     assert len(band["controls"]) >= 2
-    # what docs/multi_node.md says of the committed run ([Note: the band's control]): out of the band by
-    # more than each run without failures is, inside it at fewer steps than either, and ending above it
-    controls = band["controls"].values()
-    assert band["largest_excursion"] > max(c["largest_excursion"] for c in controls)
-    assert band["steps_inside"] < min(c["steps_inside"] for c in controls)
+    # what docs/multi_node.md says of the committed run ([Note: the band's control]): closer to the band
+    # than each run without failures, inside it at a number of steps between theirs, and ending above it
+    controls = [c["steps_inside"] for c in band["controls"].values()]
+    assert band["largest_excursion"] < min(c["largest_excursion"] for c in band["controls"].values())
+    assert min(controls) < band["steps_inside"] < max(controls)
     assert band["final_loss_faulty"] > band["final_loss_band"][1]
     assert f"above the band's [{band['final_loss_band'][0]:.4f}, {band['final_loss_band'][1]:.4f}]" in flat(
         "docs/multi_node.md"
