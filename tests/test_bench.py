@@ -180,3 +180,30 @@ def test_moe_page_quotes_the_committed_run():
     assert len(run["held_bytes_per_rank"]) == run["world"] and len(held) == 1, run["held_bytes_per_rank"]
     assert f"the same bytes held on every rank by both ({held.pop():,}:" in prose
     assert " ".join(measured_at(run).split()) in prose
+
+
+def test_the_accuracy_guard_page_is_the_committed_run():
+    """docs/multi_node.md's "The accuracy guard" is bench/results/compress_accuracy.json: its table
+    (``python -m bench.figures.compress_accuracy --table``), the commit it was measured at, and every figure
+    its prose quotes; and the verdict it states holds (both int8 runs within the 1% guard)."""
+    from bench.figures import compress_accuracy
+    from bench.tables import measured_at
+
+    run = json.loads((ROOT / "bench" / "results" / "compress_accuracy.json").read_text())
+    page = (ROOT / "docs" / "multi_node.md").read_text()
+    assert "\n".join(compress_accuracy.table(run)) in page
+    prose = " ".join(page.split())
+    assert " ".join(measured_at(run).split()) in prose
+    hybrid, full = run["compressed"]["int8 hybrid"], run["compressed"]["int8 full shard"]
+    assert hybrid["within_goal"] and full["within_goal"]
+    per_step = [100 * r["max_rel_diff_per_step"] for r in run["compressed"].values()]
+    beyond = [
+        compress_accuracy.steps_beyond_goal(run, n) for n in ("int8 hybrid", "int8 full shard", "bf16 reductions")
+    ]
+    for phrase in (
+        f"up to {min(per_step):.1f}–{max(per_step):.1f}% from fp32's in this run",
+        f"(int8: {100 * hybrid['max_rel_diff_window_mean']:.2f}% and {100 * full['max_rel_diff_window_mean']:.2f}%)",
+        f"({100 * hybrid['held_out_rel_diff']:.2f}% and {100 * full['held_out_rel_diff']:.2f}%)",
+        f"({beyond[0]} and {beyond[1]} of {run['steps']} steps beyond it; bf16 reductions: {beyond[2]})",
+    ):
+        assert phrase in prose, phrase

@@ -155,6 +155,46 @@ def figures(curves: dict, every: int) -> dict:
     return report
 
 
+LABELS = {  # the docs table's row names (docs/multi_node.md, "The accuracy guard")
+    "fp32": "fp32 (HYBRID_SHARD, F = 2)",
+    "int8 hybrid": "int8 hybrid (replicate all-reduce in int8)",
+    "int8 full shard": "int8 full shard (gathers and reduce-scatters across nodes in int8)",
+    "bf16 reductions": "bf16 reductions, for reference (`MixedPrecision(reduce_dtype=bfloat16)`)",
+}
+
+
+def table(report: dict) -> list[str]:
+    """The committed run as docs/multi_node.md's Markdown table (``--table``): each run's loss at the
+    first, middle and last step, its largest relative difference to fp32 at one step and of the window
+    means, and its held-out loss (with its difference to fp32's)."""
+    curves, steps = report["curves"], len(report["curves"]["fp32"]["train"])
+    at = (0, steps // 2, steps - 1)
+    rows = [
+        f"| run | loss at step {' / '.join(str(i + 1) for i in at)} | largest difference to fp32, one step "
+        f"| of {report['window']}-step means | held-out loss |",
+        "|---|---|---|---|---|",
+    ]
+    base = curves["fp32"]["held_out"]
+    for name, c in curves.items():
+        losses = " / ".join(f"{c['train'][i]:.3f}" for i in at)
+        if name == "fp32":
+            rows.append(f"| {LABELS[name]} | {losses} | – | – | {base:.3f} |")
+            continue
+        r, signed = report["compressed"][name], 100 * (c["held_out"] - base) / base
+        held = f"{c['held_out']:.3f} ({'+' if signed >= 0 else '−'}{abs(signed):.2f}%)"
+        rows.append(
+            f"| {LABELS[name]} | {losses} | {100 * r['max_rel_diff_per_step']:.2f}% "
+            f"| {100 * r['max_rel_diff_window_mean']:.2f}% | {held} |"
+        )
+    return rows
+
+
+def steps_beyond_goal(report: dict, name: str) -> int:
+    """How many of the run's steps have a loss more than the goal away from fp32's at that step."""
+    base = report["curves"]["fp32"]["train"]
+    return sum(abs(a - b) / b > report["goal"] for a, b in zip(report["curves"][name]["train"], base))
+
+
 def print_report(report: dict) -> None:
     curves, every = report["curves"], report["every"]
     names = list(curves)
@@ -183,6 +223,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=10, help="held-out batches per rank")
     p.add_argument("--every", type=int, default=20, help="steps between printed losses")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    p.add_argument("--table", action="store_true", help="print --json's committed run as a table, run nothing")
     p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_out", dest="out", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -192,6 +233,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args._worker:
         return worker(args)
+    if args.table:
+        print("\n".join(table(json.loads(args.json.read_text()))))
+        return 0
     given = sys.argv[1:] if argv is None else argv
     started, load_before = time.time(), os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
