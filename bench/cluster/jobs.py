@@ -17,11 +17,13 @@ WORKER = "bench.cluster.worker"  # started by torchrun as a module (-m), from ne
 
 
 def source_commit() -> str | None:
-    """The checkout's commit (with "+ changes" when tracked files differ from it), or None outside git."""
+    """The checkout's commit (with "+ changes" when tracked files differ from it), or None outside git.
+    Result files under bench/results are not the source measured: a run that follows another in one
+    checkout (``make figures``) finds the earlier one's file changed, and is no less of the commit."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=net.ROOT, capture_output=True, text=True)
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results"],
             cwd=net.ROOT,
             capture_output=True,
             text=True,
