@@ -92,6 +92,10 @@ def test_docs_figures_are_the_committed_fuzz_run():
     readme = " ".join((ROOT / "docs" / "internals" / "testing.md").read_text().split())
     assert run["failed"] == 0 and not run["failing"], run["failing"]
     assert "+" not in run["commit"], "the committed run must come from a clean tree"
+    from bench.tables import measured_at
+
+    page = " ".join((ROOT / "docs" / "internals" / "testing.md").read_text().split())
+    assert " ".join(measured_at(run).split()) in page, "docs/internals/testing.md names the run's commit"
     n, seed = (int(v) for v in re.search(r"-n (\d+) --seed (\d+)", run["command"]).groups())
     assert n == run["configurations"] == run["pass"] + run["refused"] + run["failed"]
     assert f"`make fuzz N={n}`" in readme
