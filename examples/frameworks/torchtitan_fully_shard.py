@@ -33,10 +33,10 @@ attention), sharded by torchtitan's own ``parallelize_fn`` (``parallelize_deepse
 when EP > 1, activation checkpointing, then ``apply_fsdp_to_decoder``) on torchtitan's ``ParallelDims``,
 whose meshes are built on CPU (its ``device_type`` set to "cpu"), under ``partial_dtensor``; the Trainer's
 MoE load-balancing hook (``post_optimizer_build_fn``: the experts' token counts summed over ranks move the
-expert bias before each optimizer step) and EP-aware ``clip_grad_norm_`` included. At EP = 1 and W = 2,
-``apply_fsdp_to_decoder`` gives each MoE block one plain ``fully_shard`` over the ``fsdp`` mesh, experts
-along dim 0: the 8 experts outnumber the 2 FSDP ranks, so it passes no ``shard_placement_fn`` (it does,
-with ``Shard(1)``, when the FSDP degree exceeds the experts, and with a ``ShardPlacementResult`` per
+expert bias before each optimizer step) included, and ``clip_grad_norm_``'s EP branch when EP > 1. At EP = 1
+and W = 2, ``apply_fsdp_to_decoder`` gives each MoE block one plain ``fully_shard`` over the ``fsdp`` mesh,
+experts along dim 0: the 8 experts outnumber the 2 FSDP ranks, so it passes no ``shard_placement_fn`` (it
+does, with ``Shard(1)``, when the FSDP degree exceeds the experts, and with a ``ShardPlacementResult`` per
 parameter, experts on the ``efsdp`` mesh, when EP > 1, then also setting explicit forward and backward
 prefetching). Its routed experts compute in bf16 whatever the config says (``GroupedExperts`` casts for
 ``torch._grouped_mm``, which runs on CPU): the same on both sides, so the runs still compare to the bit.
