@@ -5,7 +5,8 @@ by bench/provenance.py.
 Each recipe starts its own ranks (W = 2 on CPU, gloo) and writes what it compared: lightning and accelerate
 each rank's loss per batch on PyTorch's FSDP2, on flatshard's ``fully_shard`` and on flatshard saved half
 way and resumed; lightning_muon (and lightning_muon_lightning_checkpoint, the same with Lightning's own
-checkpoint) Muon + AdamW on whole matrices against one process; torchtitan (loss, gradient norm) per step.
+checkpoint) Muon + AdamW on whole matrices against one process; torchtitan (the llama3 debug model) and
+torchtitan_moe (the deepseek_v3 MoE debug model, EP = 1) (loss, gradient norm) per step.
 Every recipe imports this checkout's src/ (``PYTHONPATH``), checked before it runs.
 
 A framework the interpreter that would run it cannot import is recorded as not run, with the reason; nothing
@@ -58,6 +59,13 @@ RUNS = (
         ("torchtitan", "triton"),
         "torchtitan.trainer",
     ),
+    (
+        "torchtitan_moe",
+        "torchtitan_fully_shard.py",
+        ("--model", "deepseek_v3", "--steps", "4", "--dir", "{dir}"),
+        ("torchtitan", "triton"),
+        "torchtitan.trainer",
+    ),
 )
 WHAT = (
     "examples/frameworks/*, each run with --compare at W = 2 CPU ranks over gloo, fp32, by python -m bench.frameworks. "
@@ -67,8 +75,10 @@ WHAT = (
     'torch.optim.Muon (the blocks\' matrices) + AdamW on fully_shard(shard_boundaries="params"), saved half way with '
     "flatshard.checkpoint through the strategy (lightning_muon_lightning_checkpoint: Lightning's own checkpoint), "
     "runs[name][rank][batch] against one process replaying every rank's batches (single process), bitwise. "
-    "torchtitan: runs[name][step] = [loss summed over ranks as torchtitan logs it, gradient norm]. A run not made "
-    "on this machine has run: false and the reason."
+    "torchtitan (llama3's debug model, 6 steps), torchtitan_moe (deepseek_v3's MoE debug model through torchtitan's "
+    "parallelize_fn at EP = 1, 4 steps; placements: how each run held an expert and an attention weight): "
+    "runs[name][step] = [loss summed over ranks as torchtitan logs it, gradient norm]. A run not made on this "
+    "machine has run: false and the reason."
 )
 
 
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, recipe, run_args, dists, module in RUNS:
         if args.only and key not in args.only:
             continue
-        python = args.torchtitan_python if key == "torchtitan" else sys.executable
+        python = args.torchtitan_python if key.startswith("torchtitan") else sys.executable
         report[key] = run_one(key, recipe, run_args, dists, module, python)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(provenance.stamp(report), indent=1) + "\n")

@@ -4,7 +4,8 @@ way with the framework's checkpointing, loaded and resumed equal to the uninterr
 (ModelParallelStrategy, its distributed checkpoint), Lightning training ``torch.optim.Muon`` on whole matrices
 (``shard_boundaries="params"``) equal to one process over the global batch bitwise, saved and resumed with
 ``flatshard.checkpoint`` through the strategy, torchtitan's debug model (its FSDP function, chunked
-loss, optimizer, schedule, data loader and CheckpointManager; its Trainer needs CUDA) and Accelerate
+loss, optimizer, schedule, data loader and CheckpointManager; its Trainer needs CUDA), its deepseek_v3 MoE
+debug model through its own parallelize_fn (EP = 1), and Accelerate
 (which drops its FSDP plugin on CPU: the recipe shows that, then prepares the optimizer and data only).
 
 Lightning and Accelerate are in the ``test`` extra; torchtitan (and triton, which it imports) in
@@ -103,6 +104,24 @@ def test_torchtitan_debug_model(tmp_path):
     assert runs["flatshard"] == runs["FSDP2"] and runs["flatshard saved+resumed"] == runs["flatshard"]
     steps = tmp_path / "resumed" / "checkpoint"  # CheckpointManager's step folders, every 3 steps
     assert sorted(p.name for p in steps.iterdir()) == ["step-3", "step-6"]
+
+
+@needs("torchtitan.trainer", "torchtitan triton")
+def test_torchtitan_moe_debug_model(tmp_path):
+    """torchtitan's smallest MoE debug model (deepseek_v3: 5 MoE blocks of 8 experts) through its own
+    parallelize_fn at EP = 1: each MoE block one fully_shard, the experts along dim 0 (they outnumber the 2
+    FSDP ranks, so torchtitan passes no shard_placement_fn), and its load-balancing hook; 4 steps."""
+    args = ("--model", "deepseek_v3", "--steps", "4", "--dir", str(tmp_path))
+    fig = run_recipe("torchtitan_fully_shard.py", tmp_path, *args)
+    runs = fig["runs"]
+    assert fig["world"] == 2 and fig["model"] == "deepseek_v3" and fig["ep"] == 1
+    assert fig["equal"] is True and len(runs["flatshard"]) == 4
+    assert runs["flatshard"] == runs["FSDP2"] and runs["flatshard saved+resumed"] == runs["flatshard"]
+    placed = fig["placements"]  # both sharded the experts and the dense weights alike, over the fsdp mesh
+    assert placed["flatshard"] == placed["FSDP2"], placed
+    assert placed["flatshard"]["routed expert w1"] == "(Shard(dim=0),) on ('fsdp',) (2,), local (4, 256, 256)"
+    steps = tmp_path / "resumed" / "checkpoint"
+    assert sorted(p.name for p in steps.iterdir()) == ["step-2", "step-4"]
 
 
 @needs("accelerate", "accelerate")
