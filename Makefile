@@ -54,7 +54,7 @@ fuzz: install  # differential fuzzer: N random configurations against the single
 	$(PY) -m bench.fuzz -n $(N) --seed $(SEED) --json bench/results/fuzz.json $(ARGS)
 
 .PHONY: soak
-soak: install  # restart and resume through 48 injected faults at W = 4 (both front ends, FULL_SHARD and HYBRID_SHARD), checked bitwise against runs without (~20 min)
+soak: install  # restart and resume through 48 injected faults at W = 4 (both front ends, FULL_SHARD and HYBRID_SHARD), checked bitwise against runs without (~25 min on 2 quiet cores)
 	$(PY) -m bench.faults.soak --out bench/results/soak.json $(ARGS)
 
 .PHONY: figures

@@ -305,8 +305,10 @@ def test_fault_specs_and_plans(monkeypatch, capsys):
 
 # ---------------------------------------------------------------- the soak's figures in the docs
 def test_docs_soak_figures_are_the_committed_result():
-    """docs/how-to/failures.md's "Soak" quotes bench/results/soak.json, a run in which every check passed
-    and every phase was hit in each strategy."""
+    """docs/how-to/failures.md's "Soak" quotes bench/results/soak.json, a run of both front ends in which
+    every check passed and every phase was hit in each strategy."""
+    from bench.tables import measured_at
+
     doc = json.loads((ROOT / "bench" / "results" / "soak.json").read_text())
     assert doc["passed"] and not any(r["problems"] for r in doc["runs"])
     for run in doc["runs"]:
@@ -318,6 +320,16 @@ def test_docs_soak_figures_are_the_committed_result():
     t, settings = doc["total"], doc["settings"]
     delays = [e[0] for r in doc["runs"] for stop in r["stop_errors"] for e in stop["errors"].values()]
     bytes_on_disk = [f"{r['bytes_on_disk']:,}" for r in doc["runs"]]
+    front_ends = sorted({r["front_end"] for r in doc["runs"]})
+    assert front_ends == ["fully_shard", "wrapper"], front_ends  # the soak runs both front ends
+    in_a_save = [  # "a stop in a fully_shard save included": every other rank named the save it waited in
+        stop
+        for r in doc["runs"]
+        if r["front_end"] == "fully_shard"
+        for stop in r["stop_errors"]
+        if all("the save to" in e[1] for e in stop["errors"].values())
+    ]
+    assert in_a_save, "no SIGSTOP landed in a fully_shard save"
     for phrase in (
         f"{settings['steps']} steps, a checkpoint every {settings['save_every']}, keep_last {settings['keep_last']}",
         f"W = {settings['world']}",
@@ -326,9 +338,10 @@ def test_docs_soak_figures_are_the_committed_result():
         f"({t['kills']} SIGKILL, {t['stops']} SIGSTOP), {t['restarts']} restarts",
         f"{t['steps_recomputed']} steps recomputed, {t['checkpoints_committed']} checkpoints committed",
         f"{t['checkpoints_interrupted']} saves interrupted, {t['checkpoints_removed']} checkpoints removed",
-        f"{bytes_on_disk[0]} and {bytes_on_disk[1]} bytes on disk",
+        f"{', '.join(bytes_on_disk[:-1])} and {bytes_on_disk[-1]} bytes on disk",
         f"All {t['losses_compared']} losses",
         f"every other rank failed within {max(delays):.1f} s of the stop",
         f"{doc['wall_s'] / 60:.0f} minutes",
+        " ".join(measured_at(doc).split()),
     ):
         assert phrase in section, phrase
