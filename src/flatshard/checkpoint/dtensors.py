@@ -115,7 +115,7 @@ def save(path: str, model, optimizer, step, extra, async_save: bool, keep_last, 
         )
     group = job_group(model)  # every rank of the job calls save
     with saving.peer_errors(f"the save to {path}"):
-        head = run_agreed(lambda: _head(model, optimizer, step, extra, keep_last, state), group)
+        head, sd = run_agreed(lambda: _collect(model, optimizer, step, extra, keep_last, state), group)
         message = None
         if rank_in(group) == 0:
             try:
@@ -124,7 +124,6 @@ def save(path: str, model, optimizer, step, extra, async_save: bool, keep_last, 
                 message = f"cannot prepare {path}{PARTIAL}: {exc}"
         agree(message, group)
         partial = path + PARTIAL
-        sd = _tensors(model, optimizer)
         dcp.save(sd, storage_writer=HuggingFaceStorageWriter(partial, save_distributed=True), process_group=group)
         saving._reached("writing")
         groups = None if head["optim"] is None else head["optim"]["param_groups"]
@@ -145,7 +144,19 @@ def save(path: str, model, optimizer, step, extra, async_save: bool, keep_last, 
         agree(message, group)
 
 
-def _head(model, optimizer, step, extra, keep_last, state) -> dict:
+def _collect(model, optimizer, step, extra, keep_last, state) -> tuple[dict, dict]:
+    """The manifest's head and what DCP writes, from one model and one optimizer state dict."""
+    msd, osd = _state_dicts(model, optimizer)
+    return _head(msd, osd, step, extra, keep_last, state), _tensors(msd, osd)
+
+
+def _state_dicts(model, optimizer) -> tuple[dict, Optional[dict]]:
+    """The model's state dict and the optimizer's (``None`` without an optimizer), each taken once."""
+    osd = None if optimizer is None else dict(get_optimizer_state_dict(model, optimizer))
+    return get_model_state_dict(model), osd
+
+
+def _head(msd: dict, osd: Optional[dict], step, extra, keep_last, state) -> dict:
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(
             f"keep_last must be a positive integer (how many checkpoints to keep) or None, got {keep_last!r}"
@@ -153,32 +164,32 @@ def _head(model, optimizer, step, extra, keep_last, state) -> dict:
     saving._json_check(step, "step")
     saving._json_check(extra, "extra")
     groups = None
-    if optimizer is not None:
-        groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    if osd is not None:
+        groups = osd["param_groups"]
         saving._json_check(groups, "the optimizer's param_groups (its hyperparameters)")
     return {
         "step": step,
         "extra": extra,
-        "model": {"keys": list(get_model_state_dict(model))},
+        "model": {"keys": list(msd)},
         "optim": None if groups is None else {"param_groups": groups},
         "state": None if state is None else sorted(saving._loop_state(state)),
     }
 
 
-def _tensors(model, optimizer) -> dict:
+def _tensors(msd: dict, osd: Optional[dict]) -> dict:
     """What DCP writes and reads: tensors only, the model's under ``model``, the optimizer's state under
     ``optim.state`` (DTensors where the parameters are; a scalar ``step`` as a plain tensor)."""
-    sd: dict[str, Any] = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        osd: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer)["state"])  # type: ignore[arg-type]
-        for fqn, keys in osd.items():
+    sd: dict[str, Any] = {"model": msd}
+    if osd is not None:
+        state: dict[str, Any] = dict(osd["state"])
+        for fqn, keys in state.items():
             for k, v in keys.items():
                 if not isinstance(v, torch.Tensor):
                     raise CheckpointError(
                         f"the optimizer state {fqn}/{k} is a {type(v).__name__}, not a tensor: a fully_shard "
                         "checkpoint holds tensor optimizer state only (DCP's safetensors format)"
                     )
-        sd["optim"] = {"state": osd}
+        sd["optim"] = {"state": state}
     return sd
 
 
@@ -229,9 +240,10 @@ def load(path: str, model, optimizer, strict: bool, rng: bool, state) -> Loaded:
     with saving.peer_errors(f"the load of {path}"):
         where, manifest = run_agreed(lambda: _open(path), group)
         loading._same_save(path, where, manifest, group, None)
-        run_agreed(lambda: _check(path, manifest, model, optimizer, strict, world_of(group)), group)
+        msd, osd = run_agreed(lambda: _state_dicts(model, optimizer), group)
+        run_agreed(lambda: _check(path, manifest, msd, optimizer, strict, world_of(group)), group)
         run_agreed(lambda: loading._check_state(path, manifest, state, world_of(group)), group)
-        sd = _tensors(model, optimizer)
+        sd = run_agreed(lambda: _tensors(msd, osd), group)
         if not strict:
             keys = set(manifest["model"]["keys"])
             sd["model"] = {k: v for k, v in sd["model"].items() if k in keys}
@@ -268,8 +280,8 @@ def _open(path: str) -> tuple[str, dict]:
     return where, manifest
 
 
-def _check(path: str, manifest: dict, model, optimizer, strict: bool, world: int) -> None:
-    check_names(path, manifest["model"]["keys"], list(get_model_state_dict(model)), strict)
+def _check(path: str, manifest: dict, msd: dict, optimizer, strict: bool, world: int) -> None:
+    check_names(path, manifest["model"]["keys"], list(msd), strict)
     if optimizer is not None and manifest.get("optim") is None:
         raise CheckpointError(
             f"checkpoint {path} holds no optimizer state; call load without optimizer=, or save with it"
