@@ -229,8 +229,21 @@ def _refusals(world: int, rank: int) -> dict:
         flatshard.fully_shard(model, mesh=dense)
         model(torch.randint(0, shapes[0], (2, 3)))
 
+    def beside_tensor_parallel():  # the experts on their mesh beside each block's fc made tensor-parallel
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        dp_tp = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        solo = init_device_mesh("cpu", (world, 1), mesh_dim_names=("all", "solo"))["solo"]  # inside dp's ranks
+        model = Net(*shapes)
+        for block in model.blocks:
+            parallelize_module(block, dp_tp["tp"], {"fc": ColwiseParallel(use_local_output=True)})
+        _shard(
+            model, flatshard.fully_shard, dp_tp["dp"], _placement_fn(model, FSDPMeshInfo(mesh=solo, shard_mesh_dim=0))
+        )
+
     out = {
         "own call on another mesh": raised(own_call),
+        "beside tensor-parallel parameters": raised(beside_tensor_parallel),
         # ranks 0 and 1 put the experts on a mesh of their own, the others leave them on the call's mesh
         "half on the call's mesh": raised(wrap(mine if rank < 2 else None)),
         # ranks 0 and 1 on (rep, efsdp)'s efsdp dim, {0, 1}; ranks 2 and 3 on (efsdp, rep)'s: {0, 2} and {1, 3}
@@ -281,6 +294,12 @@ def test_experts_on_a_sub_mesh_train_as_fsdp2_at_w4():
         ):
             assert refusals[key].startswith("NotBuiltError"), (key, refusals[key])
         assert "mesh['efsdp']" in refusals["2-D FSDPMeshInfo"], refusals
+        # each refusal of a layout beside another mesh names what runs instead, and only that
+        beside_tp, int_reshard = refusals["beside tensor-parallel parameters"], refusals["int reshard_after_forward"]
+        assert beside_tp.startswith("NotBuiltError") and "tensor-parallel parameters" in beside_tp, beside_tp
+        assert "plain local tensors" in beside_tp and "bool" not in beside_tp, beside_tp
+        assert int_reshard.rstrip().endswith("Pass reshard_after_forward as a bool."), int_reshard
+        assert "plain local tensors" not in int_reshard, int_reshard
         for kind in ("sgd", "adamw"):
             # gloo sums 4 ranks' gradients in another order than flatshard's exchange (as at W = 3 in
             # tests/test_dtype_groups.py): the dense parameters match FSDP2's to fp32's default tolerance;

@@ -221,9 +221,30 @@ def _check_other_meshes(tp_specs: dict, self_gathered: list, post_forward_size: 
     if beside:
         raise NotBuiltError(
             "fully_shard(shard_placement_fn=...) placed parameters on a mesh of their own (ShardPlacementResult) in a "
-            f"call with {' and '.join(beside)}: not built together. Shard the parameters of the other mesh in a "
-            "fully_shard call of their own, or pass reshard_after_forward as a bool"
+            f"call with {' and '.join(beside)}: not built together. "
+            + " ".join(_other_mesh_remedies(bool(tp_specs), bool(self_gathered), bool(post_forward_size)))
         )
+
+
+def _other_mesh_remedies(tp: bool, gathered: bool, post_forward: bool) -> list[str]:
+    """What does run, for each kind of parameter a call with another mesh refuses: each remedy is a
+    layout ``fully_shard`` builds (a call of its own on another mesh under the same root is refused too)."""
+    remedies = []
+    if tp:
+        remedies.append(
+            "For experts parallel over an ep mesh, keep their weights plain local tensors (each rank's own "
+            "experts, the model's all-to-all over the ep group, as docs/how-to/moe.md) and place them on the "
+            "expert-FSDP mesh with ShardPlacementResult; or give the module of the tensor-parallel DTensors a "
+            "fully_shard call of its own on this call's mesh, without a ShardPlacementResult."
+        )
+    if gathered:
+        remedies.append(
+            "Give the module of the parameters that gather themselves a fully_shard call of its own on this "
+            "call's mesh, without a ShardPlacementResult."
+        )
+    if post_forward:
+        remedies.append("Pass reshard_after_forward as a bool.")
+    return remedies
 
 
 # [Note: optimizer state across replicas on fully_shard]
