@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 import torch
 
@@ -207,9 +208,9 @@ STALL_TIMEOUT_S = 3.0
 
 
 def stalled_save_worker(rank: int, world: int, directory: str, hybrid: bool) -> dict:
-    """The model's collectives wait STALL_TIMEOUT_S (its mesh built from groups given that timeout, as
-    examples/train_gpt.py builds it for --collective-timeout); one save completes, then the last rank does
-    not come to the second save, as a rank stopped while it writes. The others must raise a
+    """The model's collectives wait STALL_TIMEOUT_S (its mesh built from groups given that timeout, by
+    examples/train_gpt.py's own function for --collective-timeout); one save completes, then the last rank
+    does not come to the second save, as a rank stopped while it writes. The others must raise a
     CheckpointError naming the save within the timeout, not wait out the default group's 30 minutes."""
     import datetime
     import time
@@ -219,17 +220,16 @@ def stalled_save_worker(rank: int, world: int, directory: str, hybrid: bool) -> 
 
     from flatshard import checkpoint
 
+    examples = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+    sys.path.insert(0, examples)  # the example imports its neighbours as a script does
+    try:
+        from examples.train_gpt import hybrid_mesh_with_timeout
+    finally:
+        sys.path.remove(examples)
+
     timeout = datetime.timedelta(seconds=STALL_TIMEOUT_S)
-    if hybrid:  # (replicate, shard) = 2 x 2
-        layout, mine = torch.arange(world).view(2, world // 2), {}
-        for dim, rows in (("replicate", layout.t()), ("shard", layout)):
-            for ranks in rows.tolist():
-                group = dist.new_group(ranks, timeout=timeout)
-                if rank in ranks:
-                    mine[dim] = group
-        mesh = DeviceMesh.from_group(
-            [mine["replicate"], mine["shard"]], "cpu", mesh=layout, mesh_dim_names=("replicate", "shard")
-        )
+    if hybrid:  # (replicate, shard) = 2 x 2, as the example builds it for --collective-timeout
+        mesh = hybrid_mesh_with_timeout(world, world // 2, "cpu", STALL_TIMEOUT_S)
     else:
         mesh = DeviceMesh.from_group(dist.new_group(list(range(world)), timeout=timeout), "cpu")
     _, model = fsdp2_pair(mesh=mesh)
