@@ -19,7 +19,7 @@ run: install
 	$(PY) examples/train_gpt.py $(ARGS)
 
 test: install
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests  # two workers: [Note: the suite on two workers] (tests/conftest.py)
 
 lint: install  # ruff: the formatter's check and the linter; mypy over src/ (both configured in pyproject.toml)
 	$(PY) -m ruff format --check src tests examples bench

@@ -177,8 +177,9 @@ def _end(job) -> None:
 
 
 # The stopped run is idle for most of its minute (the collective timeout, then torchrun's 30 s before it
-# kills the stopped rank): it starts when collection ends (tests/helpers/early.py), and that wait passes
-# while the tests before this file run.
+# kills the stopped rank): in a run on one worker it starts when collection ends (tests/helpers/early.py),
+# and that wait passes while the tests before this file run; under make test's two workers it starts with
+# its test, and the other worker's tests run meanwhile ([Note: the suite on two workers]).
 early.register("stopped_job", _start_stopped, _end)
 
 
