@@ -5,7 +5,8 @@ before the kill to its commit of the rejoin's step, [Note: the survivors' rate o
 bench/faults/replica_faults.py; the faulty run closer to the loss band than the no-failure controls,
 and ending above it, as the committed run did; bitwise-equal replicas at the end). And the definition itself, on a
 made-up run: the stall after a kill and before a rejoin count, and a group that never came back is an
-error, not a window left out."""
+error, not a window left out. The same for the run with fully_shard groups
+(bench/results/replica_faults_fully_shard.json)."""
 
 import json
 import re
@@ -104,3 +105,44 @@ def test_the_whole_window_counts_the_retry_and_the_rejoin():
     assert (w["kill_step_s"], w["rejoin_step_s"]) == (4.0, 3.0), w  # where they went
     with pytest.raises(RuntimeError, match="never committed a step again"):
         replica_faults.failures(_made_up_run(back=False), 2)
+
+
+FULLY_SHARD = json.loads((ROOT / "bench" / "results" / "replica_faults_fully_shard.json").read_text())
+
+
+def test_the_fully_shard_run_is_the_committed_file():
+    """docs/multi_node.md's run with fully_shard groups: its table, figures and provenance line are the
+    committed file's, and the claims it makes hold in that file (every kill rejoined, the survivor's rate
+    over each whole window, bitwise-equal replicas); the failures guide quotes the same figures."""
+    from bench.tables import measured_at
+
+    run = FULLY_SHARD
+    assert run["config"]["front"] == "fully_shard" and run["finished"]
+    doc = (ROOT / "docs" / "multi_node.md").read_text()
+    assert "\n".join(replica_faults.table(run)) in doc
+    assert measured_at(run) in doc
+    ratios = [r for f in run["failures"] for r in f["others_rate_ratio"].values()]
+    away = [f["steps_away"] for f in run["failures"]]
+    band, (c3, c4) = run["loss_band"], (run["loss_band"]["controls"][s] for s in ("seed3", "seed4"))
+    figures = [
+        f"{run['kills']} kills in {run['config']['steps']} steps",
+        f"committed {min(ratios):.2f}–{max(ratios):.2f} of its steady rate",
+        f"back within {min(away)}–{max(away)} steps",
+        f"at {band['steps_inside']} of {band['steps_checked']} steps and at most "
+        f"{band['largest_excursion']:.3f} outside",
+        f"inside at {c3['steps_inside']} and {c4['steps_inside']} of {c4['steps_checked']} steps",
+        f"above the band's [{band['final_loss_band'][0]:.4f}, {band['final_loss_band'][1]:.4f}]",
+    ]
+    for text in figures:
+        assert text in flat("docs/multi_node.md"), text
+    guide = flat("docs/how-to/failures.md")
+    for text in (
+        f"{run['kills']} kills in {run['config']['steps']} steps",
+        f"at {min(ratios):.2f}–{max(ratios):.2f} of its steady rate",
+        f"back within {min(away)}–{max(away)} steps",
+    ):
+        assert text in guide, text
+    assert run["rejoined"] == run["kills"] >= 7 and len(ratios) == run["kills"]
+    assert run["worst_rate_ratio_during_failure"] == min(ratios) >= 0.8  # as the wrapper's run is held
+    assert band["final_loss_faulty"] > band["final_loss_band"][1]  # "above the band's"
+    assert all(r["parameters_equal"] and r["optimizer_equal"] for r in run["final_state"].values())
