@@ -71,7 +71,11 @@ figures: install
 	$(PY) -m bench.cluster.hsdp --size 30M --batch-sizes 4 --steps 8 --out bench/results/cluster_hsdp_30M.json
 	$(PY) -m bench.cluster.slow_link
 	$(MAKE) fuzz
+	$(PY) -m bench.fuzz.plants -n 200 --jobs 5
 	$(PY) -m bench.faults.replica_faults
+	$(PY) -m bench.faults.replica_faults --front fully_shard --out bench/results/replica_faults_fully_shard.json
+	$(PY) -m bench.moe
+	$(PY) -m bench.muon
 	$(MAKE) soak
 	$(MAKE) conformance
 	$(PY) -m bench.frameworks $(if $(TORCHTITAN_PYTHON),--torchtitan-python $(TORCHTITAN_PYTHON))
