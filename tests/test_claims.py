@@ -254,6 +254,16 @@ def test_the_frameworks_table_is_the_committed_runs():
         assert report["torchtitan"]["equal"] and tt["FSDP2"] == tt["flatshard"]
         first, last, norm = f"{tt['FSDP2'][0][0]:.6f}", f"{tt['FSDP2'][-1][0]:.6f}", f"{tt['FSDP2'][-1][1]:.6f}"
         assert row and f"{first} / {first}" in row[0] and f"{last} / {last}" in row[0] and norm in row[0], row
+    row = [line for line in text.splitlines() if line.startswith("| torchtitan, deepseek_v3 MoE")]
+    if report.get("torchtitan_moe", {}).get("run"):
+        moe = report["torchtitan_moe"]
+        tt = moe["runs"]
+        assert moe["equal"] and tt["FSDP2"] == tt["flatshard"] and moe["ep"] == 1
+        assert moe["placements"]["FSDP2"] == moe["placements"]["flatshard"]  # "placed alike"
+        first, last, norm = f"{tt['FSDP2'][0][0]:.6f}", f"{tt['FSDP2'][-1][0]:.6f}", f"{tt['FSDP2'][-1][1]:.6f}"
+        assert row and f"{first} / {first}" in row[0] and f"{last} / {last}" in row[0] and norm in row[0], row
+    else:
+        assert not row or "not run" in row[0], row
     prose = " ".join(text.split())
     for key in ("lightning_muon", "lightning_muon_lightning_checkpoint"):  # Muon: against one process, bitwise
         muon = report[key]
