@@ -2,6 +2,7 @@
 
     python -m bench.muon                                   # 30M GPT, W = 2 and 4, writes bench/results/muon.json
     python -m bench.muon --size 3M --world 2 --steps 2     # a quick look (--json FILE, or --no-json)
+    python -m bench.muon --table                           # the committed file's table, as the docs quote it
 
 Two systems in the same W processes, their steps interleaved (A, B, A, B, ...), gloo on CPU (or one GPU
 per rank where there are enough, NCCL):
@@ -169,6 +170,27 @@ def _ratios(r: dict) -> dict:
     return out
 
 
+def table(report: dict) -> list[str]:
+    """The committed run as docs/how-to/whole-matrix-optimizers.md quotes it (times are medians per rank 0)."""
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:,.0f}"
+
+    rows = [
+        "| W | optimizer step, flatshard ms | optimizer step, FSDP2 + full_tensor() ms | ratio | whole step, "
+        "flatshard ms | whole step, FSDP2 + full_tensor() ms | ratio | peak ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for world, r in sorted(report["runs"].items(), key=lambda kv: int(kv[0])):
+        a, b, q = r["flatshard"], r["fsdp2_full_tensor"], r["ratios"]
+        peak = f"{q['peak']:.2f}" if "peak" in q else f"not measured ({r['device']})"
+        rows.append(
+            f"| {world} | {ms(a['optimizer_step_s'])} | {ms(b['optimizer_step_s'])} | {q['optimizer_step']:.2f} | "
+            f"{ms(a['step_s'])} | {ms(b['step_s'])} | {q['step']:.2f} | {peak} |"
+        )
+    return rows
+
+
 def write_json(path: Path, report: dict) -> None:
     """The one place this tool writes its result file."""
     path.write_text(json.dumps(provenance.stamp(report), indent=1) + "\n")
@@ -183,7 +205,18 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--json", type=Path, default=RESULT)
     parser.add_argument("--no-json", action="store_true")
+    parser.add_argument("--table", action="store_true", help="print --json's table (as the docs quote it), run nothing")
     args = parser.parse_args(argv)
+    if args.table:
+        from bench.tables import measured_at
+
+        report = json.loads(args.json.read_text())
+        print(measured_at(report))
+        print(
+            f"Muon on a {report['size']} GPT, {report['steps']} steps of {report['batch_per_rank']} sequences per rank:"
+        )
+        print("\n".join(table(report)))
+        return
     report: dict = {"size": args.size, "steps": args.steps, "batch_per_rank": args.batch, "runs": {}}
     print(f"Muon on a {args.size} GPT: flatshard whole matrices / FSDP2 + full_tensor() (ratios < 1: flatshard faster)")
     print(f"{'W':>3} {'opt flatshard':>14} {'opt fsdp2':>10} {'opt ratio':>10} {'step ratio':>11} {'peak ratio':>11}")

@@ -12,7 +12,6 @@ from bench import provenance
 # Files whose writers do not stamp them yet, or that no run has regenerated since the writers do.
 # strict: once a file is regenerated with its provenance, its entry here fails the test until removed.
 NOT_YET_STAMPED = {
-    "bench/results/muon.json": "bench.muon stamps it; not rerun since its writer was wired",
     "tests/conformance/results.json": "make conformance stamps it; not rerun yet (needs PyTorch's test files)",
 }
 
