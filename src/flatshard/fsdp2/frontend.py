@@ -208,43 +208,33 @@ def fully_shard(
 
 def _check_other_meshes(tp_specs: dict, self_gathered: list, post_forward_size: int) -> None:
     """Parameters on a mesh of their own ([Note: a flat group per mesh]) are built beside plain parameters
-    with a bool ``reshard_after_forward``; the ranks agreed on them, so every rank raises here alike."""
-    beside = [
-        what
-        for what, on in (
-            ("tensor-parallel parameters", bool(tp_specs)),
-            ("parameters that gather themselves", bool(self_gathered)),
-            ("an int reshard_after_forward", bool(post_forward_size)),
-        )
-        if on
-    ]
-    if beside:
-        raise NotBuiltError(
-            "fully_shard(shard_placement_fn=...) placed parameters on a mesh of their own (ShardPlacementResult) in a "
-            f"call with {' and '.join(beside)}: not built together. "
-            + " ".join(_other_mesh_remedies(bool(tp_specs), bool(self_gathered), bool(post_forward_size)))
-        )
-
-
-def _other_mesh_remedies(tp: bool, gathered: bool, post_forward: bool) -> list[str]:
-    """What does run, for each kind of parameter a call with another mesh refuses: each remedy is a
-    layout ``fully_shard`` builds (a call of its own on another mesh under the same root is refused too)."""
-    remedies = []
-    if tp:
-        remedies.append(
+    with a bool ``reshard_after_forward``; the ranks agreed on them, so every rank raises here alike. Each
+    kind present is named with what does run instead (a call of its own on another mesh under the same
+    root is refused too, so the remedies are layouts ``fully_shard`` builds)."""
+    kinds = (
+        (
+            "tensor-parallel parameters",
+            bool(tp_specs),
             "For experts parallel over an ep mesh, keep their weights plain local tensors (each rank's own "
             "experts, the model's all-to-all over the ep group, as docs/how-to/moe.md) and place them on the "
             "expert-FSDP mesh with ShardPlacementResult; or give the module of the tensor-parallel DTensors a "
-            "fully_shard call of its own on this call's mesh, without a ShardPlacementResult."
-        )
-    if gathered:
-        remedies.append(
+            "fully_shard call of its own on this call's mesh, without a ShardPlacementResult.",
+        ),
+        (
+            "parameters that gather themselves",
+            bool(self_gathered),
             "Give the module of the parameters that gather themselves a fully_shard call of its own on this "
-            "call's mesh, without a ShardPlacementResult."
+            "call's mesh, without a ShardPlacementResult.",
+        ),
+        ("an int reshard_after_forward", bool(post_forward_size), "Pass reshard_after_forward as a bool."),
+    )
+    present = [(what, remedy) for what, on, remedy in kinds if on]
+    if present:
+        raise NotBuiltError(
+            "fully_shard(shard_placement_fn=...) placed parameters on a mesh of their own (ShardPlacementResult) in a "
+            f"call with {' and '.join(what for what, _ in present)}: not built together. "
+            + " ".join(remedy for _, remedy in present)
         )
-    if post_forward:
-        remedies.append("Pass reshard_after_forward as a bool.")
-    return remedies
 
 
 # [Note: optimizer state across replicas on fully_shard]
