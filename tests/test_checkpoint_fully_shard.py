@@ -10,8 +10,13 @@ RNG in the checkpoint; the directory holds safetensors files and ``manifest.json
 - loaded at W = 1 and W = 3, the full state equals the saved one bitwise;
 - ``torch.distributed.checkpoint`` alone (``HuggingFaceStorageReader``, no process group) reads the
   model's tensors into a plain TinyGPT, equal to the saved ones;
-- a wrapper (FullyShardedDataParallel) checkpoint given to a fully_shard model, and ``async_save``,
-  raise the errors that name what to do, on every rank;
+- a wrapper (FullyShardedDataParallel) checkpoint given to a fully_shard model raises the error that
+  names what to do, on every rank;
+- ``async_save=True`` at W = 2: a step runs while the save writes, and the checkpoint holds the state
+  (model, AdamW, RNG, loader) as it was at the call, bitwise; a ``Checkpointer(async_save=True)`` keeps
+  ``latest`` and ``keep_last`` as the synchronous one; a write that fails on rank 1 is raised by
+  ``wait()`` on both ranks and nothing is committed; one that nobody waited for is raised, once, by the
+  next save on both ranks, and the save after that commits;
 - ``flatshard inspect`` summarises one and reads every file whole; a file overwritten or cut short is
   named;
 - a rank that does not come to a save (as one stopped while it writes) makes every other rank raise a
@@ -25,6 +30,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+import time
 
 import torch
 
@@ -172,15 +178,11 @@ def test_plain_dcp_reads_a_fully_shard_checkpoint(tmp_path: pathlib.Path):
         assert torch.equal(t, saved["model/" + n]), n
 
 
-def errors_worker(rank: int, world: int, wrapper_ckpt: str, directory: str) -> dict:
-    from flatshard import CheckpointError, NotBuiltError, checkpoint
+def errors_worker(rank: int, world: int, wrapper_ckpt: str) -> dict:
+    from flatshard import CheckpointError, checkpoint
 
     _, model = fsdp2_pair()
     out = {}
-    try:
-        checkpoint.save(os.path.join(directory, "a"), model, async_save=True)
-    except NotBuiltError as e:
-        out["async"] = str(e)
     try:
         checkpoint.load(wrapper_ckpt, model)
     except CheckpointError as e:
@@ -198,9 +200,86 @@ def wrapper_save_worker(rank: int, world: int, path: str) -> None:
 def test_fully_shard_checkpoint_errors(tmp_path: pathlib.Path):
     wrapper_ckpt = str(tmp_path / "wrapper")
     run_distributed(wrapper_save_worker, 2, wrapper_ckpt, timeout=200)
-    for out in run_distributed(errors_worker, 2, wrapper_ckpt, str(tmp_path), timeout=200):
-        assert "async_save=False" in out.get("async", ""), out
+    for out in run_distributed(errors_worker, 2, wrapper_ckpt, timeout=200):
         assert "saved from a FullyShardedDataParallel model" in out.get("wrapper", ""), out
+
+
+# ---- asynchronous saves ---------------------------------------------------------------------------------
+def async_worker(rank: int, world: int, directory: str) -> dict:
+    from unittest import mock
+
+    from flatshard import CheckpointError, checkpoint
+
+    _, model = fsdp2_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = Loader(1000 * rank)
+    torch.manual_seed(100 + rank)
+    for _ in range(2):
+        step(model, opt, loader)
+    want = full_state(model, opt)
+    path = os.path.join(directory, "async")
+    handle = checkpoint.save(path, model, opt, step=2, extra={"run": "a"}, async_save=True, state={"loader": loader})
+    draws = torch.rand(4)
+    step(model, opt, loader)  # changes every parameter and moment in place while the thread writes
+    out: dict = {"waited": handle.wait() == path, "done": handle.done()}
+    after = full_state(model, opt)
+    out["changed"] = all(not torch.equal(after[k], v) for k, v in want.items() if k.startswith("model/"))
+
+    _, fresh = fsdp2_pair(seed=2)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    loader2 = Loader()
+    torch.manual_seed(7)
+    out["loaded"] = tuple(checkpoint.load(path, fresh, opt2, state={"loader": loader2})) == (2, {"run": "a"})
+    got = full_state(fresh, opt2)
+    out["equal"] = sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    out["rng"] = torch.equal(torch.rand(4), draws)
+    out["pos"] = loader2.pos == 1000 * rank + 6
+
+    ckpts = os.path.join(directory, "ckpts")
+    ckpt = checkpoint.Checkpointer(ckpts, model, opt, every=1, keep_last=2, async_save=True)
+    for s in range(3):
+        step(model, opt, loader)
+        ckpt.step_done(s + 1)
+    last = full_state(model, opt)
+    ckpt.wait()
+    out["kept"] = sorted(n for n in os.listdir(ckpts) if n != "latest")
+    out["latest"] = checkpoint.latest(ckpts) == os.path.join(ckpts, "step-00000003")
+    checkpoint.load(os.path.join(ckpts, "step-00000003"), fresh, opt2)
+    got = full_state(fresh, opt2)
+    out["checkpointer_equal"] = all(torch.equal(got[k], v) for k, v in last.items())
+
+    def fail_on_rank_1(stage: str) -> None:
+        if stage == "writing" and rank == 1:
+            raise OSError("disk full (injected)")
+
+    with mock.patch("flatshard.checkpoint.save._reached", fail_on_rank_1):
+        failed = checkpoint.save(os.path.join(directory, "failed"), model, opt, step=9, async_save=True)
+        try:
+            failed.wait()
+        except CheckpointError as e:
+            out["wait_error"] = str(e)
+        unwaited = checkpoint.save(os.path.join(directory, "unwaited"), model, opt, step=10, async_save=True)
+        while not unwaited.done():  # polled, never waited: its failure is left for the next save
+            time.sleep(0.01)
+    try:
+        checkpoint.save(os.path.join(directory, "next"), model, opt, step=11)
+    except CheckpointError as e:
+        out["next_error"] = str(e)
+    checkpoint.save(os.path.join(directory, "next"), model, opt, step=11)
+    out["committed"] = sorted(n for n in os.listdir(directory) if n in ("failed", "unwaited", "next"))
+    return out
+
+
+def test_fully_shard_async_save_holds_the_state_at_the_call(tmp_path: pathlib.Path):
+    for rank, out in enumerate(run_distributed(async_worker, 2, str(tmp_path), timeout=300)):
+        assert out["waited"] and out["done"] and out["changed"], out
+        assert out["loaded"] and out["equal"] and out["rng"] and out["pos"], (rank, out)
+        assert out["kept"] == ["step-00000002", "step-00000003"] and out["latest"], out
+        assert out["checkpointer_equal"], out
+        assert "disk full (injected)" in out.get("wait_error", "") and "[rank 1 of 2]" in out["wait_error"], out
+        assert "the asynchronous save to" in out.get("next_error", "") and "unwaited" in out["next_error"], out
+        assert "did nothing; call it again" in out["next_error"], out
+        assert out["committed"] == ["next"], out
 
 
 # ---- a rank that stops in a save: the others fail within the model's collective timeout ------------

@@ -79,7 +79,6 @@ NOT_BUILT = {
     ("fsdp2/frontend.py", "_check_across_replicas"): [
         "on `fully_shard` with `compress_inter_node`, parameters on a mesh of their own, tensor-parallel parameters"
     ],
-    ("checkpoint/dtensors.py", "save"): ["`checkpoint.save(async_save=True)` for `fully_shard` models"],
     ("interop.py", "_mixed_precision"): ["`MixedPrecision(_module_classes_to_ignore=...)`"],
     ("runtime/build/units.py", "become_root"): ["units under one root with different process groups"],
     ("runtime/build/units.py", "owner_ranks"): [

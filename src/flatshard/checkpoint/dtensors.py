@@ -22,8 +22,19 @@ writes last and commits exactly as the wrapper's checkpoints ([Note: crash-safe 
 storage_reader=HuggingFaceStorageReader(PATH))`` and the hyperparameters from ``manifest.json``.
 Not chosen: consolidating to full tensors on save (``enable_consolidation``) costs a full copy per save
 and rank 0's time; a pickle-free rewrite of DCP's ``.metadata`` would be a format only flatshard reads.
-``async_save`` is not built here (``NotBuiltError``): DCP's ``async_save`` stages through its own
-executor, whose commit flatshard would have to wrap; a synchronous save is crash-safe as it is.
+
+[Note: asynchronous saves of fully_shard models]
+``save(..., async_save=True)`` does in the caller's thread what must see the model as it is now: agrees
+the save, prepares ``PATH.partial``, takes the state dicts, copies every tensor of them to host memory
+(``.to("cpu", copy=True)``: a DTensor keeps its mesh and placements, its local piece copied, as DCP's own
+staging does) and records this rank's RNG and loop state. A thread then runs what the synchronous save
+runs after that (``dcp.save`` of the copies, the manifest, the commit) over a gloo group of every rank
+made for it once per model, with the job group's timeout: the training's collectives and the save's never
+share a group, so neither waits behind the other. The handle is save.py's ``AsyncSave``; the model's next
+save or load waits for it first and raises a failure no ``wait()`` raised, once, on every rank, as the
+wrapper's does. Not chosen: DCP's ``async_save``, whose executor writes and returns a future but knows
+nothing of flatshard's commit, manifest or ``latest``: the commit would run in yet another callback,
+and its errors would reach only the rank whose future is waited on.
 
 [Note: a fully_shard checkpoint waits as long as the model does]
 A save or load is collective over every rank of the job (DCP plans and writes over one group). Over the
@@ -46,6 +57,7 @@ from __future__ import annotations
 import base64
 import importlib
 import os
+import threading
 import weakref
 from datetime import timedelta
 from typing import Any, Optional
@@ -62,11 +74,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from flatshard.api import CheckpointError, NotBuiltError
+from flatshard.api import CheckpointError
 from flatshard.checkpoint.directory import PARTIAL, commit, locate, manifest_in, prepare
 from flatshard.checkpoint.format import MANIFEST, fsync_dir, write_json_atomic
 from flatshard.checkpoint.load import Loaded, check_names
-from flatshard.checkpoint.save import SavePlan, manifest_head
+from flatshard.checkpoint.save import AsyncSave, SavePlan, manifest_head
 from flatshard.runtime.comm.agree import agree, gather_json, rank_in, run_agreed, world_of
 from flatshard.runtime.comm.mesh import group_timeout
 from flatshard.runtime.tree import unit_hosts
@@ -106,15 +118,13 @@ def job_group(model) -> Optional[dist.ProcessGroup]:
     return chosen
 
 
-def save(path: str, model, optimizer, step, extra, async_save: bool, keep_last, state) -> None:
-    """save.py's ``save`` for a fully_shard model ([Note: fully_shard checkpoints are DCP safetensors])."""
-    if async_save:
-        raise NotBuiltError(
-            "checkpoint.save(async_save=True) is not built for fully_shard models; save synchronously "
-            "(async_save=False; Checkpointer(async_save=False)) -- the save is crash-safe either way"
-        )
+def save(path: str, model, optimizer, step, extra, async_save: bool, keep_last, state) -> Optional[AsyncSave]:
+    """save.py's ``save`` for a fully_shard model ([Note: fully_shard checkpoints are DCP safetensors]);
+    with ``async_save`` the writing and the commit run in a thread ([Note: asynchronous saves of
+    fully_shard models]) and the handle is returned."""
     group = job_group(model)  # every rank of the job calls save
     with saving.peer_errors(f"the save to {path}"):
+        wait_pending(model, group, "save")
         head, sd = run_agreed(lambda: _collect(model, optimizer, step, extra, keep_last, state), group)
         message = None
         if rank_in(group) == 0:
@@ -123,25 +133,96 @@ def save(path: str, model, optimizer, step, extra, async_save: bool, keep_last, 
             except (CheckpointError, OSError) as exc:
                 message = f"cannot prepare {path}{PARTIAL}: {exc}"
         agree(message, group)
-        partial = path + PARTIAL
+        record = _rank_record(state)  # this rank's RNG and loop state as they are now
+        if not async_save:
+            _write_and_commit(path, head, sd, record, keep_last, group)
+            return None
+        copies = _host_copies(sd)
+        background = _background_group(model, group)
+        handle = AsyncSave(path)
+
+        def run() -> None:
+            try:
+                with saving.peer_errors(f"the asynchronous save to {path}"):
+                    _write_and_commit(path, head, copies, record, keep_last, background)
+            except Exception as exc:  # noqa: BLE001 - handed to wait() or to the next save or load
+                handle._error = exc
+
+        handle._thread = threading.Thread(target=run, name=f"flatshard-save {path}", daemon=True)
+        _PENDING[model] = handle
+        handle._thread.start()
+        return handle
+
+
+def _write_and_commit(path: str, head: dict, sd: dict, record: dict, keep_last, group) -> None:
+    """DCP writes ``sd`` into ``PATH.partial``; rank 0 writes the manifest and commits; every rank hears
+    how it went."""
+    partial = path + PARTIAL
+    message = None
+    try:
         dcp.save(sd, storage_writer=HuggingFaceStorageWriter(partial, save_distributed=True), process_group=group)
         saving._reached("writing")
-        groups = None if head["optim"] is None else head["optim"]["param_groups"]
-        ranks = gather_json({**_rank_record(state), "param_groups": groups}, group)
-        message = None
-        if rank_in(group) == 0:
-            try:
-                manifest = _manifest(partial, head, _groups_per_rank(ranks), world_of(group))
-                write_json_atomic(os.path.join(partial, MANIFEST), manifest)
-                fsync_dir(partial)
-                saving._reached("before_commit")
-                commit(partial, path, saving._reached)
-            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-                message = f"committing the checkpoint {path} failed: {exc}"
-            else:
-                plan = SavePlan(path, 0, world_of(group), keep_last)
-                saving._after_commit(plan, manifest)
-        agree(message, group)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+        message = f"writing {partial} failed: {exc}"
+    agree(message, group)  # each rank its own message: the error names the rank that failed
+    groups = None if head["optim"] is None else head["optim"]["param_groups"]
+    ranks = gather_json({**record, "param_groups": groups}, group)
+    message = None
+    if rank_in(group) == 0:
+        try:
+            manifest = _manifest(partial, head, _groups_per_rank(ranks), world_of(group))
+            write_json_atomic(os.path.join(partial, MANIFEST), manifest)
+            fsync_dir(partial)
+            saving._reached("before_commit")
+            commit(partial, path, saving._reached)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+            message = f"committing the checkpoint {path} failed: {exc}"
+        else:
+            plan = SavePlan(path, 0, world_of(group), keep_last)
+            saving._after_commit(plan, manifest)
+    agree(message, group)
+
+
+def _host_copies(sd: Any) -> Any:
+    """``sd`` (nested dicts) with every tensor copied to host memory (a DTensor's local piece, its mesh and placements
+    kept): what the training does next cannot change what the thread writes."""
+    if isinstance(sd, dict):
+        return {k: _host_copies(v) for k, v in sd.items()}
+    if isinstance(sd, torch.Tensor):
+        return sd.detach().to("cpu", copy=True)
+    return sd
+
+
+_PENDING: weakref.WeakKeyDictionary[torch.nn.Module, AsyncSave] = weakref.WeakKeyDictionary()
+_BACKGROUND: weakref.WeakKeyDictionary[torch.nn.Module, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+
+
+def _background_group(model, group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """The gloo group of every rank the model's asynchronous saves run over, with the job group's
+    timeout; made once per model, at its first asynchronous save (collective, as the save is)."""
+    if model not in _BACKGROUND:
+        every = list(range(dist.get_world_size()))
+        _BACKGROUND[model] = dist.new_group(every, timeout=group_timeout(group), backend="gloo")
+    return _BACKGROUND[model]
+
+
+def wait_pending(model, group: Optional[dist.ProcessGroup], what: str) -> None:
+    """Wait for the model's asynchronous save in flight, if any (``save`` and ``load`` call it first).
+    If it failed and no ``wait()`` raised its error, raise it now, once, on every rank, and do nothing
+    else: the call after this one runs as usual."""
+    handle = _PENDING.pop(model, None)
+    message, failure = None, None
+    if handle is not None:
+        if handle._thread is not None:
+            handle._thread.join()
+        if handle._error is not None and not handle._reported:
+            handle._reported, failure = True, handle._error
+            message = (
+                f"the asynchronous save to {handle.path} failed: {failure}. This {what} did nothing; call it again"
+            )
+    first = next((m for m in gather_json(message, group) if m is not None), None)
+    if first is not None:  # the save's error is already the same on every rank and names the rank
+        raise CheckpointError(first) from failure
 
 
 def _collect(model, optimizer, step, extra, keep_last, state) -> tuple[dict, dict]:
@@ -238,6 +319,7 @@ def load(path: str, model, optimizer, strict: bool, rng: bool, state) -> Loaded:
     reshards to this job's DTensors (any world size or mesh); returns ``(step, extra)``."""
     group = job_group(model)
     with saving.peer_errors(f"the load of {path}"):
+        wait_pending(model, group, "load")
         where, manifest = run_agreed(lambda: _open(path), group)
         loading._same_save(path, where, manifest, group, None)
         msd, osd = run_agreed(lambda: _state_dicts(model, optimizer), group)

@@ -31,11 +31,11 @@ def save(
 ) -> Optional[AsyncSave]:
     """Save ``model`` (and ``optimizer``'s state, ``step``, JSON ``extra``, every rank's RNG states and
     ``state``, the loop's own) to the directory ``path``, crash-safely. Collective. save.py's ``save``
-    says the rest; a fully_shard model is written in DCP's safetensors format (dtensors.py) and has no
-    ``async_save`` yet."""
+    says the rest; a fully_shard model is written in DCP's safetensors format (dtensors.py)."""
     if holds_dtensors(model):
-        dtensors.save(os.path.abspath(os.fspath(path)), model, optimizer, step, extra, async_save, keep_last, state)
-        return None
+        return dtensors.save(
+            os.path.abspath(os.fspath(path)), model, optimizer, step, extra, async_save, keep_last, state
+        )
     return flat_save.save(path, model, optimizer, step, extra, async_save, keep_last=keep_last, state=state)
 
 

@@ -123,6 +123,7 @@ Index of every [Note: ...] in the package
   checksums ....................... checkpoint/format.py
   fully_shard checkpoints are DCP safetensors .. checkpoint/dtensors.py
   a fully_shard checkpoint waits as long as the model does .. checkpoint/dtensors.py
+  asynchronous saves of fully_shard models .. checkpoint/dtensors.py
   bf16-mixed accounting ........... planner/inputs.py
   planner memory model ............ planner/memory.py
   planner communication model ..... planner/comm.py
