@@ -28,7 +28,8 @@ Reads top to bottom: config → dist init → data → model → optimizer → r
 summary. Rank 0 reports every ``--log-interval`` steps (a bar on a terminal, a plain line otherwise,
 JSON lines with ``--metrics``; train_report.py) and prints a table of figures at the end (``--json``
 writes them). With ``--save-every N`` it saves a checkpoint every N steps into ``--ckpt-dir``
-(``flatshard.checkpoint.Checkpointer``, the last ``--keep-last`` kept); ``--resume`` continues from the
+(``flatshard.checkpoint.Checkpointer``, the last ``--keep-last`` kept; ``--async-save`` writes each in a
+background thread while training goes on); ``--resume`` continues from the
 newest one, so under torchrun's ``--max-restarts`` (or this script's) a restarted job goes on by itself
 from the newest complete checkpoint, bitwise as the run without a failure goes (README, "When machines
 fail"). ``--inject-fault`` is test-only machinery (fault_injection.py) for tests/test_restart.py and
@@ -137,6 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ckpt.add_argument("--save-every", type=int, default=0, help="save every N steps and at the end (0: never)")
     ckpt.add_argument("--keep-last", type=int, default=3, help="checkpoints kept in --ckpt-dir")
     ckpt.add_argument(
+        "--async-save", action="store_true", help="write each checkpoint in a background thread (host copies first)"
+    )
+    ckpt.add_argument(
         "--resume",
         nargs="?",
         const="latest",
@@ -212,6 +216,8 @@ def invalid(args: argparse.Namespace) -> str | None:
             return f"--front-end fully_shard --strategy {args.strategy} needs --sharding-factor F (the shard dim)"
     if (args.save_every or args.resume == "latest") and args.ckpt_dir is None:
         return "--save-every and --resume need --ckpt-dir DIR (where the step checkpoints go)"
+    if args.async_save and not args.save_every:
+        return "--async-save needs --save-every N (it says how the checkpoints are written, not when)"
     if args.resume not in (None, "latest"):
         try:
             checkpoint.read_manifest(args.resume)
@@ -478,7 +484,9 @@ def main(argv=None) -> int:
     ckpt = None
     if args.ckpt_dir or args.resume:
         directory = args.ckpt_dir or Path(args.resume).parent
-        ckpt = checkpoint.Checkpointer(directory, model, opt, every=max(1, args.save_every), keep_last=args.keep_last)
+        ckpt = checkpoint.Checkpointer(
+            directory, model, opt, every=max(1, args.save_every), keep_last=args.keep_last, async_save=args.async_save
+        )
     start = resume(args, ckpt, cfg) if args.resume else 0
     faults = fault_injection.Injector(args.inject_fault, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     faults.install(next(m for m in model.modules() if isinstance(m, Block)), opt)
@@ -547,9 +555,11 @@ def main(argv=None) -> int:
                 extra = {"model": dataclasses.asdict(cfg), "steps": args.steps, "optimizer": args.optimizer}
                 saved = ckpt.step_done(step + 1, extra, final=last)
                 if saved is not None and mode == "lines":
-                    print(f"checkpoint {saved} committed", flush=True)
+                    print(f"checkpoint {saved} {'saving' if args.async_save else 'committed'}", flush=True)
             faults.point("between")
         faults.step = None
+        if ckpt is not None:
+            ckpt.wait()  # an asynchronous save in flight commits (or raises) before the figures
         elapsed = time.perf_counter() - t0
 
     # evaluation and a sample (every rank runs these forwards: each one all-gathers every unit)

@@ -177,8 +177,9 @@ def test_fully_shard_front_end_trains_as_the_wrapper_and_resumes_bitwise(tmp_pat
     """--front-end fully_shard: fully_shard on each block, then the root, on the FULL_SHARD figure run's GPT
     and arguments. Its losses agree with the wrapper's run within 1e-5 relative, every step reported; the
     bytes each rank holds after a step and sends per step are the planner's under fully_shard's chunks, rank
-    by rank; and a run resumed from its step-10 checkpoint (flatshard.checkpoint on fully_shard's DTensors)
-    reports the later losses bitwise as the uninterrupted run did."""
+    by rank; and a run resumed from its step-10 checkpoint (flatshard.checkpoint on fully_shard's DTensors,
+    written with --async-save while steps 11-20 ran) reports the later losses bitwise as the uninterrupted
+    run did."""
 
     def run(name: str, *extra: str) -> tuple[str, dict]:
         cmd = [sys.executable, str(SCRIPT), "--nproc", str(WORLD), "--front-end", "fully_shard"]
@@ -188,7 +189,7 @@ def test_fully_shard_front_end_trains_as_the_wrapper_and_resumes_bitwise(tmp_pat
         log = run_launcher(cmd, ROOT, TIMEOUT_S, "train_gpt.py --front-end fully_shard")
         return log, json.loads((tmp_path / name).read_text())
 
-    _, fig = run("first.json")
+    _, fig = run("first.json", "--async-save")
     wrapper = figure_run("FULL_SHARD").figures
     assert fig["front_end"] == "fully_shard" and wrapper["front_end"] == "wrapper"
     assert [s for s, _ in fig["losses"]] == [s for s, _ in wrapper["losses"]] == [0, 5, 10, 15, 19]
@@ -235,6 +236,7 @@ def _bad_arguments(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--dim", "33", "--heads", "2"], "must be a multiple of the number of heads"),
         (["--save-every", "5"], "need --ckpt-dir"),
         (["--resume"], "need --ckpt-dir"),
+        (["--async-save"], "--async-save needs --save-every N"),
         (["--resume", str(tmp_path / "nothing")], "--resume "),
         (["--sharding-factor", "3"], "--sharding-factor 3 must divide the world size 2"),
         (["--peak-tflops", "0"], "--peak-tflops must be positive"),
