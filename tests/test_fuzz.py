@@ -4,7 +4,9 @@ and must match it every step. The configurations are pinned by (master seed, ind
 checks that they still cover what they were chosen for (both front ends, W = 3, a hybrid strategy, an
 exception caught by the loop in forward and in backward, gradient accumulation,
 shard_optimizer_across_replicas with a fused optimizer and an edit of the parameters, and fully_shard
-with shard_placement_fn sharding along another dim than 0 and over tensor-parallel MLPs), so a change to
+with shard_placement_fn sharding along another dim than 0 and over tensor-parallel MLPs, with
+shard_optimizer_across_replicas on its 2x2 mesh, with shard_boundaries="params" and with a frozen float64
+block beside fp32 parameters), so a change to
 the generator that moves them fails here rather than silently testing less.
 
 Before the fixes of cb6a166 (a step that raised) and 6f3a1d0 (the optimizer across replicas with fused
@@ -25,7 +27,7 @@ from tests.helpers.dist import run_launcher
 ROOT = Path(__file__).resolve().parents[1]
 
 SEED = 0
-INDICES = [7, 22, 26, 29, 62, 68, 90, 170]
+INDICES = [7, 22, 26, 29, 62, 68, 72, 90, 170, 176]
 RERUNS = {  # the configurations that found bugs, (master seed, index), rerun by the tests at the end
     "backward_raising_mid_window": [(1, 157), (1, 174)],
     "forward_after_backward_that_reached_no_unit": [(2, 27)],
@@ -35,7 +37,7 @@ RERUNS = {  # the configurations that found bugs, (master seed, index), rerun by
     # do ([Note: a reference that rounds as the ranks do]) holds it; reduce dtype fp32 and bf16
     "fsdp1_bf16": [(0, 111), (0, 162)],
 }
-TIMEOUT_S = 480  # all sixteen configurations: about a minute on two cores; a hang must fail, not wait
+TIMEOUT_S = 480  # all eighteen configurations: about a minute on two cores; a hang must fail, not wait
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +78,10 @@ def test_the_pinned_configurations_cover_what_they_were_chosen_for():
     assert any(c.get("opt_across") and c["optim"]["impl"] == "fused" for c in edited)
     assert any(c.get("placement", "dim0") != "dim0" for c in configs)  # shard_placement_fn beyond dim 0
     assert any(c.get("tp") and c["W"] == 4 for c in configs)  # FSDP over tensor parallelism, 2 x 2
+    fully = [c for c in configs if c["front"] == "fully_shard"]
+    assert any(c.get("opt_across") for c in fully)  # optimizer state across replicas on fully_shard
+    assert any(c.get("whole") and c["W"] == 2 for c in fully)  # whole parameters, bitwise against FSDP2
+    assert any(b.get("dtype") == "fp64" for c in fully for b in c["model"]["blocks"])  # a flat group per dtype
     # a non-finite loss skipped mid-window (no backward, zero_grad): index 62 failed before 6266398/44afb31
     assert any(e["kind"] == "skip" and c["accum"] > 1 for c in configs for e in c["events"])
     assert any(c.get("gathers_itself") for c in configs)  # FSDP2's all-gather extension (bench/fuzz/gathers.py)

@@ -8,7 +8,8 @@ FSDP2), comparing the loss, every gradient, every parameter after the step and e
 
 What a configuration draws (config.py): the model (models.py: odd sizes, ties, frozen
 parameters, 1-element and 1-D parameters, empty units, buffers, a module run twice), the front end and
-its wrapping, the strategy, W and F, shard_optimizer_across_replicas, mixed precision, prefetching,
+its wrapping, the strategy, W and F, shard_optimizer_across_replicas (both front ends), whole parameters
+(``shard_boundaries="params"`` on fully_shard), a frozen float64 block, mixed precision, prefetching,
 gradient accumulation, activation checkpointing, the optimizer, clipping, and events: an exception
 injected in forward or backward and skipped by the loop, a parameter's requires_grad flipped, a
 parameter edited in place, a checkpoint loaded at another W. Ranks are real processes (pool.py:

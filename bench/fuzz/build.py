@@ -160,6 +160,10 @@ def wrap_fully_shard(model: Root, cfg: dict, world: int, torch_fsdp2: bool) -> n
         kw["mesh"] = mesh((world,) if cfg["mesh"] == "1d" else (world // cfg["F"], cfg["F"]))
     if cfg.get("placement", "dim0") != "dim0":
         kw["shard_placement_fn"] = functools.partial(_placement, cfg["placement"])
+    if cfg.get("opt_across") and not torch_fsdp2:  # PyTorch's FSDP2 beside it: plain HSDP, the same math
+        kw["shard_optimizer_across_replicas"] = True
+    if cfg.get("whole") and not torch_fsdp2:  # PyTorch's FSDP2 beside it: dim-0 chunks, the same math
+        kw["shard_boundaries"] = "params"
     for module, after in units:
         target = module
         if act == "apply_before":  # the checkpoint wrapper is the block's parent now: shard the wrapper

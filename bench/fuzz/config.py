@@ -176,11 +176,52 @@ def draw(seed: int, index: int) -> dict:
     if front == "fsdp1" and rng.random() < 0.2:
         other = rng.choice([w for w in (1, 2, 3, 4) if w != world])
         cfg["ckpt"] = {"after_step": rng.randrange(cfg["steps"] - 1), "W": other, **_fsdp1_groups(rng, other)}
+    if front == "fully_shard":
+        _fully_shard_later(cfg)
     if cfg["mp"] and cfg["mp"]["reduce"] == "bf16" and _addends(cfg) >= 3:
         # a bf16 sum of 3 or more addends rounds by its order, which differs by shard (and gloo's for an
         # all-reduce): ([Note: a reference that rounds as the ranks do], reference.py): its reduce dtype is fp32
         cfg["mp"]["reduce"] = "fp32"
     return cfg
+
+
+def _fully_shard_later(cfg: dict) -> None:
+    """What ``fully_shard`` gained after the draws above were fixed, each from a generator of its own (so
+    every configuration drawn before keeps its draws where the new knob is not taken):
+    * ``shard_optimizer_across_replicas=True`` ([Note: optimizer state across replicas on fully_shard]) on
+      HSDP's 2x2 mesh (both dims > 1; the only such mesh at W <= 4); not beside TP, another shard dim or
+      parameters that gather themselves, and with bool ``reshard_after_forward`` only (refused by design
+      otherwise);
+    * ``shard_boundaries="params"`` ([Note: whole parameters on fully_shard]): each parameter whole on one
+      rank, on a 1-D mesh, under the same exclusions; the optimizer's for-loop step (each parameter is on a
+      mesh of its own, which foreach and fused kernels do not take);
+    * a frozen block in float64 beside the fp32 parameters (a flat group per dtype); not beside TP or a
+      weight that gathers itself, and not where an event unfreezes it (trainable parameters of two dtypes
+      in one call are refused, as FSDP2 refuses them).
+    Not drawn: parameters on a mesh of their own (``ShardPlacementResult``). A parameter reduced over fewer
+    ranks than the batch is split over trains another model than the single-process reference, unless the
+    model is expert-parallel (each rank's experts its own, tokens exchanged by the model): that layout is
+    held against PyTorch's FSDP2 by tests/test_moe.py and tests/test_mesh_groups.py instead."""
+    own = random.Random(f"flatshard-fuzz/{cfg['seed']}/{cfg['index']}/opt_across")
+    plain = not cfg.get("tp") and cfg.get("placement", "dim0") == "dim0" and not cfg.get("gathers_itself")
+    if cfg["W"] == 4 and plain and own.random() < 0.6:  # both dims of the mesh > 1: (2, 2) at W <= 4
+        cfg["mesh"], cfg["F"] = "2d", 2
+        cfg["opt_across"] = True
+        cfg["reshard_after_forward"] = [a if a in (True, False) else True for a in cfg["reshard_after_forward"]]
+    own = random.Random(f"flatshard-fuzz/{cfg['seed']}/{cfg['index']}/whole")
+    if cfg["W"] > 1 and cfg["mesh"] != "2d" and plain and not cfg.get("opt_across") and own.random() < 0.5:
+        cfg["whole"] = True
+        cfg["reshard_after_forward"] = [a if a in (True, False) else True for a in cfg["reshard_after_forward"]]
+        cfg["optim"]["impl"] = "plain"  # foreach and fused kernels take tensors of one mesh; each is on its own
+    own = random.Random(f"flatshard-fuzz/{cfg['seed']}/{cfg['index']}/fp64")
+    spec = cfg["model"]
+    flipped = {e["param"] for e in cfg["events"] if e["kind"] == "flip"}
+    for i, block in enumerate(spec["blocks"]):
+        mine = {f"blocks.{i}.fc{k}.{w}" for k in (1, 2) for w in ("weight", "bias")}
+        taken = mine & (flipped | set(cfg.get("gathers_itself", [])))
+        if block["kind"] == "frozen" and not cfg.get("tp") and not taken and own.random() < 0.6:
+            block["dtype"] = "fp64"
+            break
 
 
 def _addends(cfg: dict) -> int:
@@ -195,6 +236,7 @@ def summary(cfg: dict) -> str:
     if cfg["front"] == "fsdp1":
         parts += [cfg["strategy"], f"F={cfg['F']}({cfg['groups']})", f"wrap={cfg['wrap']}"]
         parts += ["opt_across"] if cfg.get("opt_across") else []
+        parts += ["whole"] if cfg.get("whole") else []
     else:
         parts += [f"mesh={cfg['mesh']}", f"F={cfg['F']}", f"raf={cfg['reshard_after_forward']}"]
         if cfg.get("placement", "dim0") != "dim0":
@@ -203,8 +245,11 @@ def summary(cfg: dict) -> str:
             parts.append(f"tp={cfg['tp']}")
         if cfg.get("gathers_itself"):
             parts.append(f"gathers_itself={len(cfg['gathers_itself'])}")
+        parts += ["opt_across"] if cfg.get("opt_across") else []
+        parts += ["whole"] if cfg.get("whole") else []
     units = cfg["wrap_classes"] if cfg.get("wrap") == "classes" else cfg["units"]
-    parts.append("blocks=" + ",".join(b["kind"] for b in cfg["model"]["blocks"]) + f" units={units}")
+    kinds = [b["kind"] + ("/fp64" if b.get("dtype") == "fp64" else "") for b in cfg["model"]["blocks"]]
+    parts.append("blocks=" + ",".join(kinds) + f" units={units}")
     if cfg.get("mp"):
         parts.append(f"bf16/reduce {cfg['mp']['reduce']}")
     parts.append(f"{cfg['optim']['kind']}-{cfg['optim']['impl']} accum={cfg['accum']}")

@@ -8,7 +8,9 @@ bringing one thing an FSDP engine must get right.
     buffer     a Linear, a constant buffer used in forward and a call counter buffer
     twice      one Linear run twice in the same forward
     shared     a Linear whose weight is the root's ``proj`` weight (a tie across units)
-    frozen     an mlp whose parameters do not require gradients
+    frozen     an mlp whose parameters do not require gradients; with ``"dtype": "fp64"`` (``fully_shard``
+               only) its parameters are float64 beside fp32 ones (a flat group of their own), its input
+               cast to them and its output back
 
 The root is either tokens (an embedding, optionally tied to the output head, cross-entropy) or dense
 (an input Linear, mean squared error). The root's input layer is never frozen, so every block's output
@@ -35,9 +37,14 @@ class MLPBlock(nn.Module):
 
 
 class FrozenBlock(MLPBlock):
-    def __init__(self, d: int, h: int):
+    def __init__(self, d: int, h: int, dtype: torch.dtype = torch.float32):
         super().__init__(d, h)
         self.requires_grad_(False)
+        self.to(dtype)
+
+    def forward(self, x):
+        inner = x.to(self.fc1.weight.dtype)  # the same tensor where the dtypes agree
+        return x + self.fc2(torch.tanh(self.fc1(inner))).to(x.dtype)
 
 
 class ScaleBlock(nn.Module):
@@ -143,7 +150,9 @@ class Root(nn.Module):
 
 def _block(b: dict, d: int) -> nn.Module:
     cls = BLOCKS[b["kind"]]
-    if cls in (MLPBlock, FrozenBlock, ContainerBlock):
+    if cls is FrozenBlock:
+        return cls(d, b["h"], torch.float64 if b.get("dtype") == "fp64" else torch.float32)
+    if cls in (MLPBlock, ContainerBlock):
         return cls(d, b["h"])
     return EmptyBlock() if cls is EmptyBlock else cls(d)
 

@@ -173,6 +173,10 @@ def _run_step(side: Side, cfg: dict, step: int, world: int, rank: int) -> list |
 def _clip(side: Side, max_norm: float):
     if side.role != "ref" and side.cfg["front"] == "fsdp1":
         return side.model.clip_grad_norm_(max_norm)
+    if side.role == "ours" and side.cfg.get("whole"):  # each parameter on its owner's mesh: one all-reduce
+        from flatshard.fsdp2 import clip_grad_norm_
+
+        return clip_grad_norm_(list(side.model.parameters()), max_norm)
     if side.cfg.get("tp"):
         return _clip_by_mesh(list(side.model.parameters()), max_norm)
     norm = torch.nn.utils.clip_grad_norm_(list(side.model.parameters()), max_norm)
@@ -192,6 +196,19 @@ def _clip_by_mesh(params: list, max_norm: float) -> torch.Tensor:
     for group in by_mesh.values():  # one mesh per call: foreach kernels take one mesh
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _same_layout(got, want) -> tuple:
+    """``got`` and ``want`` as tensors of one layout: where flatshard's DTensor lies otherwise than FSDP2's
+    (optimizer state across replicas: 1/W of each on the mesh flattened, against HSDP's 1/F; whole
+    parameters on their owners), FSDP2's whole (``full_tensor()``, collective: every rank compares the same
+    parameters in the same order) cut to what flatshard's holds on this rank."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(got, DTensor) and isinstance(want, DTensor):
+        if got.device_mesh != want.device_mesh or got.placements != want.placements:
+            return got, local_of(want.full_tensor(), got, {})
+    return got, want
 
 
 class Run:
@@ -217,6 +234,8 @@ class Run:
         # addends; fp32's defaults where it is in fp32; bf16's where it is in bf16
         bf16_reduce = mixed and cfg["mp"]["reduce"] == "bf16"
         self.vs_fsdp2 = "tight" if bf16_reduce else (EXACT if max(sizes) <= 2 else DEFAULT)
+        if self.vs_fsdp2 == EXACT and cfg.get("opt_across") and cfg["optim"]["impl"] == "fused":
+            self.vs_fsdp2 = DEFAULT  # a fused step vectorises 1/W of a tensor otherwise than 1/F: its tail rounds
         # [Note: a reference that rounds as the ranks do]: fp32's defaults against the reference, bf16
         # parameters included; those the reference does not emulate (reference.emulated): FSDP2 only
         self.vs_ref = DEFAULT
@@ -243,6 +262,7 @@ class Run:
         for (name, p), q in zip(self.ours.params.items(), self.theirs.params.values()):
             got, want = tensors(p), tensors(q)
             if got is not None and want is not None:
+                got, want = _same_layout(got, want)
                 self.check.check(step, what, name, got, want, self.vs_fsdp2, against="fsdp2")
             elif (got is None) != (want is None):
                 self.check.fail(step, what, name, "fsdp2", float("nan"), f"{what} is None on one side only")
