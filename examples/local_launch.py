@@ -23,7 +23,7 @@ under a prefix). Each round of the rendezvous -- the first start, and each resta
 the keys of the ranks they replace (their process group's addresses). The ranks' gloo and NCCL sockets
 are put on the loopback interface. Ranks started
 without torchrun (big_model.py) are clients of ``loopback_store()``, hosted by their launcher.
-tests/test_launch.py reads the socket table during a run and finds no listener of the job elsewhere.
+tests/test_example.py reads the socket table during a run and finds no listener of the job elsewhere.
 
 [Note: process groups at exit]
 A rank that returns from its work and exits can abort afterwards ("terminate called without an active

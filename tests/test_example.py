@@ -27,7 +27,8 @@ import pytest
 
 from flatshard import checkpoint
 from tests.helpers.dist import run_launcher
-from tests.helpers.train_gpt import WORLD, figure_run
+from tests.helpers.sockets import is_loopback, socket_table_or_skip
+from tests.helpers.train_gpt import MASTER_ADDR, WORLD, figure_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
@@ -40,7 +41,7 @@ PLANNED_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 def test_train_gpt_figures(strategy):
-    fig = figure_run(strategy).figures  # shared with tests/test_launch.py, which checks its sockets
+    fig = figure_run(strategy).figures  # shared with the loopback test below, which checks its sockets
     assert fig["world"] == WORLD and fig["strategy"] == strategy and fig["steps"] == 20
 
     # loss: finite, starts near ln(256) (uniform over bytes), falls
@@ -106,6 +107,26 @@ def test_train_gpt_figures(strategy):
         assert fig["comm_planned"][kind] == pytest.approx(got, rel=1e-12, abs=1e-9), kind
     assert fig["comm_fsdp_per_step"] == pytest.approx(headline, rel=1e-12)
     assert fig["comm_fsdp_planned"] == pytest.approx(headline, rel=1e-12)
+
+
+# ---------------------------------------------------------------- a local launch listens on loopback only
+# ([Note: loopback-only local launch] in examples/local_launch.py) The figure runs above are watched while
+# they go: the socket table (/proc/net/tcp and tcp6) read every 50 ms, keeping every listening socket held
+# by the launcher or a process it started (the rendezvous store, each rank's gloo listener). Every one must
+# be on 127.0.0.1 (or ::1), never 0.0.0.0 or ::, whether MASTER_ADDR is unset or 127.0.0.1. Here, beside
+# the figure tests, so that one worker of the suite launches them once (tests/helpers/train_gpt.py).
+@pytest.mark.parametrize("master_addr", [None, "127.0.0.1"])
+def test_a_local_run_listens_on_loopback_only(master_addr):
+    socket_table_or_skip()
+    (strategy,) = [s for s, addr in MASTER_ADDR.items() if addr == master_addr]
+    run = figure_run(strategy)
+    seen = run.listeners
+    exposed = sorted((a, p) for a, p, _ in seen if not is_loopback(a))
+    assert not exposed, f"listening beyond loopback: {exposed}"
+    # what was seen is the job's: the launcher's store and a gloo listener in each of the ranks
+    holders = {pid for _, _, pid in seen}
+    assert run.launcher in holders, f"no listener of the launcher seen (the rendezvous store): {sorted(seen)}"
+    assert len(holders - {run.launcher}) == WORLD, f"expected a listener in each of {WORLD} ranks: {sorted(seen)}"
 
 
 # ---------------------------------------------------------------- logs, metrics, checkpoints, resume

@@ -1,6 +1,6 @@
 """examples/train_gpt.py's figure runs, launched as users launch it (one command, 2 local ranks through
 torchrun's machinery), once per strategy for the whole session: tests/test_example.py checks their
---json figures and tests/test_launch.py the sockets they listened on, which the run records by reading
+--json figures and the sockets they listened on, which the run records by reading
 the kernel's socket table while it goes (sockets.py). One launch serves both: starting the launcher and
 its ranks (each importing torch and flatshard) costs more than the run itself.
 
