@@ -192,6 +192,7 @@ def refusals_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harnes
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
     unnamed = init_device_mesh("cpu", (2,))
+    twin = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))  # equal to mesh, made apart
 
     def lifted():
         return _lift(_model(4, 6), mesh, tp=False)
@@ -212,6 +213,7 @@ def refusals_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harnes
             {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims("fsdp"), "reshard_after_forward": 2},
         ),
         "replicate alone": (lifted, {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(replicate="fsdp")}),
+        "another mesh object": (lifted, {"mesh": twin, "dp_mesh_dims": DataParallelMeshDims("fsdp")}),
     }
     return {
         what: {
@@ -226,11 +228,21 @@ def test_refusals_as_fsdp2_and_what_is_not_built():
     outs = run_distributed(refusals_worker, 2)
     assert outs[0] == outs[1], outs  # every rank alike
     got = outs[0]
-    for what in ("plain parameters", "not Replicate on the shard dim", "a name not in the mesh", "an unnamed mesh"):
+    # the words PyTorch's own FSDP2 tests (test_fully_shard_dtensor.py) match in each error, in flatshard's too
+    words = {
+        "plain parameters": "must be DTensors",
+        "not Replicate on the shard dim": "Expected Replicate",
+        "a name not in the mesh": "not found in mesh.mesh_dim_names",
+        "an unnamed mesh": "",
+        "another mesh object": "same mesh",
+    }
+    for what, said in words.items():
         ours, theirs = got[what]["flatshard"], got[what]["fsdp2"]
         assert ours.split("/")[0] == theirs.split("/")[0] == "ValueError", (what, ours, theirs)
+        assert said in ours and said in theirs, (what, said, ours, theirs)
     ours, theirs = got["an int reshard_after_forward"]["flatshard"], got["an int reshard_after_forward"]["fsdp2"]
     assert ours.split("/")[0] == theirs.split("/")[0] == "NotImplementedError", (ours, theirs)
+    assert "reshard_after_forward as int" in ours and "reshard_after_forward as int" in theirs, (ours, theirs)
     what = "replicate alone"  # FSDP2 builds it; flatshard says it does not
     assert got[what]["flatshard"].startswith("NotBuiltError/"), got[what]
     assert "torch.distributed.fsdp.fully_shard" in got[what]["flatshard"], got[what]

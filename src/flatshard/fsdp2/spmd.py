@@ -69,7 +69,9 @@ def resolve(mesh: DeviceMesh | None, dims, reshard_after_forward) -> SpmdMesh:
     names = mesh.mesh_dim_names
     for name in (*shard, *replicate):
         if name not in names:
-            raise ValueError(f"dp_mesh_dims names '{name}', which is not a dim of the mesh {names}: name one of those")
+            raise ValueError(
+                f"dp_mesh_dims: mesh dim name '{name}' not found in mesh.mesh_dim_names {names}; name one of those"
+            )
     if not shard:
         raise NotBuiltError(
             f"fully_shard(dp_mesh_dims=DataParallelMeshDims(replicate={dims.replicate!r})) without a shard dim "
@@ -84,8 +86,8 @@ def resolve(mesh: DeviceMesh | None, dims, reshard_after_forward) -> SpmdMesh:
             )
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
-            f"fully_shard(dp_mesh_dims=...) takes reshard_after_forward True or False, not the int "
-            f"{reshard_after_forward} (FSDP2 refuses an int with dp_mesh_dims too)"
+            f"fully_shard(dp_mesh_dims=...): reshard_after_forward as int ({reshard_after_forward}) is not supported "
+            "with an SPMD mesh, as in FSDP2; pass True or False"
         )
     dp_mesh = _one_dim(mesh, shard)
     if replicate:  # (replicate, shard), whatever their order in the mesh, as FSDP2 concatenates them
@@ -118,21 +120,21 @@ def check_params(named: list[tuple[str, torch.nn.Parameter]], spmd: SpmdMesh) ->
     for name, param in named:
         if not isinstance(param, DTensor):
             raise ValueError(
-                f"fully_shard(dp_mesh_dims=...) got '{name}', a plain tensor: with dp_mesh_dims every parameter is a "
-                "DTensor on the mesh passed (distribute_module or distribute_tensor onto it, Replicate() on the "
-                "data-parallel dims)"
+                f"fully_shard(dp_mesh_dims=...) got '{name}', a plain tensor: with dp_mesh_dims all parameters must be "
+                "DTensors on the full SPMD mesh passed (distribute_module or distribute_tensor onto it, Replicate() "
+                "on the data-parallel dims)"
             )
-        if param.device_mesh != spmd.mesh:
+        if param.device_mesh is not spmd.mesh:  # FSDP2's test: an equal mesh made apart is refused too
             raise ValueError(
-                f"fully_shard(dp_mesh_dims=...) got '{name}', a DTensor on {param.device_mesh}, not on the mesh "
-                f"passed ({spmd.mesh}): distribute it onto that mesh"
+                f"fully_shard(dp_mesh_dims=...) got '{name}', a DTensor on {param.device_mesh}: expected the same mesh "
+                f"object passed to fully_shard ({spmd.mesh}); distribute it onto that mesh"
             )
         for idx in sorted(spmd.dp_indices):
             if not isinstance(param.placements[idx], Replicate):
                 what = "shard" if idx in spmd.shard else "replicate"
                 raise ValueError(
                     f"fully_shard(dp_mesh_dims=...) got '{name}' placed {param.placements[idx]} on '{names[idx]}', "
-                    f"the data-parallel {what} dim: place it Replicate() there (fully_shard shards it)"
+                    f"the data-parallel {what} dim: Expected Replicate() there (fully_shard shards it)"
                 )
         if any(isinstance(p, Partial) for p in param.placements):
             raise NotBuiltError(
