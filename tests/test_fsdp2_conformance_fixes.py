@@ -1,6 +1,7 @@
 """``fully_shard`` behaves as FSDP2 where PyTorch's own FSDP2 tests found it did not (tests/conformance):
 meta-device models stay on meta until the user materialises them, misuse raises what FSDP2 raises
-(with how to fix it), ``shard_placement_fn`` returning FSDP2's default is accepted. One spawn of two
+(with how to fix it), ``shard_placement_fn`` returning FSDP2's default is accepted, torch's composable
+``replicate`` composes with it in either order. One spawn of two
 gloo ranks runs every case; each rank's answers are checked."""
 
 from __future__ import annotations
@@ -480,3 +481,58 @@ def dataclass_input_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the
 def test_dataclass_inputs_are_cast():
     for out in run_distributed(dataclass_input_worker, 2):
         assert out == {"out": "no error", "dtype": ["torch.bfloat16"]}, out
+
+
+def replicate_worker(rank: int, world: int) -> dict:
+    """torch's composable ``replicate`` (DDP) beside flatshard's ``fully_shard`` ([Note: composing with
+    torch's replicate], fsdp2/checks.py), in both orders: fully_shard on a block then replicate on the
+    whole model; replicate on a block then fully_shard on the whole model. Three SGD steps on each rank's
+    own rows, against one process over the global batch."""
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.tensor import DTensor
+
+    import flatshard
+
+    out: dict = {}
+    for order in ("fully_shard first", "replicate first"):
+        torch.manual_seed(0)
+        model = nn.Sequential(_mlp(), _mlp())
+        ref = copy.deepcopy(model)
+        if order == "fully_shard first":
+            flatshard.fully_shard(model[0])
+            replicate(model)
+            out["replicate refuses a fully_shard module"] = _raised(lambda: replicate(model[0]))
+        else:
+            replicate(model[1])
+            flatshard.fully_shard(model)
+        kinds = {n: type(p).__name__ for n, p in model.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        steps = []
+        for step in range(3):
+            x = torch.randn(4 * world, 5, generator=torch.Generator().manual_seed(step))
+            model(x[4 * rank : 4 * (rank + 1)]).pow(2).mean().backward()
+            ref(x).pow(2).mean().backward()
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+            full = [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+            steps.append(all(torch.allclose(a, b, atol=1e-6) for a, b in zip(full, ref.parameters())))
+        out[order] = {"kinds": kinds, "steps": steps}
+    return out
+
+
+def test_torch_replicate_composes_with_fully_shard_in_either_order():
+    for out in run_distributed(replicate_worker, 2):
+        first, second = out["fully_shard first"], out["replicate first"]
+        # fully_shard's block is sharded (DTensors), the rest is DDP's (plain); replicate's block stays plain
+        assert first["kinds"] == {
+            "0.0.weight": "DTensor", "0.0.bias": "DTensor", "0.2.weight": "DTensor", "0.2.bias": "DTensor",
+            "1.0.weight": "Parameter", "1.0.bias": "Parameter", "1.2.weight": "Parameter", "1.2.bias": "Parameter",
+        }, first["kinds"]  # fmt: skip
+        assert second["kinds"] == {
+            "0.0.weight": "DTensor", "0.0.bias": "DTensor", "0.2.weight": "DTensor", "0.2.bias": "DTensor",
+            "1.0.weight": "Parameter", "1.0.bias": "Parameter", "1.2.weight": "Parameter", "1.2.bias": "Parameter",
+        }, second["kinds"]  # fmt: skip
+        assert first["steps"] == second["steps"] == [True, True, True], out
+        assert "already managed by `fully_shard`" in out["replicate refuses a fully_shard module"], out

@@ -119,6 +119,35 @@ def check_not_flattened(module: nn.Module) -> None:
             )
 
 
+# [Note: composing with torch's replicate]
+# torch's composable ``replicate`` (DDP as a function) and FSDP2's ``fully_shard`` mark the modules they
+# are applied to in one registry (``torch.distributed._composable.contract``'s, a dict on the module
+# keyed by API name), and each reads it: ``replicate`` leaves out the parameters of modules marked
+# "fully_shard" (and refuses a module so marked), ``fully_shard`` leaves out modules marked "replicate"
+# and everything under them. flatshard's ``fully_shard`` does both alike (``mark_fully_shard`` after a
+# call; ``replicated_params`` before it), so a model can mix the two as PyTorch's tests do, in either
+# order. The registry is private to PyTorch; reading and writing it is the only way ``replicate`` knows.
+def mark_fully_shard(module: nn.Module) -> None:
+    """Mark ``module`` as ``fully_shard``'s in the registry torch's ``replicate`` reads (see the Note)."""
+    from collections import OrderedDict
+
+    from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+
+    module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())["fully_shard"] = RegistryItem()
+
+
+def replicated_params(module: nn.Module) -> set[nn.Parameter]:
+    """The parameters of modules under ``module`` that torch's ``replicate`` was applied to (see the Note):
+    DDP reduces their gradients, so ``fully_shard`` leaves them out, as FSDP2 does."""
+    from torch.distributed._composable.contract import _get_registry
+
+    out: set[nn.Parameter] = set()
+    for m in module.modules():
+        if m is not module and "replicate" in (_get_registry(m) or {}):
+            out.update(m.parameters())
+    return out
+
+
 def ignored_here(module: nn.Module, ignored_params, kept_out=()) -> Optional[list[nn.Parameter]]:
     """The ignored parameters that are ``module``'s: FSDP2 takes one set for a whole model (a parameter of
     another module in it is no error), where the engine refuses a parameter it cannot find. ``kept_out``:

@@ -123,6 +123,9 @@ def fully_shard(
     # module run alone (a loss head called chunk by chunk) works as a module run twice in one forward.
     # Tied parameters must be in one group; the root adopts the unit once (runtime/tree.py, units_under).
     target = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+    replicated = checks.replicated_params(target)  # [Note: composing with torch's replicate] (checks.py)
+    if replicated:
+        ignored_params = set(ignored_params or ()) | replicated
     checks.check_not_flattened(target)
     mesh, placements = _mesh(mesh, target)
     # [Note: parameters that gather themselves] (extensions.py): kept out of the flat shard
@@ -193,6 +196,7 @@ def fully_shard(
         m.__class__ = _fsdp_class(type(m))
         assert isinstance(m, FSDPModule)  # its class derives from FSDPModule now
         m._unit = unit
+        checks.mark_fully_shard(m)
         m.fsdp_output_dtype = output_dtype
         m.register_forward_pre_hook(functools.partial(hooks.forward_pre_hook, unit), prepend=True, with_kwargs=True)
         m.register_forward_pre_hook(_adopt_materialized, prepend=True)  # runs before the one above

@@ -116,6 +116,7 @@ Index of every [Note: ...] in the package
   parameters on the whole SPMD mesh .. fsdp2/spmd.py
   parameters that gather themselves .... fsdp2/extensions.py
   whole parameters on fully_shard .... fsdp2/whole.py
+  composing with torch's replicate .. fsdp2/checks.py
   flat ranges as boxes ............ state/sharded_tensors.py
   loading through a plain parent .. state/module.py
   crash-safe commit ............... checkpoint/directory.py
