@@ -198,8 +198,23 @@ def run_file(variant: str, variant_dir: Path, ids: list[str], timeout: float) ->
 
 
 # ---- the report -----------------------------------------------------------------------------------------
+def _src_tree() -> str:
+    """The tree of ``src/`` at HEAD: each test records the one it ran at ([Note: files rerun at another tree])."""
+    done = subprocess.run(["git", "rev-parse", "HEAD:src"], cwd=HERE, capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "unknown"
+
+
+# [Note: files rerun at another tree]
+# ``--files`` reruns some files into the existing record (after a fix, a whole run takes an hour). Each
+# test then records the tree of ``src/`` it ran at (``src_tree``), and the summary prints how many tests
+# ran at each tree when there is more than one, so a record made of two runs says so.
 def summarize(tests: list[dict], listed: dict[str, str]) -> tuple[str, int]:
     lines, unlisted = [], []
+    trees: dict[str, int] = {}
+    for t in tests:
+        trees[t.get("src_tree", "unrecorded")] = trees.get(t.get("src_tree", "unrecorded"), 0) + 1
+    if len(trees) > 1:
+        lines.append("tests ran at more than one src tree: " + ", ".join(f"{n} at {k[:9]}" for k, n in trees.items()))
     for cat in ("public", "internals"):
         group = [t for t in tests if t["category"] == cat]
         base = [t for t in group if t["baseline"] == "passed"]
@@ -251,6 +266,7 @@ def main() -> None:
         if not torch_dir.exists():
             raise SystemExit(f"{torch_dir} is missing: run tests/conformance/regenerate.py --source ... first")
         files = args.files or sorted(p.name for p in torch_dir.glob("test_*.py"))
+        tree = _src_tree()
         for name in files:
             cats = categories(torch_dir / name)
             ids = [i for i in collect(torch_dir, [name]) if not args.keyword or args.keyword in i]
@@ -266,6 +282,7 @@ def main() -> None:
                 for test_id, res in got.items():
                     entry = by_id.setdefault(test_id, {"id": test_id, "baseline": "not run", "flatshard": "not run"})
                     entry["category"] = category_of(test_id, cats)
+                    entry["src_tree"] = tree
                     key = "baseline" if variant == "torch" else "flatshard"
                     entry[key] = res["outcome"]
                     entry[f"{key}_error"] = res["error"] if res["outcome"] != "passed" else ""
