@@ -207,22 +207,9 @@ def _background_group(model, group: Optional[dist.ProcessGroup]) -> dist.Process
 
 
 def wait_pending(model, group: Optional[dist.ProcessGroup], what: str) -> None:
-    """Wait for the model's asynchronous save in flight, if any (``save`` and ``load`` call it first).
-    If it failed and no ``wait()`` raised its error, raise it now, once, on every rank, and do nothing
-    else: the call after this one runs as usual."""
-    handle = _PENDING.pop(model, None)
-    message, failure = None, None
-    if handle is not None:
-        if handle._thread is not None:
-            handle._thread.join()
-        if handle._error is not None and not handle._reported:
-            handle._reported, failure = True, handle._error
-            message = (
-                f"the asynchronous save to {handle.path} failed: {failure}. This {what} did nothing; call it again"
-            )
-    first = next((m for m in gather_json(message, group) if m is not None), None)
-    if first is not None:  # the save's error is already the same on every rank and names the rank
-        raise CheckpointError(first) from failure
+    """Wait for the model's asynchronous save in flight, if any (``save`` and ``load`` call it first);
+    save.py's ``settle`` rule for its failure."""
+    saving.settle(_PENDING.pop(model, None), what, group)
 
 
 def _collect(model, optimizer, step, extra, keep_last, state) -> tuple[dict, dict]:

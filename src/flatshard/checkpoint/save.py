@@ -213,14 +213,21 @@ def _save(path: str, view: ModelView, optimizer, step, extra, async_save, keep_l
 
 
 def wait_pending(view: ModelView, what: str) -> None:
-    """Wait for the model's asynchronous save in flight, if any (``save`` and ``load`` call it first).
-    If it failed and no ``wait()`` raised its error, raise it now, once, on every rank, and do nothing
-    else: the call after this one runs as usual."""
+    """Wait for the model's asynchronous save in flight, if any (``save`` and ``load`` call it first);
+    ``settle``'s rule for its failure."""
     host = _host(view)
     handle = host.pending_save if host is not None else None
-    message, failure = None, None
-    if host is not None and handle is not None:
+    if host is not None:
         host.pending_save = None
+    settle(handle, what, view.group, view.record)
+
+
+def settle(handle: Optional[AsyncSave], what: str, group, record=None) -> None:
+    """Wait for ``handle`` (a model's asynchronous save in flight, or None). If it failed and no
+    ``wait()`` raised its error, raise it now, once, on every rank of ``group``, and do nothing else: the
+    call after this one (``what``, a save or a load) runs as usual. Collective."""
+    message, failure = None, None
+    if handle is not None:
         if handle._thread is not None:
             handle._thread.join()
         if handle._error is not None and not handle._reported:
@@ -228,7 +235,7 @@ def wait_pending(view: ModelView, what: str) -> None:
             message = (
                 f"the asynchronous save to {handle.path} failed: {failure}. This {what} did nothing; call it again"
             )
-    first = next((m for m in gather_json(message, view.group, view.record) if m is not None), None)
+    first = next((m for m in gather_json(message, group, record) if m is not None), None)
     if first is not None:  # the save's error is already the same on every rank and names the rank
         raise CheckpointError(first) from failure
 
