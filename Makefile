@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: run test lint install clean docs
+.PHONY: run test test-slow lint install clean docs
 
 install: $(VENV)/.installed
 
@@ -18,8 +18,11 @@ $(VENV)/.installed: pyproject.toml constraints/cpu.txt
 run: install
 	$(PY) examples/train_gpt.py $(ARGS)
 
-test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests  # two workers: [Note: the suite on two workers] (tests/conftest.py)
+test: install  # the suite but its end-to-end jobs; two workers: [Note: the suite on two workers], [Note: two tiers] (tests/conftest.py)
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 -m "not slow" tests
+
+test-slow: install  # the end-to-end jobs (tests marked slow): scripts launched as a user launches them
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 -m slow tests
 
 lint: install  # ruff: the formatter's check and the linter; mypy over src/ (both configured in pyproject.toml)
 	$(PY) -m ruff format --check src tests examples bench

@@ -24,6 +24,25 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     )
 
 
+# [Note: two tiers]
+# ``make test`` runs the tests not marked ``slow``; ``make test-slow`` runs those; CI (.ci/run) runs both,
+# so every claim a test holds is checked on every change, and ``make test`` stays the quick loop (under 7
+# minutes on 2 cores without AVX-512). A test is marked ``slow`` when one run of it takes tens of seconds
+# for one of two reasons:
+# - it launches a program as a user launches it, in processes of its own (torchrun on the example with
+#   kills and restarts, replica groups dropped and rejoined, the fuzzer and benchmark scripts, every code
+#   block of the docs, ``pip install``, a job over the emulated link, the frameworks' trainers): each start
+#   imports torch again and many wait out a timeout or a restart;
+# - it repeats at another world size a sweep that ``make test`` runs at W = 3, the size that shows the
+#   most (padding, more than two ranks): the parity of every strategy, the boundary modes, whole
+#   parameters, no_sync; or it is the 256-micro-batch case beside the 64 one that shows the same
+#   difference, or torch.compile on the 2 x 2 mesh beside the 1-D cases.
+# Every multi-process test on the pooled ranks that is the only check of a behaviour stays in ``make
+# test``. Measured on 2 cores of an AMD EPYC, AVX2 only, two workers: the whole suite took 18m23s (604
+# tests); after the split, ``make test`` took 5m55s (566 tests). One worker was slower for the quick tier
+# too (38% of it in 4 minutes): its tests compute rather than wait, so two workers keep both cores busy.
+
+
 def pytest_collection_finish(session) -> None:
     # [Note: the suite on two workers]
     # ``make test`` runs the files on two pytest-xdist workers (``-n 2 --dist loadfile``: a file's tests

@@ -28,6 +28,7 @@ SYSTEM_FIELDS = {
 }
 
 
+@pytest.mark.slow
 def test_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [

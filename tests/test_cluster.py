@@ -31,6 +31,7 @@ def ours(pid: int) -> list[str]:
     return [ns for ns in cluster_net._namespaces() if ns.startswith(prefix)]
 
 
+@pytest.mark.slow
 @needs_cluster
 def test_hybrid_job_across_the_link(tmp_path):
     """2 nodes x 2 ranks at 200 Mbit/s: HYBRID_SHARD's shard groups are the nodes, its replicate

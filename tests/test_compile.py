@@ -136,7 +136,8 @@ W2_CASES = [
 W4_CASES = [("fully_shard", "blocks after"), ("fsdp1", "blocks before")]
 
 
-@pytest.mark.parametrize(("world", "cases"), [(2, W2_CASES), (4, W4_CASES)])
+# the 2 x 2 mesh (W = 4) in make test-slow and CI ([Note: two tiers], tests/conftest.py)
+@pytest.mark.parametrize(("world", "cases"), [(2, W2_CASES), pytest.param(4, W4_CASES, marks=pytest.mark.slow)])
 def test_compiled_blocks_match_eager_without_recompiling(world, cases):
     results = run_distributed(compile_worker, world, cases, timeout=600)
     for done in results:

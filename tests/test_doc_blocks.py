@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON_LANGS = {"python", "py"}
 SHELL_LANGS = {"sh", "bash", "shell", "console"}
@@ -200,6 +202,7 @@ def counts(blocks: list[Block]) -> dict[str, int]:
     }
 
 
+@pytest.mark.slow
 def test_every_code_block_runs():
     blocks = all_blocks()
     n = counts(blocks)
@@ -261,6 +264,7 @@ not code
 """
 
 
+@pytest.mark.slow
 def test_a_broken_block_is_reported():
     """Each kind of block fails on a broken snippet: a python script, a torchrun script, a shell command,
     a syntax-only python and shell block, and a syntax-only mark with no reason."""

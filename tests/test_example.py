@@ -39,6 +39,7 @@ B = 4  # bytes per fp32 element
 PLANNED_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 def test_train_gpt_figures(strategy):
     fig = figure_run(strategy).figures  # shared with the loopback test below, which checks its sockets
@@ -115,6 +116,7 @@ def test_train_gpt_figures(strategy):
 # by the launcher or a process it started (the rendezvous store, each rank's gloo listener). Every one must
 # be on 127.0.0.1 (or ::1), never 0.0.0.0 or ::, whether MASTER_ADDR is unset or 127.0.0.1. Here, beside
 # the figure tests, so that one worker of the suite launches them once (tests/helpers/train_gpt.py).
+@pytest.mark.slow
 @pytest.mark.parametrize("master_addr", [None, "127.0.0.1"])
 def test_a_local_run_listens_on_loopback_only(master_addr):
     socket_table_or_skip()
@@ -157,6 +159,7 @@ def _steps_kept(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-"))
 
 
+@pytest.mark.slow
 def test_log_lines_metrics_checkpoints_and_resume(tmp_path):
     log, fig, metrics = run_logged(tmp_path, "first", "--peak-tflops", "1")
     assert "\x1b[" not in log, "no terminal codes in a log file"
@@ -194,6 +197,7 @@ def test_log_lines_metrics_checkpoints_and_resume(tmp_path):
 
 
 # ---------------------------------------------------------------- the fully_shard front end
+@pytest.mark.slow
 def test_fully_shard_front_end_trains_as_the_wrapper_and_resumes_bitwise(tmp_path):
     """--front-end fully_shard: fully_shard on each block, then the root, on the FULL_SHARD figure run's GPT
     and arguments. Its losses agree with the wrapper's run within 1e-5 relative, every step reported; the
@@ -289,6 +293,7 @@ def test_bad_arguments_stop_the_launcher_before_any_rank(tmp_path):
 
 
 # ---------------------------------------------------------------- Muon on owned matrices
+@pytest.mark.slow
 def test_muon_trains_and_resumes_bitwise(tmp_path):
     """--optimizer muon: shard_boundaries="params", Muon on the matrices each rank owns and AdamW on the
     rest (examples/owned_optim.py); the loss falls, every element is owned by one rank, and a run resumed

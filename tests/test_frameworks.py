@@ -67,6 +67,7 @@ def test_fully_shard_modules_are_pytorch_fsdp_modules_that_run_none_of_its_code(
         FSDPModule._get_fsdp_state(nn.Linear(1, 1))
 
 
+@pytest.mark.slow
 @needs("lightning", "lightning")
 def test_lightning_model_parallel_strategy(tmp_path):
     fig = run_recipe("lightning_fully_shard.py", tmp_path, "--ckpt", str(tmp_path / "ckpt"))
@@ -76,6 +77,7 @@ def test_lightning_model_parallel_strategy(tmp_path):
     assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
 
 
+@pytest.mark.slow
 @needs("lightning", "lightning")
 def test_lightning_muon_on_whole_matrices_equals_one_process(tmp_path):
     fig = run_recipe("lightning_muon.py", tmp_path, "--ckpt", str(tmp_path / "ckpt"))
@@ -96,6 +98,7 @@ def test_lightning_muon_on_whole_matrices_equals_one_process(tmp_path):
     assert extra["epoch"] == 0 and "fit_loop" in extra["loops"], extra  # Lightning's loop state
 
 
+@pytest.mark.slow
 @needs("torchtitan.trainer", "torchtitan triton")
 def test_torchtitan_debug_model(tmp_path):
     fig = run_recipe("torchtitan_fully_shard.py", tmp_path, "--steps", "6", "--dir", str(tmp_path))
@@ -106,6 +109,7 @@ def test_torchtitan_debug_model(tmp_path):
     assert sorted(p.name for p in steps.iterdir()) == ["step-3", "step-6"]
 
 
+@pytest.mark.slow
 @needs("torchtitan.trainer", "torchtitan triton")
 def test_torchtitan_moe_debug_model(tmp_path):
     """torchtitan's smallest MoE debug model (deepseek_v3: 5 MoE blocks of 8 experts) through its own
@@ -124,6 +128,7 @@ def test_torchtitan_moe_debug_model(tmp_path):
     assert sorted(p.name for p in steps.iterdir()) == ["step-2", "step-4"]
 
 
+@pytest.mark.slow
 @needs("accelerate", "accelerate")
 def test_accelerate_refuses_fsdp_on_cpu_and_trains_what_it_prepares(tmp_path):
     fig = run_recipe("accelerate_fully_shard.py", tmp_path)

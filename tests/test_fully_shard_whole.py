@@ -137,7 +137,8 @@ def parity_worker(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# W = 3 in make test, W = 2 in make test-slow ([Note: two tiers], tests/conftest.py)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_whole_parameters_match_a_single_process(world):
     for out in run_distributed(parity_worker, world, timeout=300):
         assert all(c == {} for c in out["comms"].values()), f"communication inside optimizer.step(): {out}"

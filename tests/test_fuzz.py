@@ -87,6 +87,7 @@ def test_the_pinned_configurations_cover_what_they_were_chosen_for():
     assert any(c.get("gathers_itself") for c in configs)  # FSDP2's all-gather extension (bench/fuzz/gathers.py)
 
 
+@pytest.mark.slow
 def test_pinned_configurations_match_the_reference_every_step(reports):
     _assert_pass(reports, [(SEED, i) for i in INDICES])
 
@@ -125,6 +126,7 @@ def test_docs_figures_are_the_committed_fuzz_run():
 # accumulation window. No hook of flatshard's runs, and the loop's optimizer.zero_grad() did not clear
 # the window's earlier micro-batches, accumulated unreduced inside the units. Fixed by [Note: an open
 # accumulation window] (grad_state.py); tests/test_loops.py holds the smaller cases.
+@pytest.mark.slow
 def test_a_backward_raising_before_any_unit_mid_window_matches_the_reference(reports):
     _assert_pass(reports, RERUNS["backward_raising_mid_window"])
 
@@ -132,6 +134,7 @@ def test_a_backward_raising_before_any_unit_mid_window_matches_the_reference(rep
 # Found by make fuzz's seed 2 (indices 1, 27): the backward that raised before any unit left the root
 # gathered, and the loop's p.data edit before the next forward was not computed with. Fixed by [Note: a
 # forward with no backward after it] (schedule.py).
+@pytest.mark.slow
 def test_a_forward_after_a_backward_that_reached_no_unit_sees_the_loops_edit(reports):
     _assert_pass(reports, RERUNS["forward_after_backward_that_reached_no_unit"])
 
@@ -140,6 +143,7 @@ def test_a_forward_after_a_backward_that_reached_no_unit_sees_the_loops_edit(rep
 # accumulation window given up mid-way (a skipped loss, zero_grad) kept those parameters' unreduced
 # gradients for the next step. Fixed by marking their .grad while a window is open, as the flat shard's
 # ([Note: an open accumulation window]); tests/test_fsdp2_extensions.py holds the smaller case.
+@pytest.mark.slow
 def test_a_window_given_up_drops_the_unreduced_gradients_of_parameters_that_gather_themselves(reports):
     _assert_pass(reports, RERUNS["window_given_up_gathers_itself"])
 
@@ -147,10 +151,12 @@ def test_a_window_given_up_drops_the_unreduced_gradients_of_parameters_that_gath
 # Found by seed 3 (index 188): a window given up by zero_grad(set_to_none=False) left a parameter frozen
 # afterwards with no gradient (None), where an unwrapped model's micro-batches had given it one, zeroed in
 # place: a zero gradient ([Note: an open accumulation window]).
+@pytest.mark.slow
 def test_a_window_zeroed_in_place_leaves_zero_gradients(reports):
     _assert_pass(reports, RERUNS["window_zeroed_in_place"])
 
 
+@pytest.mark.slow
 def test_fsdp1_wrapper_with_bf16_parameters_matches_the_reference_that_casts_alike(reports):
     configs = [fuzz_config.draw(seed, index) for seed, index in RERUNS["fsdp1_bf16"]]
     assert all(c["front"] == "fsdp1" and c["mp"] for c in configs)

@@ -7,12 +7,15 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.dist import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120  # ~20 s on two cores; a hang must fail, not wait
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path, monkeypatch):
     out = tmp_path / "gpu_check.json"
     monkeypatch.setenv("PYTHON", sys.executable)  # the script runs on this interpreter's torch

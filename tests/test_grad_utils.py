@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.helpers.cases import PER_RANK, build, make_optimizer
@@ -75,9 +76,10 @@ def no_sync_worker(rank: int, world: int) -> int:
     return 1
 
 
-def test_no_sync_gradient_accumulation_parity():
-    for world in (2, 3):
-        run_distributed(no_sync_worker, world, timeout=300)
+# W = 3 in make test, W = 2 in make test-slow ([Note: two tiers], tests/conftest.py)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
+def test_no_sync_gradient_accumulation_parity(world):
+    run_distributed(no_sync_worker, world, timeout=300)
 
 
 def no_sync_exception_worker(rank: int, world: int) -> bool:

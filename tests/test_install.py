@@ -76,6 +76,7 @@ def _probe(python: Path) -> list[str]:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fake_torch", [None, "2.99.0"], ids=["this-torch", "another-release"])
 def test_pip_install_keeps_the_torch_that_is_there(tmp_path, fake_torch):
     src = _source(tmp_path)

@@ -375,7 +375,7 @@ def accumulation_precision_worker(rank: int, world: int, n: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("n", [64, 256])
+@pytest.mark.parametrize("n", [64, pytest.param(256, marks=pytest.mark.slow)])  # 256: [Note: two tiers] (conftest.py)
 def test_fully_shard_accumulates_unreduced_gradients_in_the_reduce_dtype(n):
     """As FSDP2 does: the first unsynced micro-batch's gradient is cast to the reduce dtype (fp32) and the
     next ones are added to it there, not summed in bf16 on the gathered parameters. Its error against the

@@ -28,6 +28,7 @@ def _example():
     return module
 
 
+@pytest.mark.slow
 def test_capped_run_trains_where_the_unsharded_model_is_killed(tmp_path):
     big = _example()
     reason = big.unavailable_reason()

@@ -10,11 +10,14 @@ import subprocess
 import sys
 import uuid
 
+import pytest
+
 from bench.cluster.net import free_ports
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.slow
 def test_two_node_torchrun_hybrid(tmp_path):
     port, run_id = free_ports(1), uuid.uuid4().hex[:8]
     nodes = []

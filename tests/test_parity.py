@@ -26,7 +26,17 @@ def parity_worker(rank: int, world: int) -> int:
     return len(cases)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+# make test runs W = 3 (padding, more than two ranks); the other worlds in make test-slow and CI ([Note: two tiers],
+# tests/conftest.py)
+@pytest.mark.parametrize(
+    "world",
+    [
+        pytest.param(1, marks=pytest.mark.slow),
+        pytest.param(2, marks=pytest.mark.slow),
+        3,
+        pytest.param(4, marks=pytest.mark.slow),
+    ],
+)
 def test_parity_all_strategies(world):
     counts = run_distributed(parity_worker, world, timeout=400)
     assert counts == [len(MODELS) * len(STRATEGIES) * len(OPTIMIZERS)] * world

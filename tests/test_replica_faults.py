@@ -30,6 +30,7 @@ ARGS = dict(
 )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_group_dropped_and_rejoined_holds_bitwise_the_same_state(tmp_path):
     dropped_and_rejoined(tmp_path, ARGS)
 

@@ -34,6 +34,7 @@ pytest.importorskip("torchft", reason="flatshard.ft needs torchft: pip install '
 SETTINGS = dict(ARGS, front="fully_shard", steps=36, collective_timeout=10.0)
 
 
+@pytest.mark.slow
 def test_a_fully_shard_group_dropped_and_rejoined_holds_bitwise_the_same_state(tmp_path):
     """tests/test_replica_faults.py's checks (group 1 committed every step, some alone; group 0 none while
     away; rank k of both groups bitwise equal at the end), and that training went on after the rejoin: from

@@ -213,6 +213,7 @@ def _check(reference, faulted, specs: list[str]) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_restart_resumes_bitwise_after_a_kill_in_each_phase(jobs):
     result = _check(jobs["reference"], jobs["killed"], KILLS)
     assert result["restarts"] == len(KILLS) == 6
@@ -224,6 +225,7 @@ def test_restart_resumes_bitwise_after_a_kill_in_each_phase(jobs):
     assert result["losses_bitwise_equal"] and result["final_checkpoint_files_identical"]
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_fails_every_other_rank_in_time_and_the_restart_recovers(jobs, stopped_job):
     result = _check(jobs["reference"], stopped_job, [STOP])
     (stop,) = result["stop_errors"]
@@ -244,6 +246,7 @@ FS_KILLS = [  # checkpoints after steps 3 and 6, and at the end
 FULLY_SHARD = ("--front-end", "fully_shard")
 
 
+@pytest.mark.slow
 def test_fully_shard_restart_resumes_bitwise_after_kills(tmp_path):
     """``train_gpt.py --front-end fully_shard`` under torchrun's restarts: killed in backward, while writing
     a checkpoint, in the optimizer step and before the commit, it resumes each time from the newest committed

@@ -97,7 +97,8 @@ def parity_worker(rank: int, world: int) -> int:
     return cases
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+# W = 3 in make test, the other worlds in make test-slow ([Note: two tiers], tests/conftest.py)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_parity_rows_and_params(world):
     assert run_distributed(parity_worker, world, timeout=400) == [12 + (2 if world == 4 else 0)] * world
 
