@@ -1,5 +1,6 @@
 """The planted bugs of the differential fuzzer (bench/fuzz/plants/): every patch still applies to the tree, so
-``python -m bench.fuzz.plants`` plants what it says; and the committed run flagged each of them."""
+``python -m bench.fuzz.plants`` plants what it says; the committed run flagged each of them, and the testing
+page quotes it."""
 
 from __future__ import annotations
 
@@ -39,3 +40,15 @@ def test_the_committed_run_flagged_every_planted_bug():
     for bug, row in rows.items():
         assert row["flagged"] > 0, bug
         assert row["first_flagged_index"] == min(row["flagged_indices"]), bug
+
+
+def test_the_testing_page_quotes_the_committed_run():
+    """docs/internals/testing.md's planted-bug table is ``python -m bench.fuzz.plants --table`` of the committed
+    file, with the commit it was measured at (a rerun fails this until the page says what the file says)."""
+    from bench.fuzz.plants import table
+    from bench.tables import measured_at
+
+    run = json.loads((ROOT / "bench" / "results" / "fuzz_plants.json").read_text())
+    page = (ROOT / "docs" / "internals" / "testing.md").read_text()
+    assert "\n".join(table(run)) in page
+    assert " ".join(measured_at(run).split()) in " ".join(page.split())

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from bench import provenance
 from bench.cluster.jobs import source_commit
+from bench.fuzz.plants import table
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -60,7 +61,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="patches run at once")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "fuzz_plants.json")
+    parser.add_argument("--table", action="store_true", help="print the --json file as a Markdown table; run nothing")
     args = parser.parse_args(argv)
+    if args.table:
+        print("\n".join(table(json.loads(args.json.read_text()))))
+        return 0
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda p: run_plant(p, args.count, args.seed), patches()))
     print(f"{'bug':32s} {'flagged':>12s} {'first index':>12s}")
