@@ -59,7 +59,11 @@ def test_the_claims_hold_in_the_committed_run():
         for g, w in f["others_window"].items():
             steady = RESULT["steady_steps_per_min"][g]
             assert w["to_step"] == f["back_at_step"] and w["steps"] == w["to_step"] - w["from_step"], f
-            assert w["before_kill_s"] >= 0, f  # the window starts before the kill ...
+            assert f["steps_away"] > 0 and f["seconds_away"] > 0, f  # back means restarted and committing
+            # the window starts at the survivor's commit of the last step both groups committed: before the
+            # kill, or a few milliseconds after it when the kill landed after that step's all-reduce
+            # ([Note: back is a commit of the restarted processes]) ...
+            assert w["before_kill_s"] > -0.1, f
             assert abs(w["seconds"] - w["before_kill_s"] - f["seconds_away"]) < 0.1, f  # ... and ends at the rejoin
             assert f["others_rate_ratio"][g] == round(60.0 * w["steps"] / w["seconds"] / steady, 3), f
             ratios.append(f["others_rate_ratio"][g])
@@ -70,10 +74,9 @@ def test_the_claims_hold_in_the_committed_run():
     assert min(ratios) >= 0.8
     assert len(band["controls"]) >= 2
     # what docs/multi_node.md says of the committed run ([Note: the band's control]): closer to the band
-    # than each run without failures, inside it at a number of steps between theirs, and ending above it
-    controls = [c["steps_inside"] for c in band["controls"].values()]
+    # than each run without failures (its largest excursion smaller than theirs) and ending above it; how
+    # many steps it spends inside is not claimed against the controls (seed noise orders those either way)
     assert band["largest_excursion"] < min(c["largest_excursion"] for c in band["controls"].values())
-    assert min(controls) < band["steps_inside"] < max(controls)
     assert band["final_loss_faulty"] > band["final_loss_band"][1]
     assert f"above the band's [{band['final_loss_band'][0]:.4f}, {band['final_loss_band'][1]:.4f}]" in flat(
         "docs/multi_node.md"
@@ -81,9 +84,10 @@ def test_the_claims_hold_in_the_committed_run():
     assert all(r["parameters_equal"] and r["optimizer_equal"] for r in RESULT["final_state"].values())
 
 
-def _made_up_run(back: bool) -> dict:
+def _made_up_run(back: bool, kill_t: float = 10.5) -> dict:
     """Group 1 commits a step a second; group 0 is killed after step 10; group 1 takes 3 s to commit the
-    step in flight (the retry) and 2 s more to let group 0 back in at step 25 (the rejoin)."""
+    step in flight (the retry) and 2 s more to let group 0 back in at step 25 (the rejoin). Group 0's
+    processes start again (torchrun) at t = 25, as the workers log it."""
 
     def rec(step: int, t: float, n: int) -> dict:
         return {"kind": "step", "step": step, "t": t, "participants": n, "committed": True, "participating": True}
@@ -92,8 +96,10 @@ def _made_up_run(back: bool) -> dict:
         return float(step) + (3.0 if step > 10 else 0.0) + (2.0 if step >= 25 else 0.0)
 
     survivor = [rec(s, t_of(s), 1 if 10 < s < 25 else 2) for s in range(40)]
-    victim = [rec(s, t_of(s), 2) for s in range(11)] + ([rec(s, t_of(s), 2) for s in range(25, 40)] if back else [])
-    kill = {"group": 0, "rank": 0, "pid": 1, "step": 10, "t": 10.5}
+    victim = [{"kind": "start", "pid": 1, "restart": 0, "t": -1.0}] + [rec(s, t_of(s), 2) for s in range(11)]
+    if back:
+        victim += [{"kind": "start", "pid": 2, "restart": 1, "t": 25.0}] + [rec(s, t_of(s), 2) for s in range(25, 40)]
+    kill = {"group": 0, "rank": 0, "pid": 1, "step": 10, "t": kill_t}
     return {"logs": {"g0-r0": victim, "g1-r0": survivor}, "kills": [kill], "finished": back}
 
 
@@ -105,6 +111,19 @@ def test_the_whole_window_counts_the_retry_and_the_rejoin():
     assert (w["kill_step_s"], w["rejoin_step_s"]) == (4.0, 3.0), w  # where they went
     with pytest.raises(RuntimeError, match="never committed a step again"):
         replica_faults.failures(_made_up_run(back=False), 2)
+
+
+def test_a_kill_after_the_step_was_committed_is_counted_from_the_restart():
+    """The killer reads the step and kills; when that lands after the step's all-reduce (rank 1 killed a
+    few milliseconds after rank 0 wrote its commit of step 10, which is then logged after the kill's
+    time), the killed group is back when its restarted processes first commit, not at that commit of
+    the old ones, and the survivor's window starts at its commit of the last step both groups
+    committed: the step the kill broke is the next one."""
+    (f,) = replica_faults.failures(_made_up_run(back=True, kill_t=9.995), 2)
+    assert (f["back_at_step"], f["steps_away"], f["last_step_before"]) == (25, 15, 10), f
+    w = f["others_window"]["g1"]
+    assert (w["from_step"], w["to_step"], w["kill_step_s"]) == (10, 25, 4.0), w
+    assert w["before_kill_s"] == -0.005 and abs(w["seconds"] - w["before_kill_s"] - f["seconds_away"]) < 0.1, w
 
 
 FULLY_SHARD = json.loads((ROOT / "bench" / "results" / "replica_faults_fully_shard.json").read_text())

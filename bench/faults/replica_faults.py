@@ -214,18 +214,20 @@ def rate(points: list[tuple[int, float, int]]) -> float | None:
 # A kill costs the groups that stay up in three places: the step in flight when the rank dies (its
 # cross-replica all-reduce fails, or the quorum waits out the dead group's heartbeat), the steps alone,
 # and the rejoin (the quorum that lets the restarted group in, the state sent to it over HTTP before the
-# step it joins). So a survivor's rate is measured over a window that holds all three: from its last
-# commit before the kill to its commit of the step the restarted group first commits (the two groups
+# step it joins). So a survivor's rate is measured over a window that holds all three: from its commit
+# of the last step the killed group committed (its last commit before the kill, or just after it when the
+# kill landed after that step's all-reduce: [Note: back is a commit of the restarted processes]) to its
+# commit of the step the restarted group first commits (the two groups
 # commit that step in the same all-reduce, within milliseconds). Both ends are commits, so the window
 # holds a whole number of steps and its rate is the steady rate exactly when nothing was lost; a window
 # cut at the kill and the rejoin instead counts a step more or less by where the kill fell (with five
 # steps away, a fifth of the ratio). No window is left out: a group that never came back, or a survivor
 # with no commit at either end, is an error, and a survivor that committed nothing is a rate of 0.
-def window(run: dict, group: int, kill_t: float, back_step: int) -> dict:
-    """``group``'s steps and seconds from its last commit before ``kill_t`` to its commit of ``back_step``
-    ([Note: the survivors' rate over the whole window])."""
+def window(run: dict, group: int, kill_t: float, from_step: int, back_step: int) -> dict:
+    """``group``'s steps and seconds from its commit of ``from_step`` (the last step the killed group
+    committed) to its commit of ``back_step`` ([Note: the survivors' rate over the whole window])."""
     mine = commits(run, group)
-    before = [c for c in mine if c[1] <= kill_t]
+    before = [c for c in mine if c[0] <= from_step]
     after = [c for c in mine if c[0] >= back_step and c[1] > kill_t]
     if not before or not after:
         raise RuntimeError(
@@ -249,14 +251,25 @@ def window(run: dict, group: int, kill_t: float, back_step: int) -> dict:
 def failures(run: dict, groups: int) -> list[dict]:
     out = []
     for kill in run["kills"]:
-        back = [c for c in commits(run, kill["group"]) if c[1] > kill["t"]]
+        # [Note: back is a commit of the restarted processes]
+        # The killer reads the step and kills, and the kill can land after that step's all-reduce, a few
+        # milliseconds before the killed group's rank 0 logs its commit: a commit logged after the kill's
+        # time is then the old processes'. The group is back at the first commit of the processes
+        # torchrun started after the kill, and the survivor's window starts at its commit of the last step
+        # the killed group committed before (so the step the kill broke is the one after it).
+        starts = [r["t"] for r in run["logs"][f"g{kill['group']}-r0"] if r["kind"] == "start" and r["t"] > kill["t"]]
+        mine = commits(run, kill["group"])
+        back = [c for c in mine if starts and c[1] > starts[0]]
         if not back:
             raise RuntimeError(f"group {kill['group']}, killed at step {kill['step']}, never committed a step again")
+        before = [c for c in mine if c[1] < starts[0]]
+        last = before[-1][0] if before else -1
         others = [g for g in range(groups) if g != kill["group"]]
-        windows = {f"g{g}": window(run, g, kill["t"], back[0][0]) for g in others}
+        windows = {f"g{g}": window(run, g, kill["t"], last, back[0][0]) for g in others}
         out.append(
             {
                 **{k: kill[k] for k in ("group", "rank", "step")},
+                "last_step_before": last,
                 "back_at_step": back[0][0],
                 "steps_away": back[0][0] - kill["step"],
                 "seconds_away": round(back[0][1] - kill["t"], 2),
