@@ -389,6 +389,42 @@ def table(result: dict) -> list[str]:
     return lines
 
 
+def figures(result: dict) -> list[str]:
+    """docs/multi_node.md's bullets under a run's table: every figure in them comes from the result file,
+    and so does each comparison they state (which way it goes is read from the file, not written)."""
+    fails, band = result["failures"], result["loss_band"]
+    windows = [w for f in fails for w in f["others_window"].values()]
+    ratios = [r for f in fails for r in f["others_rate_ratio"].values()]
+    steady = statistics.mean(result["steady_steps_per_min"].values())
+    away, secs = [f["steps_away"] for f in fails], [f["seconds_away"] for f in fails]
+    broke, rejoin = [w["kill_step_s"] for w in windows], [w["rejoin_step_s"] for w in windows]
+    (c3, c4), (lo, hi) = band["controls"].values(), band["final_loss_band"]
+    seeds = ", ".join(map(str, band["seeds"][:-1])) + f" and {band['seeds'][-1]}"
+    final = band["final_loss_faulty"]
+    where = "above" if final > hi else "below" if final < lo else "inside"
+    closer = band["largest_excursion"] < min(c3["largest_excursion"], c4["largest_excursion"])
+    equal = all(
+        r != "missing" and r["parameters_equal"] and r["optimizer_equal"] for r in result["final_state"].values()
+    )
+    return [
+        f"* **The other group never stopped**: {result['kills']} kills in {result['config']['steps']} steps, and over "
+        f"each kill's whole window the other group committed {min(ratios):.2f}–{max(ratios):.2f} of its steady rate "
+        f"(about {steady:.0f} steps per minute). The step a kill broke took {min(broke):.2f}–{max(broke):.2f} s and "
+        f"the rejoin's step {min(rejoin):.2f}–{max(rejoin):.2f} s, against a steady {60 / steady:.2f} s.",
+        f"* **The killed group was back within {min(away)}–{max(away)} steps** ({min(secs):.1f}–{max(secs):.1f} s).",
+        f"* **The loss curve** (seed {band['seeds'][0]}, with the {result['kills']} failures) is inside the band of "
+        f"the no-failure runs of seeds {seeds} at {band['steps_inside']} of {band['steps_checked']} steps and at most "
+        f"{band['largest_excursion']:.3f} outside it; the controls, without a failure, were inside at "
+        f"{c3['steps_inside']} and {c4['steps_inside']} of {c4['steps_checked']} steps and up to "
+        f"{c3['largest_excursion']:.3f} and {c4['largest_excursion']:.3f} outside, so the faulty curve stayed "
+        f"{'closer to' if closer else 'no closer to'} the band than each run without failures. Its last smoothed "
+        f"loss is {final:.4f}, {where} the band's [{lo:.4f}, {hi:.4f}].",
+        f"* **After the last rejoin every replica {'holds' if equal else 'does NOT hold'} bitwise the same state** "
+        f"(rank 0's and rank 1's parameter shards and AdamW state, by SHA-256, between the two groups at step "
+        f"{result['config']['steps']}).",
+    ]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--local", action="store_true", help="run on this machine's loopback (no namespaces, no root)")
@@ -428,14 +464,17 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=0, help="first of G + 1 ports (0: free ones)")
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "replica_faults.json")
-    p.add_argument("--table", action="store_true", help="print the table of --out's kills, run nothing")
+    p.add_argument(
+        "--table", action="store_true", help="print the table of --out's kills and the figures under it, run nothing"
+    )
     p.add_argument(
         "--from-logs", type=Path, default=None,
         help="summarize the runs whose logs are in this directory (a --log-dir of an earlier run) again, run nothing",
     )  # fmt: skip
     args = p.parse_args(argv)
     if args.table:
-        print("\n".join(table(json.loads(args.out.read_text()))))
+        result = json.loads(args.out.read_text())
+        print("\n".join(table(result)) + "\n\n" + "\n".join(figures(result)))
         return 0
     log_root = args.from_logs or args.log_dir or Path(tempfile.mkdtemp(prefix="replica_faults_"))
     print(f"logs under {log_root}", flush=True)
