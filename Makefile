@@ -19,10 +19,10 @@ run: install
 	$(PY) examples/train_gpt.py $(ARGS)
 
 test: install  # the suite but its end-to-end jobs; two workers: [Note: the suite on two workers], [Note: two tiers] (tests/conftest.py)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 -m "not slow" tests
 
 test-slow: install  # the end-to-end jobs (tests marked slow): scripts launched as a user launches them
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 -m slow tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 -m slow tests
 
 lint: install  # ruff: the formatter's check and the linter; mypy over src/ (both configured in pyproject.toml)
 	$(PY) -m ruff format --check src tests examples bench

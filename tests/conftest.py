@@ -45,6 +45,52 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 # slower (38% of the quick tier in 4 minutes): its tests compute rather than wait.
 
 
+# [Note: the longest files first]
+# Under ``--dist loadfile`` pytest-xdist hands each worker one file at a time from a queue; by default it
+# orders that queue by number of tests, so a file of one long multi-process test (the hybrid sweep, the
+# stream check, torch.compile) came last and ran while the other worker had nothing left: the tier ended
+# up to a file's length after the work did. The Makefile turns that order off (``--no-loadscope-reorder``)
+# and this hook puts the files that took longest first, each tier in its order of measured seconds (2
+# cores of an AMD EPYC, AVX2 only), then every other file in collection order: the longest first is the
+# greedy schedule whose tail is at most the shortest files'. A stale list costs only that tail.
+LONGEST_FIRST = [
+    # make test-slow
+    "test_restart.py",
+    "test_doc_blocks.py",
+    "test_example.py",
+    "test_fuzz.py",
+    "test_replica_faults_fully_shard.py",
+    "test_replica_faults.py",
+    "test_frameworks.py",
+    "test_memory_cap.py",
+    # make test (both tiers for test_parity.py)
+    "test_parity.py",
+    "test_hybrid.py",
+    "test_loops.py",
+    "test_mesh_groups.py",
+    "test_activation_checkpointing.py",
+    "test_tensor_parallel.py",
+    "test_compile.py",
+    "test_moe.py",
+    "test_checkpoint_fully_shard.py",
+    "test_streams.py",
+    "test_dp_mesh_dims.py",
+    "test_shard_boundaries.py",
+    "test_overlap_precision.py",
+    "test_fully_shard_whole.py",
+    "test_fully_shard.py",
+    "test_optimizer_across_replicas.py",
+    "test_reliability.py",
+    "test_fsdp2_reduction_settings.py",
+    "test_fully_shard_across_replicas.py",
+]
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
 def pytest_collection_finish(session) -> None:
     # [Note: the suite on two workers]
     # ``make test`` runs the files on two pytest-xdist workers (``-n 2 --dist loadfile``: a file's tests
