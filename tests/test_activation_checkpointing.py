@@ -1,5 +1,5 @@
 """Activation checkpointing with PyTorch's own tools, applied before or after wrapping, or called inside
-a forward: parity with the un-checkpointed single-process reference for 10 steps (fp32 defaults), no
+a forward: parity with the un-checkpointed single-process reference for 5 steps (fp32 defaults), no
 unsharded flat left behind, one reduce-scatter per unit per backward (no gradient counted twice), no
 extra all-gather for the recomputation, and the activation memory it saves, measured.
 
@@ -24,7 +24,7 @@ from tests.helpers.util import assert_grads_match, assert_params_match
 
 MODES = ("before", "after", "inside")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
-STEPS = 10
+STEPS = 5  # [Note: five steps], tests/helpers/cases.py
 PER_RANK = 3
 
 

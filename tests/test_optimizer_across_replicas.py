@@ -24,6 +24,7 @@ from tests.helpers.cases import (
     full_sd,
     make_optimizer,
     run_case,
+    shared_references,
     train_rank_batches,
 )
 from tests.helpers.dist import run_distributed
@@ -40,13 +41,14 @@ def parity_worker(rank: int, world: int) -> int:
         for opt in ("sgd_momentum", "adamw")
     ]
     cases += [("frozen_nested_manual", "HYBRID_SHARD", "adamw"), ("gpt_tie_across_units", "HYBRID_SHARD", "adamw")]
-    for kind, strategy, opt in cases:
-        model = run_case(rank, world, kind, strategy, opt, **ON)
-        units = flatshard.units(model)
-        assert all(u.shard_size == 2 and u.replicate_size == 2 for u in units)
-        # what the shard views hold is this rank's piece: the "flat" shard over all W ranks
-        for u in units:
-            assert u.local_numel <= math.ceil(u.numel / world), (u.name, u.local_numel, u.numel)
+    with shared_references():  # [Note: one reference per trajectory], tests/helpers/cases.py
+        for kind, strategy, opt in cases:
+            model = run_case(rank, world, kind, strategy, opt, **ON)
+            units = flatshard.units(model)
+            assert all(u.shard_size == 2 and u.replicate_size == 2 for u in units)
+            # what the shard views hold is this rank's piece: the "flat" shard over all W ranks
+            for u in units:
+                assert u.local_numel <= math.ceil(u.numel / world), (u.name, u.local_numel, u.numel)
     return len(cases)
 
 

@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from tests.helpers.cases import PER_RANK, build, run_case
+from tests.helpers.cases import PER_RANK, build, run_case, shared_references
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import Block, TinyGPT
 from tests.helpers.util import captured_logs
@@ -28,14 +28,15 @@ def prefetch_worker(rank: int, world: int) -> dict:
     from flatshard import BackwardPrefetch
 
     finals = {}
-    for bwd, fwd, limit in SETTINGS:
-        kw = {
-            "backward_prefetch": BackwardPrefetch[bwd] if bwd else None,
-            "forward_prefetch": fwd,
-            "limit_all_gathers": limit,
-        }
-        model = run_case(rank, world, "gpt_tie_across_units", "FULL_SHARD", "adamw", **kw)  # parity every step
-        finals[(bwd, fwd, limit)] = [p.detach().clone() for p in model.parameters()]
+    with shared_references():  # [Note: one reference per trajectory], tests/helpers/cases.py
+        for bwd, fwd, limit in SETTINGS:
+            kw = {
+                "backward_prefetch": BackwardPrefetch[bwd] if bwd else None,
+                "forward_prefetch": fwd,
+                "limit_all_gathers": limit,
+            }
+            model = run_case(rank, world, "gpt_tie_across_units", "FULL_SHARD", "adamw", **kw)  # parity every step
+            finals[(bwd, fwd, limit)] = [p.detach().clone() for p in model.parameters()]
     base = finals[(None, False, True)]
     for key, params in finals.items():
         assert all(map(torch.equal, params, base)), f"prefetch {key} changed fp32 results"

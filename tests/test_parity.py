@@ -2,7 +2,7 @@
 
 One spawn per world size runs every (model, strategy, optimizer) case: the forward output on the
 local micro-batch, every gradient after backward and every parameter after the step must equal the
-unwrapped model's (PyTorch's default fp32 tolerances), for 10 steps. World size 3 exercises padding
+unwrapped model's (PyTorch's default fp32 tolerances), for 5 steps (cases.STEPS). World size 3 exercises padding
 (odd element counts everywhere)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from tests.helpers.cases import run_case
+from tests.helpers.cases import run_case, shared_references
 from tests.helpers.dist import run_distributed
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -21,8 +21,9 @@ OPTIMIZERS = ("sgd_momentum", "adamw")
 
 def parity_worker(rank: int, world: int) -> int:
     cases = list(itertools.product(MODELS, STRATEGIES, OPTIMIZERS))
-    for kind, strategy, opt_kind in cases:
-        run_case(rank, world, kind, strategy, opt_kind)
+    with shared_references():  # [Note: one reference per trajectory]
+        for kind, strategy, opt_kind in cases:
+            run_case(rank, world, kind, strategy, opt_kind)
     return len(cases)
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flatshard.testing import count_dist_calls
-from tests.helpers.cases import PER_RANK, build, make_optimizer, run_case
+from tests.helpers.cases import PER_RANK, build, make_optimizer, run_case, shared_references
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import Block, TinyGPT
 from tests.helpers.util import assert_params_match
@@ -76,6 +76,11 @@ def test_unknown_boundaries_are_refused():
 
 # ---- parity --------------------------------------------------------------------------------------------
 def parity_worker(rank: int, world: int) -> int:
+    with shared_references():  # [Note: one reference per trajectory], tests/helpers/cases.py
+        return _parity(rank, world)
+
+
+def _parity(rank: int, world: int) -> int:
     import torch.distributed as dist
 
     cases = 0

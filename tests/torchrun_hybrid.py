@@ -25,7 +25,7 @@ from tests.helpers.cases import PER_RANK, build, run_case  # noqa: E402
 def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = run_case(rank, world, "gpt_tie_in_root", "HYBRID_SHARD", "adamw")  # parity, 10 steps
+    model = run_case(rank, world, "gpt_tie_in_root", "HYBRID_SHARD", "adamw")  # parity, every step of cases.STEPS
     root = flatshard.units(model)[0]
     _, fresh, batch, loss_fn = build("gpt_tie_in_root", "HYBRID_SHARD")
     x, y = batch(0, PER_RANK)

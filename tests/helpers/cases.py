@@ -4,6 +4,7 @@ planner's measured step, and the FSDP2 pair of ``fully_shard`` models."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
@@ -16,7 +17,12 @@ from tests.helpers.models import Block, FrozenTrunk, OddMLP, TinyGPT
 from tests.helpers.util import assert_grads_match, assert_params_match
 
 # ---- parity with a single-process reference -------------------------------------------------------
-STEPS = 10
+# [Note: five steps]
+# Five steps: every moment of AdamW and the momentum of SGD are past their first update (the steps where a
+# bias correction, a state created lazily or a buffer reused shows), every step checked. Ten cost twice
+# the collectives, and on 2 cores these tests wait on each other's ranks more than they compute: in a
+# profile of the W = 3 parity sweep, 60% of a rank's time was spent in collective waits.
+STEPS = 5
 PER_RANK = 3  # odd micro-batch
 
 
@@ -73,26 +79,86 @@ def make_optimizer(kind: str, model: nn.Module):
     return torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=1e-2)
 
 
+# [Note: one reference per trajectory]
+# The reference run_case trains depends only on the model kind, the optimizer and the world size (its
+# global batch): not on the strategy or any other keyword of the wrapped model. A worker that runs many
+# cases (every strategy, every way to name the groups, every boundary mode) trains each reference once
+# inside ``shared_references()``; later cases compare with the recorded outputs, gradients and parameters
+# of every step. The comparison is the same; what is saved is the reference's global-batch forward and
+# backward, most of a case's time on W ranks of 2 cores.
+_REFERENCES: dict | None = None
+
+
+@contextlib.contextmanager
+def shared_references():
+    """Inside: run_case records each (kind, optimizer, world) reference's steps once and reuses them."""
+    global _REFERENCES
+    _REFERENCES = {}
+    try:
+        yield
+    finally:
+        _REFERENCES = None
+
+
+class _Recorded(nn.Module):
+    """A reference's parameters (and gradients) at one point of its training, as pairs() reads a module."""
+
+    def __init__(self, ref: nn.Module, grads: bool):
+        super().__init__()
+        self._named = []
+        for name, p in ref.named_parameters():
+            q = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+            q.grad = None if not grads or p.grad is None else p.grad.detach().clone()
+            self._named.append((name, q))
+
+    def named_parameters(self, *args, **kwargs):  # noqa: ARG002 - pairs() asks for all of them
+        yield from self._named
+
+
+def _reference_steps(kind: str, opt_kind: str, world: int, ref: nn.Module, batch, loss_fn):
+    """Per step: (the reference's output, it after backward with its gradients, it after the step), trained
+    now or, inside shared_references(), recorded by the first case of the same trajectory."""
+    key = (kind, opt_kind, world, STEPS)
+    if _REFERENCES is not None and key in _REFERENCES:
+        yield from _REFERENCES[key]
+        return
+    ref_opt = make_optimizer(opt_kind, ref)
+    recorded = []
+    for step in range(STEPS):
+        x, y = batch(step, world * PER_RANK)
+        ref_out = ref(x)
+        loss_fn(ref_out, y).backward()
+        after_backward = _Recorded(ref, grads=True) if _REFERENCES is not None else ref
+        ref_opt.step()
+        after_step = _Recorded(ref, grads=False) if _REFERENCES is not None else ref
+        if _REFERENCES is not None:
+            recorded.append((ref_out.detach(), after_backward, after_step))
+        yield ref_out.detach(), after_backward, after_step
+        ref_opt.zero_grad()
+    if _REFERENCES is not None:
+        _REFERENCES[key] = recorded
+
+
 def run_case(rank: int, world: int, kind: str, strategy: str, opt_kind: str, **fsdp_kwargs) -> nn.Module:
     """Train ``kind`` for STEPS steps beside its reference, checking every step; returns the wrapped model."""
     ref, model, batch, loss_fn = build(kind, strategy, **fsdp_kwargs)
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    ref_opt, opt = make_optimizer(opt_kind, ref), make_optimizer(opt_kind, model)
+    opt = make_optimizer(opt_kind, model)
     local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    references = _reference_steps(kind, opt_kind, world, ref, batch, loss_fn)
     for step in range(STEPS):
         what = f"{kind}/{strategy}/{opt_kind} {fsdp_kwargs} W={world} step {step}"
         x, y = batch(step, world * PER_RANK)
-        ref_out = ref(x)
-        loss_fn(ref_out, y).backward()
+        ref_out, ref_after_backward, ref_after_step = next(references)
         out = model(x[local])
         torch.testing.assert_close(out, ref_out[local], msg=lambda m: f"{what}: forward output: {m}")
         loss_fn(out, y[local]).backward()
-        assert_grads_match(model, ref, what)
-        ref_opt.step()
+        assert_grads_match(model, ref_after_backward, what)
         opt.step()
-        assert_params_match(model, ref, what)
-        ref_opt.zero_grad()
+        assert_params_match(model, ref_after_step, what)
         opt.zero_grad()
+    for _ in references:  # the reference's last zero_grad, and its recording when shared
+        pass
     for n, p in model.named_parameters():
         if not p.requires_grad:
             assert torch.equal(p.detach(), frozen_before[n]), f"{kind}: frozen {n} changed"
