@@ -85,11 +85,9 @@ def test_the_verdicts_count_and_the_method_quote_the_runs():
     predictions = [cluster_predict.committed(rate) for rate in RATES]
     within = [ok for p in predictions for ok in p["verdicts"]["within_25_percent"].values()]
     section = prose("**Verdicts.**", "## FSDP2's HSDP as a user runs it")
-    assert f"{sum(within)} of these {len(within)} predictions are within 25%, and the order is right" in section
-    assert all(p["verdicts"]["same_order_but_ties"] for p in predictions)
-    rows = predictions[0]["rows"]  # at 1 Gbit/s HYBRID_SHARD and NO_SHARD measured the same step
-    assert f"{rows[HYBRID]['measured_s'] * 1e3:.0f}" == f"{rows['flatshard NO_SHARD']['measured_s'] * 1e3:.0f}"
-    assert "(at 1 Gbit/s HYBRID_SHARD and NO_SHARD measured the same step, a tie)" in section
+    stated = f"{sum(within)} of these {len(within)} predictions are within 25%, and the order is right at both rates."
+    assert stated in section
+    assert not any(p["verdicts"]["misordered_pairs"] for p in predictions)  # the order exactly, no tie excepted
     worst = max(a["max_rel_diff"] for rate in RATES for a in report("cluster", rate)["losses_agree"].values())
     method = prose("## The method", "## The figures")
     worst = f"{worst:.1e}".replace("e-0", "e-")  # 3.6e-7, as the page writes it
@@ -142,7 +140,7 @@ def test_in_flight_is_faster_for_every_crossing_strategy():
 
 def test_where_the_hybrid_step_goes():
     """At 200 Mbit/s hybrid's step is within 0.2 s of forward + link + optimizer (the link idle in forward);
-    at 1 Gbit/s its link time, and at 200 Mbit/s int8's, is shorter than backward (two thirds of compute)."""
+    at 1 Gbit/s its link time is shorter than backward (two thirds of compute), at 200 Mbit/s int8's longer."""
     section = prose(*SLOW)
     run = report("slow_link", "200mbit")
     compute = run["result"]["calibration"]["compute"]
@@ -160,8 +158,10 @@ def test_where_the_hybrid_step_goes():
     assert fast < 2 / 3 * one["result"]["calibration"]["compute"]["forward_backward_s"]
     assert f"At 1 Gbit/s the link's {fast:.2f} s hides under backward" in section
     int8 = link_seconds(run["rows"][f"{HYBRID}, int8"]["link_mb_per_step_per_node"], "200mbit")
-    assert int8 < 2 / 3 * fb
-    assert f"(the link's {int8:.2f} s hides under backward)" in section
+    assert int8 > 2 / 3 * fb
+    assert (
+        f"(the link's {int8:.2f} s is longer than backward, {2 / 3 * fb:.2f} s here, so not all of it hides)" in section
+    )
 
 
 def test_int8_and_zero2_as_the_prose_gives_them():
@@ -178,26 +178,27 @@ def test_int8_and_zero2_as_the_prose_gives_them():
     fast, slow = ({n: s[f"{n}, int8"] / s[n] for n in exact} for s in (one, two))
     assert f"At 200 Mbit/s hybrid's step is then {slow[HYBRID]:.2f} of exact in flight" in section
     assert f"_HYBRID_SHARD_ZERO2's {slow[ZERO2]:.2f} and FULL_SHARD's {slow['flatshard FULL_SHARD']:.2f};" in section
-    assert fast[HYBRID] >= 0.995  # "nothing gained" at 1 Gbit/s: int8 hybrid no faster than exact
+    assert all(r < 1 for r in (*fast.values(), *slow.values()))  # int8 shortened every exact step, both rates
     assert (
-        f"hybrid's is {fast[HYBRID]:.2f} (nothing gained), _HYBRID_SHARD_ZERO2's {fast[ZERO2]:.2f} and "
-        f"FULL_SHARD's {fast['flatshard FULL_SHARD']:.2f}."
+        f"hybrid's is {fast[HYBRID]:.2f}, _HYBRID_SHARD_ZERO2's {fast[ZERO2]:.2f} and "
+        f"FULL_SHARD's {fast['flatshard FULL_SHARD']:.2f}: int8 shortened every one of these steps at both rates"
     ) in section
     settings = prose("### Settings for a slow link", "## Replica groups")
-    both = f"(here 200 Mbit/s: {slow[HYBRID]:.2f} of the exact step; at 1 Gbit/s {fast[HYBRID]:.2f}, nothing gained)"
+    both = f"(here 200 Mbit/s: {slow[HYBRID]:.2f} of the exact step; at 1 Gbit/s {fast[HYBRID]:.2f})"
     assert both in settings
     assert f"then with int8: {slow['flatshard FULL_SHARD']:.2f} of the exact step at 200 Mbit/s." in settings
     assert (
         f"was {one[ZERO2] / one[HYBRID]:.2f} of HYBRID_SHARD's step at 1 Gbit/s and "
-        f"{two[ZERO2] / two[HYBRID]:.2f} at 200 Mbit/s"
+        f"{two[ZERO2] / two[HYBRID]:.2f} at 200 Mbit/s (the optimizer-sharded hybrid, whose gathers are "
+        f"HYBRID_SHARD's, {one[OPT_R] / one[HYBRID]:.2f} and {two[OPT_R] / two[HYBRID]:.2f})"
     ) in section
 
 
 def test_the_optimizer_sharded_hybrid_as_the_prose_gives_it():
-    """Its step against HYBRID_SHARD's, within 4% at both rates, and the planner's ratio for it."""
+    """Its step against HYBRID_SHARD's, shorter at both rates, and the planner's ratio for it."""
     one, two = steps("1gbit"), steps("200mbit")
     r1, r2 = one[OPT_R] / one[HYBRID], two[OPT_R] / two[HYBRID]
-    assert abs(r1 - 1) <= 0.04 and abs(r2 - 1) <= 0.04
+    assert r1 < 1 and r2 < 1
     section = prose(*SLOW)
     assert (
         f"The optimizer-sharded hybrid's step is {r1:.2f} of HYBRID_SHARD's at 1 Gbit/s ({one[OPT_R] * 1e3:.0f} "
@@ -205,7 +206,7 @@ def test_the_optimizer_sharded_hybrid_as_the_prose_gives_it():
         f"{two[HYBRID] * 1e3:.0f} ms)"
     ) in section
     settings = prose("### Settings for a slow link", "## Replica groups")
-    assert f"a step within 4% of HYBRID_SHARD's here ({r1:.2f} at 1 Gbit/s, {r2:.2f} at 200 Mbit/s)." in settings
+    assert f"a step shorter than HYBRID_SHARD's in this run ({r1:.2f} at 1 Gbit/s, {r2:.2f} at 200 Mbit/s)." in settings
     hsdp = report("slow_link", "1gbit")["rows"][OPT_R]["per_fsdp2_hsdp"]
     planned = [cluster_predict.committed(rate, "slow_link")["rows"][OPT_R] for rate in RATES]
     p1, p2 = (f"{p['predicted_s'] / p['measured_s']:.2f}" for p in planned)
@@ -219,12 +220,14 @@ def test_the_optimizer_sharded_hybrid_as_the_prose_gives_it():
 
 
 def test_the_goals_at_1_gbit():
-    """Every hybrid setting with in flight on is at most 0.75x FSDP2 HSDP's step and none at most 1.30x the
-    compute step; with in flight off above 0.75x; the figures as the prose gives them."""
+    """Every hybrid setting with in flight on is at most 0.75x FSDP2 HSDP's step and one, _HYBRID_SHARD_ZERO2
+    with int8, at most 1.30x the compute step; with in flight off above 0.75x; the figures as the prose gives
+    them."""
     rows = report("slow_link", "1gbit")["rows"]
     hybrids = [n for n in rows if n.startswith((HYBRID, ZERO2))]
     on = [n for n in hybrids if not n.endswith("in flight off")]
-    assert all(rows[n]["per_fsdp2_hsdp"] <= GOAL_HSDP and rows[n]["per_compute"] > GOAL_COMPUTE for n in on)
+    assert all(rows[n]["per_fsdp2_hsdp"] <= GOAL_HSDP for n in on)
+    assert [n for n in on if rows[n]["per_compute"] <= GOAL_COMPUTE] == [f"{ZERO2}, int8"]
     off = rows[f"{HYBRID}, in flight off"]
     assert off["per_fsdp2_hsdp"] > GOAL_HSDP
 
@@ -236,7 +239,7 @@ def test_the_goals_at_1_gbit():
         f"exact HYBRID_SHARD in flight {x(HYBRID)}, the optimizer-sharded hybrid {x(OPT_R)}, int8 "
         f"{x(f'{HYBRID}, int8')}, _HYBRID_SHARD_ZERO2 with int8 {x(f'{ZERO2}, int8')}: ≤ 0.75× HSDP's step in "
         f"every hybrid setting with in flight on (with it off {off['per_fsdp2_hsdp']:.2f}×), ≤ 1.30× the compute "
-        "step in none."
+        "step in one, _HYBRID_SHARD_ZERO2 with int8."
     ) in section
     slow = report("slow_link", "200mbit")["rows"][f"{HYBRID}, int8"]
     assert (

@@ -68,12 +68,12 @@ def test_the_section_says_where_and_when_each_file_was_measured():
 def test_what_the_figures_say(run):
     s = steps(run)
     # the user's configuration: torchtitan's wrapping within 5% of the defaults; explicit prefetch hides
-    # nothing: 0.97-1.06 of the defaults' step
+    # little: within 6% of the defaults' step (the range over the runs: test_the_ranges_the_prose_gives_are_the_runs)
     assert abs(s[f"{HSDP}, torchtitan's wrapping"] / s[HSDP] - 1) <= 0.05
-    assert 0.965 <= s[f"{HSDP}, explicit prefetch"] / s[HSDP] < 1.065
-    # what FSDP2 could gain: each of the two 0.87-0.94 of the defaults
+    assert abs(s[f"{HSDP}, explicit prefetch"] / s[HSDP] - 1) <= 0.06
+    # what FSDP2 could gain: each of the two shortens the defaults' step in every run (the range: as above)
     for variant in (RAF, P2P):
-        assert 0.865 <= s[variant] / s[HSDP] < 0.945, variant
+        assert s[variant] / s[HSDP] < 1, variant
     # the goal against the defaults: met with 4 sequences, not with 16 (the compute step three times as long)
     if run["batch_size"] == 4:
         assert s[cluster_hsdp.FLATSHARD] / s[HSDP] <= GOAL
@@ -134,6 +134,8 @@ def test_the_ranges_the_prose_gives_are_the_runs():
     text = prose()
     every = [steps(run) for _, run in all_runs()]
     prefetch = [s[f"{HSDP}, explicit prefetch"] / s[HSDP] for s in every]
-    assert f"its step is {min(prefetch):.2f}–{max(prefetch):.2f} of the defaults'" in text
+    assert (
+        f"its step is {min(prefetch):.2f}–{max(prefetch):.2f} of the defaults', within 6% of them in every run" in text
+    )
     gains = [s[v] / s[HSDP] for s in every for v in (RAF, P2P)]
     assert f"its step {min(gains):.2f}–{max(gains):.2f} of the defaults' in every run" in text

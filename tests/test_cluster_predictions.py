@@ -18,27 +18,23 @@ from bench.cluster import predict as cluster_predict
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = [(k, r) for k in ("cluster", "slow_link") for r in ("1gbit", "200mbit")]
 
-# The predictions that are not within 25%, named, and why (docs/multi_node.md, "Verdicts"), each predicted
-# too fast and of one of two kinds:
+# The predictions that are not within 25%, named, and why (docs/multi_node.md, "Verdicts"): none in the
+# committed runs. Earlier runs missed by steps predicted too fast, of two kinds, and the two lowest ratios at
+# each rate of the committed runs are still of one kind each (test below):
 # * IN_FLIGHT: at 1 Gbit/s the all-reduce across nodes of a system with a replicate group spanning the nodes
 #   (hybrid, NO_SHARD) is left in flight while backward computes, and the planner counts that time as
 #   hidden; on 2 shared cores gloo's threads and the kernel's TCP take CPU time from compute, which the
 #   planner's compute figure (measured without communication) leaves out.
 # * SPANNING: at 200 Mbit/s a strategy whose shard group spans both nodes (FULL_SHARD, SHARD_GRAD_OP) does
-#   not keep the link full with its exchanges across; the calibration's one-unit reduce-scatter across the
-#   nodes alone takes longer than the planner's time for it (test below).
+#   not keep the link full with its exchanges across; the calibration's one-unit reduce-scatter and
+#   all-gather across the nodes, each alone, take longer than the planner's time for them (test below).
 # [Note: what a known miss asserts] No band is drawn around a committed ratio: every prediction not named
 # here must be within 25%; every one named must be a miss, in the documented direction (predicted below
 # measured), of the documented kind. A rerun that turns a miss into a hit, or a new miss, fails, and with
 # it the count the documents state (test below).
 IN_FLIGHT, SPANNING = "in flight across nodes at 1 Gbit/s", "shard group across nodes at 200 Mbit/s"
-KNOWN_MISSES = {
-    ("cluster", "1gbit", "flatshard HYBRID_SHARD F=2"): IN_FLIGHT,
-    ("slow_link", "1gbit", "flatshard HYBRID_SHARD F=2, optimizer across replicas"): IN_FLIGHT,
-    ("slow_link", "1gbit", "flatshard _HYBRID_SHARD_ZERO2 F=2"): IN_FLIGHT,
-    ("cluster", "200mbit", "flatshard SHARD_GRAD_OP"): SPANNING,
-    ("slow_link", "200mbit", "flatshard FULL_SHARD, in flight off"): SPANNING,
-}
+KNOWN_MISSES: dict[tuple[str, str, str], str] = {}  # (kind, rate, name): IN_FLIGHT or SPANNING
+LOWEST_KIND = {"1gbit": IN_FLIGHT, "200mbit": SPANNING}  # the kind of the two lowest ratios at each rate
 # The same effect on the in-flight saving (step in flight over step with it off): predicted within 0.1 of
 # the measured ratio but for these, where the planner predicts more saving than measured, as above.
 KNOWN_IN_FLIGHT_MISSES = {("1gbit", "flatshard NO_SHARD")}
@@ -161,14 +157,13 @@ def test_the_table_and_summary_print(capsys):
         assert "\n".join(cluster_predict.table(prediction)) in out and cluster_predict.summary(prediction) in out
 
 
-def test_the_spanning_misses_are_in_the_calibration_too():
-    """SPANNING ([Note: what a known miss asserts]): at 200 Mbit/s the calibration's one-unit reduce-scatter
-    across the nodes, measured alone, takes longer than the planner's time for it (more than 1.25x), and
-    the documents quote the figures."""
+def test_the_spanning_collectives_are_slow_in_the_calibration_too():
+    """SPANNING: at 200 Mbit/s the calibration's one-unit reduce-scatter and all-gather across the nodes,
+    each measured alone, take longer than the planner's time for them, and the documents quote the figures."""
     cal = cluster_predict.committed("200mbit")["collectives"]["reduce_scatter, F=W (spans nodes)"]
     gather = cluster_predict.committed("200mbit")["collectives"]["all_gather, F=W (spans nodes)"]
     measured, planned = cal["measured_s"], cal["predicted_s"]
-    assert measured > (1 + cluster_predict.TOLERANCE) * planned
+    assert measured > planned and gather["measured_s"] > gather["predicted_s"]
     multi = " ".join((ROOT / "docs/multi_node.md").read_text().split())
     assert (
         f"one unit's reduce-scatter across the nodes, alone, took {measured * 1e3:.1f} ms where the planner "
@@ -176,27 +171,65 @@ def test_the_spanning_misses_are_in_the_calibration_too():
         f"ms ({gather['predicted_s'] / gather['measured_s']:.2f})"
     ) in multi
     planner = " ".join((ROOT / "docs/planner.md").read_text().split())
-    assert f"reduce-scatter across the nodes alone takes {measured / planned:.2f}× the planner's time" in planner
+    assert (
+        f"one-unit all-gather across the nodes alone takes {gather['measured_s'] / gather['predicted_s']:.2f}× the "
+        f"planner's time for it, its reduce-scatter {measured / planned:.2f}×)"
+    ) in planner
 
 
-def test_the_documents_name_the_misses():
-    """docs/multi_node.md's and docs/planner.md's account of the misses: how many of each kind, and the
-    in-flight saving NO_SHARD is predicted at 1 Gbit/s against the measured one."""
-    kinds = list(KNOWN_MISSES.values())
-    words = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five"}
+def _lowest_two(rate: str) -> list[tuple[float, str, str]]:
+    """The two lowest predicted / measured of a rate over both committed runs: (ratio, kind, name)."""
+    rows = [
+        (_ratio(row), kind, name)
+        for kind in ("cluster", "slow_link")
+        for name, row in cluster_predict.committed(rate, kind)["rows"].items()
+        if row["modelled"]
+    ]
+    return sorted(rows)[:2]
+
+
+def _lowest_text(rate: str) -> str:
+    where = {"cluster": "`make cluster`", "slow_link": "the slow-link run"}
+
+    def what(name: str) -> str:
+        return name.removeprefix("flatshard ").replace(" F=2", "").replace(", in flight off", " with in flight off")
+
+    (ra, ka, na), (rb, kb, nb) = _lowest_two(rate)
+    if ka == kb:
+        return f"{what(na)} at {ra:.2f} and {what(nb)} at {rb:.2f}, both in {where[ka]}"
+    return f"{what(na)} at {ra:.2f} in {where[ka]}, {what(nb)} at {rb:.2f} in {where[kb]}"
+
+
+def test_the_documents_name_the_lowest_predictions():
+    """No known miss; the two lowest ratios at each rate are steps predicted too fast, both of the kind
+    LOWEST_KIND gives for the rate, and docs/multi_node.md and docs/planner.md name them; and the in-flight
+    saving NO_SHARD is predicted at 1 Gbit/s against the measured one."""
+    assert not KNOWN_MISSES
+    for rate, kind in LOWEST_KIND.items():
+        for ratio, run_kind, name in _lowest_two(rate):
+            assert ratio < 1, (rate, run_kind, name, ratio)
+            assert _of_kind(kind, rate, name), ("a low ratio of another kind", rate, run_kind, name)
     planner = " ".join((ROOT / "docs/planner.md").read_text().split())
-    assert f"The {words[len(kinds)]} misses are all predicted too fast, of two kinds" in planner
-    assert f"{words[kinds.count(IN_FLIGHT)]} at 1 Gbit/s, systems whose all-reduce across nodes" in planner
-    assert f"{words[kinds.count(SPANNING)]} at 200 Mbit/s, strategies whose shard group spans both nodes" in planner
+    multi = " ".join((ROOT / "docs/multi_node.md").read_text().split())
+    for doc in (planner, multi):
+        assert "The lowest ratios are steps predicted too fast, and the two lowest at each rate are" in doc
+    one, two = _lowest_text("1gbit"), _lowest_text("200mbit")
+    assert (
+        f"at 1 Gbit/s, systems whose all-reduce across nodes is left in flight while backward computes ({one};"
+        in planner
+    )
+    assert f"at 200 Mbit/s, strategies whose shard group spans both nodes ({two};" in planner
+    assert (
+        f"*At 1 Gbit/s, systems whose all-reduce across nodes is left in flight while backward computes* ({one}):"
+        in multi
+    )
+    assert f"*At 200 Mbit/s, strategies whose shard group spans both nodes* ({two}):" in multi
     rows = cluster_predict.committed("1gbit", "slow_link")["rows"]
     on, off = rows["flatshard NO_SHARD"], rows["flatshard NO_SHARD, in flight off"]
-    multi = " ".join((ROOT / "docs/multi_node.md").read_text().split())
     assert (
         f"(the step in flight over the step with it off: {on['predicted_s'] / off['predicted_s']:.2f} predicted, "
         f"{on['measured_s'] / off['measured_s']:.2f} measured)"
     ) in multi
-    full_off = cluster_predict.committed("200mbit", "slow_link")["rows"]["flatshard FULL_SHARD, in flight off"]
-    assert f"run FULL_SHARD with in flight off, at {_ratio(full_off):.4f})" in multi
 
 
 def test_the_planner_page_says_where_the_runs_were_measured():
