@@ -1,11 +1,11 @@
 """What docs/multi_node.md and docs/how-to/failures.md say of the replica-group run is the committed
 bench/results/replica_faults.json: the kills' table, the figures in the prose, and the claims they make
-(the other group kept at least 0.8 of its rate over each kill's whole window, from its last commit
-before the kill to its commit of the rejoin's step, [Note: the survivors' rate over the whole window] in
-bench/faults/replica_faults.py; the faulty run closer to the loss band than the no-failure controls,
-and ending above it, as the committed run did; bitwise-equal replicas at the end). And the definition itself, on a
-made-up run: the stall after a kill and before a rejoin count, and a group that never came back is an
-error, not a window left out. The same for the run with fully_shard groups
+(the other group kept at least 0.8 of its rate over each kill's whole window, from its commit of the last
+step both groups committed to its commit of the rejoin's step, [Note: the survivors' rate over the whole
+window] in bench/faults/replica_faults.py; the faulty run no farther from the loss band than the farther
+no-failure control, and ending above it, as the committed run did; bitwise-equal replicas at the end).
+And the definition itself, on a made-up run: the stall after a kill and before a rejoin count, and a
+group that never came back is an error, not a window left out. The same for the run with fully_shard groups
 (bench/results/replica_faults_fully_shard.json)."""
 
 import json
@@ -72,10 +72,12 @@ def test_the_claims_hold_in_the_committed_run():
     # step (its failed all-reduce and the quorum that drops the dead group)
     assert min(ratios) >= 0.8
     assert len(band["controls"]) >= 2
-    # what docs/multi_node.md says of the committed run ([Note: the band's control]): closer to the band
-    # than each run without failures (its largest excursion smaller than theirs) and ending above it; how
-    # many steps it spends inside is not claimed against the controls (seed noise orders those either way)
-    assert band["largest_excursion"] < min(c["largest_excursion"] for c in band["controls"].values())
+    # what docs/multi_node.md says of every run ([Note: the band's control]): the faulty curve leaves the band
+    # by no more than the farther of the runs without failures (the committed runs fell below both controls
+    # and between them), so one run of each does not tell the failures' cost from seed noise; where it
+    # falls between them the bullets say (replica_faults.figures). How many steps it spends inside is not
+    # claimed against the controls (seed noise orders those either way).
+    assert band["largest_excursion"] <= max(c["largest_excursion"] for c in band["controls"].values())
     assert band["final_loss_faulty"] > band["final_loss_band"][1]
     assert f"above the band's [{band['final_loss_band'][0]:.4f}, {band['final_loss_band'][1]:.4f}]" in flat(
         "docs/multi_node.md"
@@ -163,11 +165,17 @@ def test_the_bullets_say_which_way_each_comparison_goes():
 
     run = copy.deepcopy(RESULT)
     text = "\n".join(replica_faults.figures(run))
-    assert "stayed closer to the band" in text and "holds bitwise" in text
+    assert "holds bitwise" in text
+    band = run["loss_band"]
+    c3, c4 = (band["controls"][s]["largest_excursion"] for s in ("seed3", "seed4"))
+    band["largest_excursion"] = (c3 + c4) / 2
+    assert "by more than one run without failures and by less than the other" in "\n".join(replica_faults.figures(run))
+    band["largest_excursion"] = min(c3, c4) / 2
+    assert "stayed closer to the band than either run without failures" in "\n".join(replica_faults.figures(run))
     band = run["loss_band"]
     band["largest_excursion"] = 1 + max(c["largest_excursion"] for c in band["controls"].values())
     band["final_loss_faulty"] = sum(band["final_loss_band"]) / 2
     next(iter(run["final_state"].values()))["optimizer_equal"] = False
     text = "\n".join(replica_faults.figures(run))
-    assert "stayed no closer to the band" in text and ", inside the band's [" in text, text
+    assert "left the band by more than either run without failures" in text and ", inside the band's [" in text, text
     assert "does NOT hold bitwise" in text, text

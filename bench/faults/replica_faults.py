@@ -402,7 +402,12 @@ def figures(result: dict) -> list[str]:
     seeds = ", ".join(map(str, band["seeds"][:-1])) + f" and {band['seeds'][-1]}"
     final = band["final_loss_faulty"]
     where = "above" if final > hi else "below" if final < lo else "inside"
-    closer = band["largest_excursion"] < min(c3["largest_excursion"], c4["largest_excursion"])
+    below = sum(band["largest_excursion"] < c["largest_excursion"] for c in (c3, c4))
+    closer = {
+        2: "stayed closer to the band than either run without failures",
+        1: "left the band by more than one run without failures and by less than the other",
+        0: "left the band by more than either run without failures",
+    }[below]
     equal = all(
         r != "missing" and r["parameters_equal"] and r["optimizer_equal"] for r in result["final_state"].values()
     )
@@ -416,9 +421,8 @@ def figures(result: dict) -> list[str]:
         f"the no-failure runs of seeds {seeds} at {band['steps_inside']} of {band['steps_checked']} steps and at most "
         f"{band['largest_excursion']:.3f} outside it; the controls, without a failure, were inside at "
         f"{c3['steps_inside']} and {c4['steps_inside']} of {c4['steps_checked']} steps and up to "
-        f"{c3['largest_excursion']:.3f} and {c4['largest_excursion']:.3f} outside, so the faulty curve stayed "
-        f"{'closer to' if closer else 'no closer to'} the band than each run without failures. Its last smoothed "
-        f"loss is {final:.4f}, {where} the band's [{lo:.4f}, {hi:.4f}].",
+        f"{c3['largest_excursion']:.3f} and {c4['largest_excursion']:.3f} outside, so the faulty curve {closer}. Its "
+        f"last smoothed loss is {final:.4f}, {where} the band's [{lo:.4f}, {hi:.4f}].",
         f"* **After the last rejoin every replica {'holds' if equal else 'does NOT hold'} bitwise the same state** "
         f"(rank 0's and rank 1's parameter shards and AdamW state, by SHA-256, between the two groups at step "
         f"{result['config']['steps']}).",
