@@ -39,10 +39,12 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 #   difference, or torch.compile on the 2 x 2 mesh beside the 1-D cases.
 # Every multi-process test on the pooled ranks that is the only check of a behaviour stays in ``make
 # test``. Measured on 2 cores of an AMD EPYC, AVX2 only, two workers: the whole suite took 18m23s (604
-# tests); after the split, ``make test`` took 5m55s (566 tests) on the idle machine, and 8m21s (567) in the
-# next fresh-clone CI run of the same tests: the quick tier's wall time varies by 40% between runs here
-# (which tests share the cores at a time), so 7 minutes is not yet held with a margin. One worker was
-# slower (38% of the quick tier in 4 minutes): its tests compute rather than wait.
+# tests); after the split, ``make test`` took 5m55s (566 tests) on the idle machine but 8m21s and 7m54s
+# (567) in the fresh-clone CI runs that followed. With the longest files first ([Note: the longest files
+# first]), one reference per trajectory and five steps (tests/helpers/cases.py), the hybrid sweep's
+# bitwise twins without a reference and the stream check once per schedule structure, the next
+# fresh-clone CI run took 5m59s (569 tests). One worker was slower (38% of the quick tier in 4 minutes):
+# its tests compute rather than wait.
 
 
 # [Note: the longest files first]
