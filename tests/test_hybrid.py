@@ -43,8 +43,8 @@ def groups_for(way: str, factor: int, world: int) -> dict:
     return {"process_group": (shard, replicate)}
 
 
-def train_without_reference(rank: int, world: int, kind: str, strategy: str, opt_kind: str, **fsdp_kwargs) -> list:
-    """The final parameters after run_case's STEPS steps on the same batches, without the reference."""
+def train_without_reference(rank: int, world: int, kind: str, strategy: str, opt_kind: str, **fsdp_kwargs):
+    """The wrapped model after run_case's STEPS steps on the same batches, trained without the reference."""
     _, model, batch, loss_fn = build(kind, strategy, **fsdp_kwargs)
     train_rank_batches(model, make_optimizer(opt_kind, model), batch, loss_fn, rank, world, STEPS)
     return model

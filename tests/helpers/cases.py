@@ -122,21 +122,19 @@ def _reference_steps(kind: str, opt_kind: str, world: int, ref: nn.Module, batch
     if _REFERENCES is not None and key in _REFERENCES:
         yield from _REFERENCES[key]
         return
-    ref_opt = make_optimizer(opt_kind, ref)
-    recorded = []
+    shared, ref_opt, recorded = _REFERENCES, make_optimizer(opt_kind, ref), []
     for step in range(STEPS):
         x, y = batch(step, world * PER_RANK)
         ref_out = ref(x)
         loss_fn(ref_out, y).backward()
-        after_backward = _Recorded(ref, grads=True) if _REFERENCES is not None else ref
+        after_backward = ref if shared is None else _Recorded(ref, grads=True)  # unshared: read before zero_grad
         ref_opt.step()
-        after_step = _Recorded(ref, grads=False) if _REFERENCES is not None else ref
-        if _REFERENCES is not None:
-            recorded.append((ref_out.detach(), after_backward, after_step))
-        yield ref_out.detach(), after_backward, after_step
+        after_step = ref if shared is None else _Recorded(ref, grads=False)
+        recorded.append((ref_out.detach(), after_backward, after_step))
+        yield recorded[-1]
         ref_opt.zero_grad()
-    if _REFERENCES is not None:
-        _REFERENCES[key] = recorded
+    if shared is not None:
+        shared[key] = recorded
 
 
 def run_case(rank: int, world: int, kind: str, strategy: str, opt_kind: str, **fsdp_kwargs) -> nn.Module:
