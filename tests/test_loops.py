@@ -139,11 +139,35 @@ def _optimizer(kind: str, params):
 WHERE = ("blocks.0", "blocks.1", "blocks.2", "ln_f")  # the first, a middle and the last block; the root's own
 
 
-def run_fault_case(rank, world, front, strategy, prefetch, ranks_per_node, phase, where, bad_step, opt_kind):
-    ref, model = _gpt(), _gpt()
+def _reference_trajectory(world: int, bad_step: int, opt_kind: str, shared: dict) -> dict:
+    """step -> (the reference after backward, with its gradients; after its optimizer step), for a run that
+    skips ``bad_step``'s batch. Recorded once per (bad_step, optimizer) in ``shared``: every fault case with
+    those two trains the same reference ([Note: one reference per trajectory], tests/helpers/cases.py)."""
+    from tests.helpers.cases import _Recorded
+
+    key = (bad_step, opt_kind)
+    if key not in shared:
+        ref = _gpt()
+        ref_opt, recorded = _optimizer(opt_kind, ref.parameters()), {}
+        for step in range(STEPS):
+            if step == bad_step:
+                continue
+            x, y = _batch(step, world)
+            _loss(ref(x), y).backward()
+            after_backward = _Recorded(ref, grads=True)
+            ref_opt.step()
+            recorded[step] = (after_backward, _Recorded(ref, grads=False))
+            ref_opt.zero_grad()
+        shared[key] = recorded
+    return shared[key]
+
+
+def run_fault_case(rank, world, front, strategy, prefetch, ranks_per_node, phase, where, bad_step, opt_kind, shared):
+    model = _gpt()
     fault = Fault(model.get_submodule(where), phase)
     model = _wrap(model, front, strategy, prefetch, ranks_per_node)
-    ref_opt, opt = _optimizer(opt_kind, ref.parameters()), _optimizer(opt_kind, model.parameters())
+    opt = _optimizer(opt_kind, model.parameters())
+    reference = _reference_trajectory(world, bad_step, opt_kind, shared)
     local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     what = (
         f"{front} {strategy} prefetch={prefetch} ranks_per_node={ranks_per_node} {phase} in {where} at step {bad_step}"
@@ -162,15 +186,12 @@ def run_fault_case(rank, world, front, strategy, prefetch, ranks_per_node, phase
                 _assert_nothing_gathered(model, f"{what}, after reset_iter_state()")
             opt.zero_grad()
             continue
-        ref_loss = _loss(ref(x), y)
-        ref_loss.backward()
+        ref_after_backward, ref_after_step = reference[step]
         loss = _loss(model(x[local]), y[local])
         loss.backward()
-        _compare(model, ref, f"{what}, step {step}", grads=True)
-        ref_opt.step()
+        _compare(model, ref_after_backward, f"{what}, step {step}", grads=True)
         opt.step()
-        _compare(model, ref, f"{what}, step {step}", grads=False)
-        ref_opt.zero_grad()
+        _compare(model, ref_after_step, f"{what}, step {step}", grads=False)
         opt.zero_grad()
         _assert_nothing_gathered(model, f"{what}, step {step}")
     return 1
@@ -185,14 +206,16 @@ SETTINGS = [  # (strategy, prefetch, ranks_per_node): prefetch on and off, reduc
 
 
 def fault_worker(rank: int, world: int, front: str) -> int:
-    done = 0
+    done, shared = 0, {}
     cases = itertools.product(SETTINGS, ("forward", "backward"), WHERE)
     for i, ((strategy, prefetch, per_node), phase, where) in enumerate(cases):
         if front == "fully_shard" and strategy == "NO_SHARD":
             continue  # fully_shard shards over its mesh; NO_SHARD is the FSDP1 wrapper's
         bad_step = i % 2  # the first step (order checks on) and a later one
         opt_kind = ("sgd", "adamw")[i % 2]
-        done += run_fault_case(rank, world, front, strategy, prefetch, per_node, phase, where, bad_step, opt_kind)
+        done += run_fault_case(
+            rank, world, front, strategy, prefetch, per_node, phase, where, bad_step, opt_kind, shared
+        )
     return done
 
 
