@@ -197,6 +197,12 @@ def _bench_rows(report: dict) -> list[str]:
     return rows
 
 
+def _when(stamp: str):
+    import datetime
+
+    return datetime.datetime.fromisoformat(stamp)
+
+
 def _span(values: list[float]) -> str:
     return f"{min(values):.2f}–{max(values):.2f}"
 
@@ -225,6 +231,16 @@ def test_the_bench_page_is_the_committed_run():
             f"{max(s['peak_bytes_per_rank']) / 2**20:.1f} |"
         )
         assert row in text, row
+    prefetch = {n: s["step_s_median"] / default for n, s in ablation["systems"].items() if n != "NO_SHARD"}
+    prefetch = {n: r for n, r in prefetch.items() if "shard_boundaries" not in n}
+    moved = round(100 * max(abs(r - 1) for r in prefetch.values()))
+    assert f"move the step by at most {moved}% of the default's" in prose, moved
+    if "every other setting shorter than BACKWARD_PRE" in prose:
+        assert all(r < 1 for n, r in prefetch.items() if n != "BACKWARD_PRE (default)"), prefetch
+    p = report["provenance"]
+    minutes = round((_when(p["finished"]) - _when(p["started"])).total_seconds() / 60)
+    assert f"The run took {minutes} minutes" in prose and f"({minutes} minutes on 2 cores without AVX-512)" in text
+    assert not p["machine"]["avx512"] and p["machine"]["cores"] == 2, p["machine"]
     assert f"FULL_SHARD / NO_SHARD = {ablation['FULL_SHARD/NO_SHARD']:.2f}" in prose
     assert f'`shard_boundaries="rows"` is {ablation["rows/flat"]:.2f} of the flat step' in prose
     assert f'`"params"` {ablation["params/flat"]:.2f}' in prose
