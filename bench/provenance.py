@@ -19,8 +19,8 @@ The machine is shared: a figure measured at a load above the core count is noisy
 taken within one interleaved run compare.
 
 ``python -m bench.provenance`` prints, for each result file, its commit, src tree, how many commits
-have touched src/ since, and its age; ``check(doc)`` lists what a file's record lacks
-(tests/test_provenance.py runs it on every committed file).
+have touched src/ since, its age and the minutes its command ran, then their sum; ``check(doc)`` lists
+what a file's record lacks (tests/test_provenance.py runs it on every committed file).
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ def result_files() -> list[Path]:
 
 def status() -> str:
     """One line per result file: commit, src tree, commits touching src/ since, age."""
-    lines = [f"{'file':40s} {'commit':9s} {'src tree':9s} {'src since':>9s} {'age':>8s}  load  dirty"]
+    lines = [f"{'file':40s} {'commit':9s} {'src tree':9s} {'src since':>9s} {'age':>8s} {'minutes':>7s}  load  dirty"]
+    total, partial = 0.0, []
     for path in result_files():
         name = str(path.relative_to(ROOT))
         try:
@@ -171,10 +172,22 @@ def status() -> str:
         commit = prov.get("commit", "unknown")
         since = _git("rev-list", "--count", f"{commit}..HEAD", "--", "src")
         age_h = (time.time() - datetime.fromisoformat(prov["finished"]).timestamp()) / 3600
+        minutes = (
+            datetime.fromisoformat(prov["finished"]) - datetime.fromisoformat(prov["started"])
+        ).total_seconds() / 60
+        total += minutes
+        if "--files" in str(prov.get("command")):
+            partial.append(name)
         lines.append(
-            f"{name:40s} {commit[:9]:9s} {str(prov.get('src_tree'))[:9]:9s} {since:>9s} {age_h:7.1f}h "
+            f"{name:40s} {commit[:9]:9s} {str(prov.get('src_tree'))[:9]:9s} {since:>9s} {age_h:7.1f}h {minutes:7.1f} "
             f"{prov.get('load_1min_before')}/{prov.get('load_1min_after')}  {prov.get('dirty')}"
         )
+    # [Note: what make figures costs] Each record's start and finish give the minutes its command ran; their
+    # sum is what ``make figures`` took on the machines and loads these files were measured at (a command
+    # that writes several files, cluster and slow_link, starts each file's record at its own part). A record
+    # made by a command that reran part of its file (``--files``) counts that part only.
+    note = f" (of {', '.join(partial)}: the last command's part only)" if partial else ""
+    lines.append(f"the commands behind these files ran {total / 60:.1f} h in all{note}")
     return "\n".join(lines)
 
 

@@ -47,6 +47,13 @@ def test_record_has_every_field_and_check_names_what_is_missing():
 
 
 def test_status_lists_every_result_file():
+    from datetime import datetime
+
     text = provenance.status()
+    minutes = 0.0
     for path in provenance.result_files():
         assert str(path.relative_to(provenance.ROOT)) in text
+        prov = json.loads(path.read_text())["provenance"]
+        minutes += (datetime.fromisoformat(prov["finished"]) - datetime.fromisoformat(prov["started"])).total_seconds()
+    # [Note: what make figures costs] (bench/provenance.py): the sum of the records' own spans
+    assert f"the commands behind these files ran {minutes / 3600:.1f} h in all" in text
