@@ -73,3 +73,17 @@ def test_the_readme_counts_are_the_recorded_ones():
     assert tuple(int(g) for g in said.groups()) == recorded, (said.groups(), recorded)
     failing = recorded[0] - recorded[1]
     assert f"The {failing} it fails" in text, f"README.md should say 'The {failing} it fails'"
+
+
+def test_the_page_names_the_commit_and_src_tree_of_the_record():
+    """differences.md says which commit and src/ tree the record was run at: the record's own, and every
+    test in it at that tree (a record that mixes runs at two trees says so, or fails here)."""
+    from tests.conformance.readme import README
+
+    record = json.loads(RESULTS.read_text())
+    prov = record["provenance"]
+    trees = {t.get("src_tree") for t in record["tests"]}
+    assert trees == {prov["src_tree"]}, f"the record mixes src trees {sorted(map(str, trees))}"
+    text = " ".join(README.read_text().split())
+    said = f"at commit `{prov['commit'][:7]}` (every test at the `src/` tree `{prov['src_tree'][:7]}`)"
+    assert said in text, f"{README.name} should say the record was run {said}"

@@ -995,3 +995,23 @@ def test_boundaries_inputs_are_checked(capsys):
         PlanInputs(world_size=2, unit_elements=(4,), root_elements=2, root_param_shapes=((3,),))
     assert plan_main(["--model", "gpt2", "--world", "8", "--shard-boundaries", "blocks"]) == 2
     assert "invalid choice: 'blocks'" in capsys.readouterr().err
+
+
+def test_the_boundaries_page_quotes_the_committed_file_and_the_file_is_the_layouts():
+    """docs/planner.md's llama-7b figures for shard_boundaries="params" at F = 8 are bench/results/boundaries.json's,
+    and the file is what bench/figures/boundaries.py computes from the engine's layouts now."""
+    import json
+
+    from bench.figures import boundaries
+    from bench.tables import measured_at
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    committed = json.loads((root / "bench" / "results" / "boundaries.json").read_text())
+    row = committed["llama-7b/F=8/params"]
+    assert boundaries.figures(boundaries.llama_units(), 8, "params") == {
+        k: row[k] for k in ("max_bytes", "min_bytes", "imbalance", "worst_unit_max_over_mean")
+    }
+    page = " ".join((root / "docs" / "planner.md").read_text().split())
+    assert f"balance the model's bytes to {row['imbalance']:.2f} (max/min)" in page
+    assert f"({row['max_bytes'] / 1e6:,.3f} and {row['min_bytes'] / 1e6:,.3f} MB of parameters" in page
+    assert measured_at(committed) in page

@@ -57,3 +57,25 @@ def test_status_lists_every_result_file():
         minutes += (datetime.fromisoformat(prov["finished"]) - datetime.fromisoformat(prov["started"])).total_seconds()
     # [Note: what make figures costs] (bench/provenance.py): the sum of the records' own spans
     assert f"the commands behind these files ran {minutes / 3600:.1f} h in all" in text
+
+
+def test_every_measured_at_line_in_the_docs_is_a_committed_file():
+    """Each "Measured at commit ..." line of README.md and docs/ is bench.tables.measured_at of a result file
+    as committed: a page cannot keep quoting a run after its file was regenerated. The history pages
+    (docs/internals/*-history.md) keep replaced runs on purpose and are left out."""
+    import re
+
+    from bench.tables import measured_at
+
+    current = {measured_at(json.loads(p.read_text())): p.name for p in provenance.result_files()}
+    pages = [provenance.ROOT / "README.md", *sorted((provenance.ROOT / "docs").rglob("*.md"))]
+    quoted = set()
+    for page in pages:
+        if page.name.endswith("-history.md"):
+            continue
+        text = " ".join(page.read_text().split())
+        for line in re.findall(r"Measured at commit `[0-9a-f]+`.*?: `[^`]+`\.", text):
+            assert line in current, f"{page.relative_to(provenance.ROOT)} quotes a run no result file holds: {line}"
+            quoted.add(current[line])
+    # every file is quoted so but the conformance record, whose page says its commit in prose (test_conformance)
+    assert set(current.values()) - quoted == {"results.json"}
