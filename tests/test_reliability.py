@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -378,3 +379,8 @@ def test_common_mistakes_get_messages_that_say_what_to_do():
             assert "ModuleWrapPolicy({" in out[key], out[key]
         assert "0.weight" in out["mixed_dtypes"] and "1.weight" in out["mixed_dtypes"], out["mixed_dtypes"]
         assert "torch.float64" in out["mixed_dtypes"], out["mixed_dtypes"]
+
+
+def test_the_failures_guide_says_the_bound_the_stop_test_asserts():
+    page = " ".join((Path(__file__).resolve().parents[1] / "docs" / "how-to" / "failures.md").read_text().split())
+    assert f"at W = 4 in the suite each of the three other ranks raises within the timeout plus {MARGIN:g} s" in page
