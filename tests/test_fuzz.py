@@ -173,3 +173,13 @@ def test_fsdp1_wrapper_with_bf16_parameters_matches_the_reference_that_casts_ali
     assert all(c["front"] == "fsdp1" and c["mp"] for c in configs)
     assert {c["mp"]["reduce"] for c in configs} == {"fp32", "bf16"}
     _assert_pass(reports, RERUNS["fsdp1_bf16"])
+
+
+def test_a_step_counts_as_bitwise_equal_to_fsdp2_only_when_every_rank_was():
+    """The page's "N of the M steps ... bitwise equal to it on every rank": a step one rank saw differ is
+    not counted."""
+    from bench.fuzz.__main__ import _bitwise
+
+    results = [{"bitwise_steps": [True, True, True], "bitwise_held": True}, {"bitwise_steps": [True, False, True]}]
+    assert _bitwise(results) == {"steps": 3, "equal": 2, "held": 3}
+    assert _bitwise([results[1], results[0]])["equal"] == 2
