@@ -154,7 +154,9 @@ def result_files() -> list[Path]:
 
 
 def status() -> str:
-    """One line per result file: commit, src tree, commits touching src/ since, age."""
+    """One line per result file: commit, src tree, commits touching src/ since, age, the minutes its command
+    ran, the load before/after and whether the tree was dirty; then the minutes' sum
+    ([Note: what make figures costs])."""
     lines = [f"{'file':40s} {'commit':9s} {'src tree':9s} {'src since':>9s} {'age':>8s} {'minutes':>7s}  load  dirty"]
     total, partial = 0.0, []
     for path in result_files():
