@@ -87,3 +87,22 @@ def test_the_page_names_the_commit_and_src_tree_of_the_record():
     text = " ".join(README.read_text().split())
     said = f"at commit `{prov['commit'][:7]}` (every test at the `src/` tree `{prov['src_tree'][:7]}`)"
     assert said in text, f"{README.name} should say the record was run {said}"
+
+
+def test_flaky_pairs_margin_is_assert_equals_tolerance():
+    """tests/conformance/flaky_pair.py's margin: 0 when bitwise equal, above 1 exactly where assertEqual's
+    fp32 tolerance (atol 1e-5 + rtol 1.3e-6 * |ref|) fails."""
+    import pytest
+    import torch
+
+    from tests.conformance.flaky_pair import _margin
+
+    ref = torch.tensor([100.0, 0.0])
+    assert _margin(ref.clone(), ref) == 0.0
+    inside = ref + torch.tensor([1e-4, 5e-6])  # 1e-4 < 1e-5 + 1.3e-4; 5e-6 < 1e-5
+    outside = ref + torch.tensor([0.0, 2e-5])
+    assert _margin(inside, ref) <= 1.0
+    torch.testing.assert_close(inside, ref)
+    assert _margin(outside, ref) > 1.0
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(outside, ref)
