@@ -153,6 +153,11 @@ def result_files() -> list[Path]:
     return sorted(p for pattern in RESULT_FILES for p in ROOT.glob(pattern))
 
 
+def run_minutes(prov: dict[str, Any]) -> float:
+    """The minutes a record's command ran, from its start and finish."""
+    return (datetime.fromisoformat(prov["finished"]) - datetime.fromisoformat(prov["started"])).total_seconds() / 60
+
+
 def status() -> str:
     """One line per result file: commit, src tree, commits touching src/ since, age, the minutes its command
     ran, the load before/after and whether the tree was dirty; then the minutes' sum
@@ -174,9 +179,7 @@ def status() -> str:
         commit = prov.get("commit", "unknown")
         since = _git("rev-list", "--count", f"{commit}..HEAD", "--", "src")
         age_h = (time.time() - datetime.fromisoformat(prov["finished"]).timestamp()) / 3600
-        minutes = (
-            datetime.fromisoformat(prov["finished"]) - datetime.fromisoformat(prov["started"])
-        ).total_seconds() / 60
+        minutes = run_minutes(prov)
         total += minutes
         if "--files" in str(prov.get("command")):
             partial.append(name)

@@ -197,12 +197,6 @@ def _bench_rows(report: dict) -> list[str]:
     return rows
 
 
-def _when(stamp: str):
-    import datetime
-
-    return datetime.datetime.fromisoformat(stamp)
-
-
 def _span(values: list[float]) -> str:
     return f"{min(values):.2f}–{max(values):.2f}"
 
@@ -238,7 +232,9 @@ def test_the_bench_page_is_the_committed_run():
     if "every other setting shorter than BACKWARD_PRE" in prose:
         assert all(r < 1 for n, r in prefetch.items() if n != "BACKWARD_PRE (default)"), prefetch
     p = report["provenance"]
-    minutes = round((_when(p["finished"]) - _when(p["started"])).total_seconds() / 60)
+    from bench.provenance import run_minutes
+
+    minutes = round(run_minutes(p))
     assert f"The run took {minutes} minutes" in prose and f"({minutes} minutes on 2 cores without AVX-512)" in text
     assert not p["machine"]["avx512"] and p["machine"]["cores"] == 2, p["machine"]
     assert f"FULL_SHARD / NO_SHARD = {ablation['FULL_SHARD/NO_SHARD']:.2f}" in prose
