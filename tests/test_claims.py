@@ -68,7 +68,6 @@ NOT_BUILT = {
         "parameters on a mesh of their own beside tensor-parallel parameters, parameters that gather themselves "
         "or an int `reshard_after_forward`"
     ],
-    ("fsdp2/spmd.py", "resolve"): ["`dp_mesh_dims` with `replicate` alone"],
     ("fsdp2/spmd.py", "check_params"): ["`Partial` parameters under `dp_mesh_dims`"],
     ("fsdp2/whole.py", "wanted"): ['`shard_boundaries="flat"` / `"rows"` on `fully_shard`'],
     ("fsdp2/whole.py", "check"): [

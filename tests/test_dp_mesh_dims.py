@@ -6,8 +6,9 @@ placements, the losses, local gradients and local parameters to the bit (where t
 over 4, whose sum's order is each implementation's own, at fp32's default tolerance); the full parameters and the
 state dict read whole against the single-process model at fp32's default tolerance. Meshes: the shard dim alone (W
 = 2), shard × TP and HSDP (replicate × shard), each in both dim orders, and two shard dims flattened into one (W =
-4), widths that split unevenly. And what FSDP2 refuses is refused alike, what flatshard does not build raises
-NotBuiltError, on every rank."""
+4), widths that split unevenly; the replicate dim alone (FSDP2's DDP: nothing sharded, one all-reduce per unit
+per backward), beside TP in both orders, and two replicate dims flattened. And what FSDP2 refuses is refused
+alike, on every rank."""
 
 from __future__ import annotations
 
@@ -109,7 +110,10 @@ def worker(rank: int, world: int, shape: tuple, names: tuple, shard: str, replic
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     dims = DataParallelMeshDims(shard=shard, replicate=replicate)
-    named = {*((shard,) if isinstance(shard, str) else shard), replicate}
+    named = {
+        *((shard,) if isinstance(shard, str) else shard or ()),
+        *((replicate,) if isinstance(replicate, str) else replicate or ()),
+    }
     dp = tuple(n for n in names if n in named)
     tp = "tp" in names
     out = {}
@@ -193,6 +197,7 @@ def refusals_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harnes
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
     unnamed = init_device_mesh("cpu", (2,))
     twin = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))  # equal to mesh, made apart
+    ddp = init_device_mesh("cpu", (2,), mesh_dim_names=("ddp_int",))
 
     def lifted():
         return _lift(_model(4, 6), mesh, tp=False)
@@ -212,8 +217,11 @@ def refusals_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harnes
             lifted,
             {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims("fsdp"), "reshard_after_forward": 2},
         ),
-        "replicate alone": (lifted, {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(replicate="fsdp")}),
         "another mesh object": (lifted, {"mesh": twin, "dp_mesh_dims": DataParallelMeshDims("fsdp")}),
+        "an int reshard_after_forward, replicate alone": (  # a mesh of its own: see comms_worker
+            lambda: _lift(_model(4, 6), ddp, tp=False),
+            {"mesh": ddp, "dp_mesh_dims": DataParallelMeshDims(replicate="ddp_int"), "reshard_after_forward": 2},
+        ),
     }
     return {
         what: {
@@ -243,9 +251,9 @@ def test_refusals_as_fsdp2_and_what_is_not_built():
     ours, theirs = got["an int reshard_after_forward"]["flatshard"], got["an int reshard_after_forward"]["fsdp2"]
     assert ours.split("/")[0] == theirs.split("/")[0] == "NotImplementedError", (ours, theirs)
     assert "reshard_after_forward as int" in ours and "reshard_after_forward as int" in theirs, (ours, theirs)
-    what = "replicate alone"  # FSDP2 builds it; flatshard says it does not
-    assert got[what]["flatshard"].startswith("NotBuiltError/"), got[what]
-    assert "torch.distributed.fsdp.fully_shard" in got[what]["flatshard"], got[what]
+    # with replicate alone FSDP2 takes the int and has nothing to reshard; flatshard says so rather than ignore it
+    ours, theirs = (got["an int reshard_after_forward, replicate alone"][k] for k in ("flatshard", "fsdp2"))
+    assert ours.startswith("ValueError/") and "nothing is sharded" in ours and theirs == "no error", (ours, theirs)
 
 
 def test_hsdp_with_the_replicate_dim_after_the_shard_dim_matches_fsdp2():
@@ -253,6 +261,63 @@ def test_hsdp_with_the_replicate_dim_after_the_shard_dim_matches_fsdp2():
     outs = run_distributed(worker, 4, (2, 2), ("fsdp", "dp_replicate"), "fsdp", "dp_replicate", SIZES[1:])
     _check(outs, SIZES[1:])
     assert outs[0][SIZES[1]]["flatshard"]["placements"][0][1] == "(Shard(dim=0), Replicate())"
+
+
+def test_replicate_dim_alone_matches_fsdp2():
+    """replicate="dp" without a shard dim: FSDP2's DDP over the SPMD mesh. Nothing is sharded: every parameter
+    stays on the whole mesh with the placements it was given, its gradient all-reduced over "dp"."""
+    outs = run_distributed(worker, 2, (2,), ("dp",), None, "dp", SIZES[1:])
+    _check(outs, SIZES[1:])
+    assert outs[0][SIZES[1]]["flatshard"]["placements"][0] == ("[0, 1]", "(Replicate(),)")
+
+
+def comms_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's signature
+    """One step of the replicate-only model: flatshard's collectives by (phase, kind, group size)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor, Replicate
+
+    import flatshard
+
+    # a dim name no other test's mesh has: a DTensor made on a mesh equal to one an earlier test of this pool
+    # process made can come back on that earlier mesh object, which the same-mesh check then refuses
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ddp",))
+    model = _build(flatshard.fully_shard, mesh, DataParallelMeshDims(replicate="ddp"), False, 5, 6)
+    x = DTensor.from_local(torch.randn(2, 5, generator=torch.Generator().manual_seed(rank)), mesh, [Replicate()])
+    counts: dict = {}
+    with model.record_comms(events=True) as rec:
+        model(x).to_local().pow(2).mean().backward()
+    for e in rec.events:
+        if e.kind != "order_check":
+            key = (str(e.phase), e.kind, e.group_size)
+            counts[key] = counts.get(key, 0) + 1
+    fsdp = [m for m in model.modules() if isinstance(m, flatshard.FSDPModule)]
+    inner = {m: {id(p) for c in fsdp if c is not m and c in set(m.modules()) for p in c.parameters()} for m in fsdp}
+    holding = sum(any(id(p) not in inner[m] for p in m.parameters()) for m in fsdp)  # units with parameters
+    return {"counts": counts, "units": holding}
+
+
+def test_replicate_dim_alone_communicates_as_ddp():
+    """No all-gather, no reduce-scatter: one all-reduce over "dp" per unit per backward (the engine's NO_SHARD)."""
+    outs = run_distributed(comms_worker, 2)
+    for out in outs:
+        assert out["counts"] == {("backward", "all_reduce", 2): out["units"]}, out
+
+
+def test_replicate_dim_alone_beside_tensor_parallel_matches_fsdp2():
+    """("tp", "dp") and ("dp", "tp") with replicate="dp": the parameters keep their TP placements on the whole mesh."""
+    for names in (("dp", "tp"), ("tp", "dp")):
+        outs = run_distributed(worker, 4, (2, 2), names, None, "dp", SIZES[1:])
+        _check(outs, SIZES[1:])
+        want = "(Replicate(), Shard(dim=0))" if names[0] == "dp" else "(Shard(dim=0), Replicate())"
+        assert outs[0][SIZES[1]]["flatshard"]["placements"][0] == ("[[0, 1], [2, 3]]", want), names
+
+
+def test_two_replicate_dims_flattened_alone_match_fsdp2():
+    """replicate=("dp0", "dp1") without a shard dim: both flattened into one all-reduce group of 4 ranks."""
+    outs = run_distributed(worker, 4, (2, 2), ("dp0", "dp1"), None, ("dp0", "dp1"), SIZES[1:])
+    _check(outs, SIZES[1:])
+    assert outs[0][SIZES[1]]["flatshard"]["placements"][0] == ("[[0, 1], [2, 3]]", "(Replicate(), Replicate())")
 
 
 def test_two_shard_dims_flattened_match_fsdp2():

@@ -158,7 +158,7 @@ def fully_shard(
             target, mesh, across, compress_inter_node, placed, tp_specs, self_gathered, post_forward_size
         )
     options = build.BuildOptions(
-        strategy=_strategy(mesh, reshard),
+        strategy=ShardingStrategy.NO_SHARD if on_mesh is not None and not on_mesh.sharded else _strategy(mesh, reshard),
         process_group=mesh.get_group() if mesh.ndim == 1 else None,
         device_mesh=mesh if mesh.ndim == 2 else None,
         ignored_states=checks.ignored_here(target, ignored_params, [p for _, p in self_gathered]),

@@ -20,10 +20,16 @@ dim, or (replicate, shard) for HSDP). Three things differ, each as FSDP2 has the
 
 Several dims named ``shard`` (or ``replicate``) are flattened into one data-parallel dim, as FSDP2 does,
 and the sharded parameter is then placed on a mesh made of the flattened dim and the others.
+``replicate`` alone is FSDP2's DDP over the SPMD mesh (its ``DDPMeshInfo``): the engine's NO_SHARD over the
+replicate dim (several flattened), so nothing is sharded, each parameter stays a DTensor on the whole mesh
+with the placements it was given, and its gradient is all-reduced (averaged) over the data-parallel ranks.
+
 Tested (tests/test_dp_mesh_dims.py): the shard dim alone, beside one tensor-parallel dim, under one
-replicate dim, each in both orders, and two shard dims flattened. Refused as FSDP2 refuses (plain
+replicate dim, each in both orders, two shard dims flattened; the replicate dim alone, beside a
+tensor-parallel dim in both orders, and two replicate dims flattened. Refused as FSDP2 refuses (plain
 parameters, a data-parallel dim not ``Replicate()``, a name not in the mesh, an int
-``reshard_after_forward``); not built (NotBuiltError): ``replicate`` alone (FSDP2's DDP over an SPMD mesh).
+``reshard_after_forward`` where a dim is sharded); an int ``reshard_after_forward`` with ``replicate``
+alone, which FSDP2 takes and has nothing to reshard with, is refused too (nothing would be done with it).
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ class SpmdMesh:
     dp_mesh: DeviceMesh
 
     @property
+    def sharded(self) -> bool:
+        """False for ``replicate`` alone: FSDP2's DDP over the SPMD mesh, no dim sharded."""
+        return bool(self.shard)
+
+    @property
     def dp_indices(self) -> frozenset[int]:
         return frozenset((*self.shard, *self.replicate))
 
@@ -72,26 +83,29 @@ def resolve(mesh: DeviceMesh | None, dims, reshard_after_forward) -> SpmdMesh:
             raise ValueError(
                 f"dp_mesh_dims: mesh dim name '{name}' not found in mesh.mesh_dim_names {names}; name one of those"
             )
-    if not shard:
-        raise NotBuiltError(
-            f"fully_shard(dp_mesh_dims=DataParallelMeshDims(replicate={dims.replicate!r})) without a shard dim "
-            "(FSDP2's DDP over an SPMD mesh) is not built in flatshard: name the dim to shard over "
-            "(shard=...), or use torch.distributed.fsdp.fully_shard for this model"
-        )
     for group in (shard, replicate):
         if len(group) > 1 and [names.index(n) for n in group] != sorted({names.index(n) for n in group}):
             raise ValueError(
                 f"dp_mesh_dims names {group} to flatten into one dim: name each dim once, in the mesh's own order "
                 f"{names}"
             )
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) and not shard:
+        raise ValueError(
+            f"fully_shard(dp_mesh_dims=DataParallelMeshDims(replicate=...)) got reshard_after_forward="
+            f"{reshard_after_forward}: with replicate dims alone nothing is sharded, so there is no group to reshard "
+            "to; pass True or False (FSDP2 takes the int and does nothing with it)"
+        )
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"fully_shard(dp_mesh_dims=...): reshard_after_forward as int ({reshard_after_forward}) is not supported "
             "with an SPMD mesh, as in FSDP2; pass True or False"
         )
-    dp_mesh = _one_dim(mesh, shard)
-    if replicate:  # (replicate, shard), whatever their order in the mesh, as FSDP2 concatenates them
-        dp_mesh = DeviceMesh._concatenate([_one_dim(mesh, replicate), dp_mesh])
+    if not shard:  # DDP over the SPMD mesh: the engine's NO_SHARD over the replicate dim
+        dp_mesh = _one_dim(mesh, replicate)
+    else:
+        dp_mesh = _one_dim(mesh, shard)
+        if replicate:  # (replicate, shard), whatever their order in the mesh, as FSDP2 concatenates them
+            dp_mesh = DeviceMesh._concatenate([_one_dim(mesh, replicate), dp_mesh])
     index = names.index
     return SpmdMesh(mesh, tuple(map(index, shard)), tuple(map(index, replicate)), dp_mesh)
 
@@ -158,7 +172,10 @@ def sharded_placement(spmd: SpmdMesh, placements: tuple, dim: int) -> tuple[Devi
     """(mesh, placements) of the sharded parameter: on the whole mesh, the shard dim's ``Replicate()`` made
     ``Shard(dim)``, strided by what the dims right of it cut ``dim`` into (FSDP2's placement). Several shard
     dims, flattened: the first one's placement on the data-parallel mesh in their place (``Replicate()``
-    before it under HSDP, the replicate dims then left out), the other dims as they are, as FSDP2 places it."""
+    before it under HSDP, the replicate dims then left out), the other dims as they are, as FSDP2 places it.
+    ``replicate`` alone: nothing is sharded, the placements as given."""
+    if not spmd.sharded:
+        return spmd.mesh, tuple(placements)
     first = spmd.shard[0]
     right = range(first + 1, spmd.mesh.ndim)
     sharded = data_parallel_shard(dim, [placements[j] for j in right], [spmd.mesh.size(j) for j in right])
