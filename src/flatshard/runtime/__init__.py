@@ -90,6 +90,7 @@ Index of every [Note: ...] in the package
   an open accumulation window .... runtime/grad_state.py
   exchange tags ................... runtime/comm/gloo_exchange.py
   inter-node compression .......... runtime/comm/int8.py
+  gloo's workers at exit .......... runtime/comm/mesh.py
   optimizer state across replicas .. runtime/across_replicas.py
   pieces in the chunked layout .... runtime/across_replicas.py
   forward inside summon_full_params .. runtime/summon.py

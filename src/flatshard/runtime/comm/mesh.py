@@ -16,7 +16,9 @@ all-reduce.
 
 from __future__ import annotations
 
+import atexit
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -71,6 +73,32 @@ def require_initialized() -> None:
             "before wrapping (use 'gloo' on CPU, 'nccl' on GPUs; start the processes with torchrun). "
             "A single process works too: init_process_group('gloo', rank=0, world_size=1, ...)."
         )
+    if "gloo" in str(dist.get_backend()):
+        _hand_gloo_workers_the_gil_at_exit()
+
+
+# [Note: gloo's workers at exit]
+# A gloo worker thread destroys each collective's Work once it has run it. When the Work holds the last
+# reference to a tensor whose Python object the script has already dropped, that destruction takes the GIL.
+# If the interpreter starts finalizing while the thread still waits for the GIL (the main thread held it
+# from the script's last collective to its last line), Python ends the thread inside C++ and the process
+# aborts after the script has finished: SIGABRT, "terminate called without an active exception", core
+# backtrace ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> TensorImpl::decref_pyobject -> take_gil ->
+# PyThread_exit_thread. torchrun then reports the run failed. The README's FSDP1 quickstart ended so in 5 of
+# 60 runs under torchrun on 2 cores, the same script with the handler below in 0 of 60 (the loop that counts
+# them is in CONTRIBUTING.md). The handler, registered once when a gloo group is in use, runs before
+# finalization and sleeps, which releases the GIL, so a waiting worker finishes. PyTorch's FSDP2 on gloo
+# aborts the same way (the conformance shim, tests/conformance/shim.py, ends a passed rank without
+# finalizing); a script that imports flatshard gets the handler whichever front end issued the collective.
+_EXIT_HANDOFF_S = 0.05
+_exit_handoff_registered = False
+
+
+def _hand_gloo_workers_the_gil_at_exit() -> None:
+    global _exit_handoff_registered
+    if not _exit_handoff_registered:
+        _exit_handoff_registered = True
+        atexit.register(time.sleep, _EXIT_HANDOFF_S)
 
 
 def resolve_groups(strategy: ShardingStrategy, process_group, device_mesh, sharding_factor=None) -> ShardGroups:
