@@ -297,9 +297,10 @@ def test_experts_on_a_sub_mesh_train_as_fsdp2_at_w4():
         # each refusal of a layout beside another mesh names what runs instead, and only that
         beside_tp, int_reshard = refusals["beside tensor-parallel parameters"], refusals["int reshard_after_forward"]
         assert beside_tp.startswith("NotBuiltError") and "tensor-parallel parameters" in beside_tp, beside_tp
-        assert "plain local tensors" in beside_tp and "bool" not in beside_tp, beside_tp
+        assert "left on the call's mesh" in beside_tp and "call of its own" in beside_tp, beside_tp
+        assert "bool" not in beside_tp, beside_tp
         assert int_reshard.rstrip().endswith("Pass reshard_after_forward as a bool."), int_reshard
-        assert "plain local tensors" not in int_reshard, int_reshard
+        assert "call of its own" not in int_reshard, int_reshard
         for kind in ("sgd", "adamw"):
             # gloo sums 4 ranks' gradients in another order than flatshard's exchange (as at W = 3 in
             # tests/test_dtype_groups.py): the dense parameters match FSDP2's to fp32's default tolerance;

@@ -14,6 +14,9 @@ differ in the last bits); every parameter a DTensor on FSDP2's mesh and placemen
 per step equal the formula (one all-gather per flat group of more than one rank per pass, none in backward
 for the root, one reduce-scatter per trainable group per backward). ``-s`` prints the table of steps.
 
+DTensor experts: the same, with the experts' weights DTensors on the ep mesh (Shard(0), as torchtitan's
+expert parallelism leaves them), placed on the expert-FSDP mesh alike.
+
 Idle experts: step 1 routes ranks 0 and 1's tokens to ep rank 0's experts only, so rank 1's experts get no
 token while rank 3, holding the same experts, gets some. Computed on an empty batch (zero gradients), and
 skipped (no gradient on rank 1) under ``set_reduce_scatter_unused_params(True)``: both train as FSDP2. Skipped
@@ -85,25 +88,30 @@ def _idle_route(rank: int, num_experts: int, top_k: int):
     return forced
 
 
-def _pair(rank, world, num_experts, top_k, hidden, ep=2):
+def _pair(rank, world, num_experts, top_k, hidden, ep=2, dtensor_experts=False):
     import torch.distributed.fsdp as torch_fsdp
 
     import flatshard
 
     dp, efsdp, ep_group = moe.meshes(world, ep)
     theirs, ours = (moe.build(VOCAB, DIM, hidden, num_experts, top_k, LAYERS, ep_group) for _ in range(2))
+    if dtensor_experts:  # the experts' weights DTensors on the ep mesh, as torchtitan's expert parallelism has them
+        for model in (theirs, ours):
+            for m in model.moes():
+                m.experts.as_dtensors(moe.ep_mesh(efsdp))
     moe.shard(theirs, torch_fsdp.fully_shard, dp, efsdp, num_experts, ep)
     moe.shard(ours, flatshard.fully_shard, dp, efsdp, num_experts, ep)
     return theirs, ours
 
 
-def _train(rank: int, world: int, layout: tuple, opt_kind: str, idle: str) -> dict:
+def _train(rank: int, world: int, layout: tuple, opt_kind: str, idle: str, dtensor_experts: bool = False) -> dict:
     """``idle``: "" (the router's choice every step), "zero" (step 1 routes idle experts, computed on an
-    empty batch), "skip" (the same, their forward skipped, set_reduce_scatter_unused_params(True))."""
+    empty batch), "skip" (the same, their forward skipped, set_reduce_scatter_unused_params(True)).
+    ``dtensor_experts``: the experts' weights DTensors on the ep mesh (``GroupedExperts.as_dtensors``)."""
     import flatshard
 
     num_experts, top_k, hidden = layout
-    theirs, ours = _pair(rank, world, num_experts, top_k, hidden)
+    theirs, ours = _pair(rank, world, num_experts, top_k, hidden, dtensor_experts=dtensor_experts)
     infos = flatshard.units(ours)
     if idle == "skip":
         for model in (theirs, ours):
@@ -153,6 +161,35 @@ def worker_4(rank: int, world: int) -> dict:
     for layout in LAYOUTS:
         out[f"E{layout[0]}"] = _train(rank, world, layout, "sgd", "")
     return out
+
+
+def worker_dtensor_experts(rank: int, world: int) -> dict:
+    # SGD for the layouts, as worker_4: with top-1 routing (E2) the router's weights get a gradient of
+    # rounding noise only (a score divided by itself), which AdamW scales to full steps in either implementation
+    out = {}
+    for layout in LAYOUTS:
+        out[f"E{layout[0]}"] = _train(rank, world, layout, "sgd", "", dtensor_experts=True)
+    out["idle"] = _train(rank, world, LAYOUTS[0], "adamw", "skip", dtensor_experts=True)
+    return out
+
+
+def test_dtensor_experts_on_an_ep_mesh_train_as_fsdp2_at_w4():
+    """The experts' weights DTensors on the ep mesh (Shard(0): each rank's own experts, the model reading
+    them with to_local(), as torchtitan's GroupedExperts), placed on the expert-FSDP mesh by
+    ShardPlacementResult: each parameter FSDP2's mesh and placement, loss, gradients and parameters equal
+    FSDP2's every step, every rank, collectives per the formula (checked in ``_train``), the experts'
+    first-step gradients to the bit, both layouts and the idle-expert step skipped under
+    set_reduce_scatter_unused_params(True)."""
+    outs = run_distributed(worker_dtensor_experts, 4, timeout=300)
+    for rank, out in enumerate(outs):
+        for key, res in out.items():
+            assert res["steps"] == STEPS, (rank, key, res)
+            if key != "idle":  # the experts' first step, as test_moe_trains_as_fsdp2_at_w4's, to the bit
+                first = {k: v for k, v in res["bitwise"][0].items() if k.startswith("grad") and ".experts." in k}
+                assert len(first) == 3 * LAYERS and all(first.values()), (rank, key, first)
+        idle = out["idle"]["tokens"][1]
+        assert idle == [0] * LAYERS if rank == 1 else all(idle), (rank, out["idle"]["tokens"])
+    print(_table([{k: v for k, v in out.items() if k != "idle"} for out in outs]))
 
 
 def worker_idle(rank: int, world: int) -> dict:

@@ -64,14 +64,27 @@ class GroupedExperts(nn.Module):
         self.tokens = -1  # how many tokens the last forward received
 
     def forward(self, x, counts: list[int]):
+        from torch.distributed.tensor import DTensor
+
         self.tokens = x.shape[0]
         if self.skip_idle and x.shape[0] == 0:
             return x  # no token reached this rank's experts: their parameters take no part
+        # DTensor experts (``as_dtensors``): this rank's own, as torchtitan's GroupedExperts reads them
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         outs = []
         for i, xe in enumerate(torch.split(x, counts)):  # torchtitan's for-loop path (no grouped_mm on CPU)
-            h = F.silu(xe @ self.w1[i].t()) * (xe @ self.w3[i].t())
-            outs.append(h @ self.w2[i].t())
+            h = F.silu(xe @ w1[i].t()) * (xe @ w3[i].t())
+            outs.append(h @ w2[i].t())
         return torch.cat(outs)
+
+    def as_dtensors(self, ep_mesh) -> None:
+        """Each weight a DTensor on the ``ep`` mesh, ``Shard(0)``: the local experts are this rank's piece of
+        the whole (num_experts, ...) weight, as torchtitan's expert parallelism places them."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        for name in ("w1", "w2", "w3"):
+            local = getattr(self, name).detach()
+            setattr(self, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
 
 
 class MoE(nn.Module):
@@ -205,6 +218,12 @@ def meshes(world: int, ep: int):
     dp = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     two = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
     return dp, two["efsdp"], two["ep"].get_group()
+
+
+def ep_mesh(efsdp):
+    """The ``ep`` dim of the (efsdp, ep) mesh ``meshes`` sliced ``efsdp`` from."""
+    root = efsdp._get_root_mesh()
+    return root["ep"]
 
 
 def expert_dim(efsdp_size: int, ep: int, num_experts: int) -> int:

@@ -148,9 +148,12 @@ def fully_shard(
         beside["CPUOffloadPolicy on an accelerator"] = _offload(offload_policy) and mesh.device_type != "cpu"
         whole.check(mesh, target, **beside)
     if placed.param_groups:
-        _check_other_meshes(tp_specs, self_gathered, post_forward_size)
+        staying = {k: v for k, v in tp_specs.items() if k not in placed.param_groups}  # on the call's mesh
+        _check_other_meshes(staying, self_gathered, post_forward_size)
     # [Note: FSDP over tensor-parallel parameters] (tensor_parallel.py): the unit is built on their local tensors
-    tp_uses, dims = tensor_parallel.localize(target, tp_specs, placed.dims if shard_placement_fn else None)
+    tp_uses, dims = tensor_parallel.localize(
+        target, tp_specs, placed.dims if shard_placement_fn else None, placed.param_groups
+    )
     mp, output_dtype = _precision(mp_policy)
     across = shard_optimizer_across_replicas
     if across or compress_inter_node is not None:
@@ -211,18 +214,19 @@ def fully_shard(
 
 
 def _check_other_meshes(tp_specs: dict, self_gathered: list, post_forward_size: int) -> None:
-    """Parameters on a mesh of their own ([Note: a flat group per mesh]) are built beside plain parameters
-    with a bool ``reshard_after_forward``; the ranks agreed on them, so every rank raises here alike. Each
+    """Parameters on a mesh of their own ([Note: a flat group per mesh]), plain or DTensors of another
+    mesh (experts on an ep mesh), are built beside plain parameters with a bool ``reshard_after_forward``;
+    ``tp_specs``: the DTensor parameters left on the call's mesh. The ranks agreed on them, so every rank
+    raises here alike. Each
     kind present is named with what does run instead (a call of its own on another mesh under the same
     root is refused too, so the remedies are layouts ``fully_shard`` builds)."""
     kinds = (
         (
-            "tensor-parallel parameters",
+            "tensor-parallel parameters left on the call's mesh",
             bool(tp_specs),
-            "For experts parallel over an ep mesh, keep their weights plain local tensors (each rank's own "
-            "experts, the model's all-to-all over the ep group, as docs/how-to/moe.md) and place them on the "
-            "expert-FSDP mesh with ShardPlacementResult; or give the module of the tensor-parallel DTensors a "
-            "fully_shard call of its own on this call's mesh, without a ShardPlacementResult.",
+            "DTensor parameters placed on a mesh of their own train (experts on an ep mesh, placed on the "
+            "expert-FSDP mesh); give the module of the DTensors that stay on this call's mesh a fully_shard "
+            "call of its own, without a ShardPlacementResult.",
         ),
         (
             "parameters that gather themselves",

@@ -16,8 +16,12 @@ its local tensor (``localize``), and the unit is built on those. What changes is
   redistributes a partial TP gradient to the parameter's placements first).
 
 Built: 1-D TP meshes under a 1-D data-parallel mesh or a 2-D HSDP one (the sharded parameter is then
-placed over three mesh dims, ``Replicate()`` first), Shard and Replicate TP placements. Not built
-(NotBuiltError at the call): TP over more than one mesh dim, ``Partial`` parameters.
+placed over three mesh dims, ``Replicate()`` first), Shard and Replicate TP placements. DTensors that
+``shard_placement_fn`` places on a mesh of their own (MoE experts on an ``ep`` mesh, placed on the
+expert-FSDP mesh: [Note: a flat group per mesh]) are the same, over that mesh instead of the call's: the
+swap keeps their place in ``BuildOptions.param_groups`` (tests/test_moe.py). Not built (NotBuiltError at
+the call): TP over more than one mesh dim, ``Partial`` parameters, DTensors left on the call's mesh beside
+parameters placed on another (frontend.py, ``_check_other_meshes``).
 """
 
 from __future__ import annotations
@@ -85,11 +89,12 @@ def tensor_parallel_params(
 
 
 def localize(
-    module: nn.Module, specs: dict[int, TPSpec], dims: Optional[dict[int, int]]
+    module: nn.Module, specs: dict[int, TPSpec], dims: Optional[dict[int, int]], groups: Optional[dict] = None
 ) -> tuple[dict[tuple[int, str], TPSpec], Optional[dict[int, int]]]:
     """Swap each tensor-parallel parameter for a plain one holding its local tensor (tied uses get the
     same new parameter). Returns (id(module), attr) -> its TPSpec for every use swapped, and ``dims``
-    (id(parameter) -> shard dim, checks.shard_dims) keyed by the new parameters."""
+    (id(parameter) -> shard dim, checks.shard_dims) keyed by the new parameters. ``groups`` (id(parameter)
+    -> the ShardGroups of its own mesh, meshes.Placed.param_groups) is rekeyed in place alike."""
     old: dict[int, nn.Parameter] = {}  # held until the ids are remapped (a freed id may be reused)
     swapped: dict[int, nn.Parameter] = {}
     uses: dict[tuple[int, str], TPSpec] = {}
@@ -108,6 +113,9 @@ def localize(
             uses[(id(m), attr)] = specs[id(param)]
     if dims is not None:
         dims = {id(swapped[k]) if k in swapped else k: d for k, d in dims.items()}
+    if groups:
+        for k in [k for k in groups if k in swapped]:
+            groups[id(swapped[k])] = groups.pop(k)
     del old
     return uses, dims
 
