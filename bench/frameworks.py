@@ -6,7 +6,8 @@ Each recipe starts its own ranks (W = 2 on CPU, gloo) and writes what it compare
 each rank's loss per batch on PyTorch's FSDP2, on flatshard's ``fully_shard`` and on flatshard saved half
 way and resumed; lightning_muon (and lightning_muon_lightning_checkpoint, the same with Lightning's own
 checkpoint) Muon + AdamW on whole matrices against one process; torchtitan (the llama3 debug model) and
-torchtitan_moe (the deepseek_v3 MoE debug model, EP = 1) (loss, gradient norm) per step.
+torchtitan_moe (the deepseek_v3 MoE debug model, EP = 1) and torchtitan_moe_ep2 (the same, EP = 2) (loss,
+gradient norm) per step.
 Every recipe imports this checkout's src/ (``PYTHONPATH``), checked before it runs.
 
 A framework the interpreter that would run it cannot import is recorded as not run, with the reason; nothing
@@ -66,6 +67,13 @@ RUNS = (
         ("torchtitan", "triton"),
         "torchtitan.trainer",
     ),
+    (
+        "torchtitan_moe_ep2",
+        "torchtitan_fully_shard.py",
+        ("--model", "deepseek_v3", "--ep", "2", "--steps", "4", "--dir", "{dir}"),
+        ("torchtitan", "triton"),
+        "torchtitan.trainer",
+    ),
 )
 WHAT = (
     "examples/frameworks/*, each run with --compare at W = 2 CPU ranks over gloo, fp32, by python -m bench.frameworks. "
@@ -76,7 +84,8 @@ WHAT = (
     "flatshard.checkpoint through the strategy (lightning_muon_lightning_checkpoint: Lightning's own checkpoint), "
     "runs[name][rank][batch] against one process replaying every rank's batches (single process), bitwise. "
     "torchtitan (llama3's debug model, 6 steps), torchtitan_moe (deepseek_v3's MoE debug model through torchtitan's "
-    "parallelize_fn at EP = 1, 4 steps; placements: how each run held an expert and an attention weight): "
+    "parallelize_fn at EP = 1, 4 steps; torchtitan_moe_ep2 the same at EP = 2: the routed experts DTensors on the "
+    "ep mesh, placed on the efsdp mesh; placements: how each run held an expert and an attention weight): "
     "runs[name][step] = [loss summed over ranks as torchtitan logs it, gradient norm]. A run not made on this "
     "machine has run: false and the reason."
 )

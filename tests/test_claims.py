@@ -275,6 +275,17 @@ def test_the_frameworks_table_is_the_committed_runs():
         assert row and f"{first} / {first}" in row[0] and f"{last} / {last}" in row[0] and norm in row[0], row
     else:
         assert not row or "not run" in row[0], row
+    row = [line for line in text.splitlines() if line.startswith("| torchtitan, deepseek_v3 MoE (EP = 2)")]
+    if report.get("torchtitan_moe_ep2", {}).get("run"):
+        ep2 = report["torchtitan_moe_ep2"]
+        tt = ep2["runs"]
+        assert ep2["equal"] and tt["FSDP2"] == tt["flatshard"] == tt["flatshard saved+resumed"] and ep2["ep"] == 2
+        assert ep2["placements"]["FSDP2"] == ep2["placements"]["flatshard"]  # "placed alike"
+        assert "('efsdp', 'ep')" in ep2["placements"]["flatshard"]["routed expert w1"]  # on the experts' 2-D mesh
+        first, last, norm = f"{tt['FSDP2'][0][0]:.6f}", f"{tt['FSDP2'][-1][0]:.6f}", f"{tt['FSDP2'][-1][1]:.6f}"
+        assert row and f"{first} / {first}" in row[0] and f"{last} / {last}" in row[0] and norm in row[0], row
+    else:
+        assert not row or "not run" in row[0], row
     prose = " ".join(text.split())
     for key in ("lightning_muon", "lightning_muon_lightning_checkpoint"):  # Muon: against one process, bitwise
         muon = report[key]

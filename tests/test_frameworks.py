@@ -5,7 +5,7 @@ way with the framework's checkpointing, loaded and resumed equal to the uninterr
 (``shard_boundaries="params"``) equal to one process over the global batch bitwise, saved and resumed with
 ``flatshard.checkpoint`` through the strategy, torchtitan's debug model (its FSDP function, chunked
 loss, optimizer, schedule, data loader and CheckpointManager; its Trainer needs CUDA), its deepseek_v3 MoE
-debug model through its own parallelize_fn (EP = 1), and Accelerate
+debug model through its own parallelize_fn (EP = 1, and EP = 2: experts as DTensors on the ep mesh), and Accelerate
 (which drops its FSDP plugin on CPU: the recipe shows that, then prepares the optimizer and data only).
 
 Lightning and Accelerate are in the ``test`` extra; torchtitan (and triton, which it imports) in
@@ -126,6 +126,24 @@ def test_torchtitan_moe_debug_model(tmp_path):
     assert placed["flatshard"]["routed expert w1"] == "(Shard(dim=0),) on ('fsdp',) (2,), local (4, 256, 256)"
     steps = tmp_path / "resumed" / "checkpoint"
     assert sorted(p.name for p in steps.iterdir()) == ["step-2", "step-4"]
+
+
+@pytest.mark.slow
+@needs("torchtitan.trainer", "torchtitan triton")
+def test_torchtitan_moe_debug_model_with_expert_parallelism(tmp_path):
+    """The same model at EP = 2 over the 2 ranks: torchtitan's parallelize_fn makes the routed experts
+    DTensors on the ep mesh (its all-to-all over gloo) and places them on the efsdp mesh (one rank here)
+    with a ShardPlacementResult per parameter: flatshard equals FSDP2 every step to the bit, holds the
+    experts on FSDP2's mesh and placement, and the resumed run equals the uninterrupted one."""
+    args = ("--model", "deepseek_v3", "--ep", "2", "--steps", "4", "--dir", str(tmp_path))
+    fig = run_recipe("torchtitan_fully_shard.py", tmp_path, *args)
+    runs = fig["runs"]
+    assert fig["world"] == 2 and fig["ep"] == 2 and fig["equal"] is True and len(runs["flatshard"]) == 4
+    assert runs["flatshard"] == runs["FSDP2"] and runs["flatshard saved+resumed"] == runs["flatshard"]
+    placed = fig["placements"]
+    assert placed["flatshard"] == placed["FSDP2"], placed
+    want = "(_StridedShard(dim=0, sf=2), Shard(dim=0)) on ('efsdp', 'ep') (1, 2), local (4, 256, 256)"
+    assert placed["flatshard"]["routed expert w1"] == want, placed
 
 
 @pytest.mark.slow

@@ -40,13 +40,13 @@ does, with ``Shard(1)``, when the FSDP degree exceeds the experts, and with a ``
 parameter, experts on the ``efsdp`` mesh, when EP > 1, then also setting explicit forward and backward
 prefetching). Its routed experts compute in bf16 whatever the config says (``GroupedExperts`` casts for
 ``torch._grouped_mm``, which runs on CPU): the same on both sides, so the runs still compare to the bit.
-``--ep 2``: torchtitan's expert parallelism over the 2 ranks (its all-to-all over gloo). PyTorch's FSDP2
-trains it; flatshard refuses it at the first MoE block's ``fully_shard``, alike on every rank, with
-``NotBuiltError: fully_shard(shard_placement_fn=...) placed parameters on a mesh of their own
-(ShardPlacementResult) in a call with tensor-parallel parameters``: ``model.parallelize`` has made the
-routed experts DTensors on the 1-D ``ep`` mesh (``Shard(0)``), which flatshard takes as tensor-parallel
-parameters, and the same call places them on the ``efsdp`` mesh, a combination flatshard has not built
-(FSDP2 holds them on the 2-D (efsdp, ep) mesh, ``(_StridedShard(0), Shard(0))``).
+``--ep 2``: torchtitan's expert parallelism over the 2 ranks (its all-to-all over gloo). ``model.parallelize``
+makes the routed experts DTensors on the 1-D ``ep`` mesh (``Shard(0)``) and each MoE block's ``fully_shard``
+places them on the ``efsdp`` mesh (a ``ShardPlacementResult`` per parameter); flatshard holds them as FSDP2
+does, on the 2-D (efsdp, ep) mesh, ``(_StridedShard(0), Shard(0))``, and trains equal to FSDP2 to the bit
+at W = 2 (EP 2 × expert-FSDP 1). Under ``torchrun --nproc-per-node 4`` (EP 2 × expert-FSDP 2, the dense
+weights over 4 ranks) the runs differ in the last bits from step 3 (gloo sums 4 ranks in another order than
+flatshard's exchange), which this recipe's exact comparison reports as unequal.
 
 Run (starts 2 local CPU ranks itself, or run it under ``torchrun --nproc-per-node 2``):
 
