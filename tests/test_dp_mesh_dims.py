@@ -304,6 +304,37 @@ def test_replicate_dim_alone_communicates_as_ddp():
         assert out["counts"] == {("backward", "all_reduce", 2): out["units"]}, out
 
 
+def accumulation_worker(rank: int, world: int) -> bool:  # noqa: ARG001 - the harness's signature
+    """Two steps of two micro-batches, the first under set_requires_all_reduce(False): every gradient
+    flatshard's replicate-only model holds after each step, to the bit against FSDP2's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import DTensor, Replicate
+
+    import flatshard
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("acc",))  # a name of its own: see comms_worker
+    got = {}
+    for name, fn in (("flatshard", flatshard.fully_shard), ("fsdp2", torch_fully_shard)):
+        model = _build(fn, mesh, DataParallelMeshDims(replicate="acc"), False, 5, 6)
+        gen = torch.Generator().manual_seed(rank)
+        got[name] = []
+        for _ in range(2):
+            for micro in range(2):
+                model.set_requires_all_reduce(micro == 1)
+                x = DTensor.from_local(torch.randn(2, 5, generator=gen), mesh, [Replicate()])
+                model(x).to_local().pow(2).mean().backward()
+            got[name].append([p.grad.to_local().clone() for p in model.parameters()])
+            model.zero_grad()
+    pairs = [(a, b) for ours, theirs in zip(got["flatshard"], got["fsdp2"]) for a, b in zip(ours, theirs)]
+    return len(pairs) == 16 and all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_replicate_dim_alone_accumulates_as_fsdp2():
+    assert run_distributed(accumulation_worker, 2) == [True, True]
+
+
 def test_replicate_dim_alone_beside_tensor_parallel_matches_fsdp2():
     """("tp", "dp") and ("dp", "tp") with replicate="dp": the parameters keep their TP placements on the whole mesh."""
     for names in (("dp", "tp"), ("tp", "dp")):
