@@ -65,9 +65,7 @@ NOT_BUILT = {
         "with an `FSDPMeshInfo` over a mesh of more than one dim",
     ],
     ("fsdp2/frontend.py", "_check_other_meshes"): [
-        "parameters on a mesh of their own beside tensor-parallel parameters left on the call's mesh, parameters "
-        "that gather themselves "
-        "or an int `reshard_after_forward`"
+        "parameters on a mesh of their own beside parameters that gather themselves or an int `reshard_after_forward`"
     ],
     ("fsdp2/spmd.py", "check_params"): ["`Partial` parameters under `dp_mesh_dims`"],
     ("fsdp2/whole.py", "wanted"): ['`shard_boundaries="flat"` / `"rows"` on `fully_shard`'],

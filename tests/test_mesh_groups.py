@@ -16,7 +16,8 @@ DTensor on FSDP2's mesh and placement; collectives counted per group size: one a
 group per pass (none for a 1-rank group), one reduce-scatter per trainable group per backward. Also:
 ranks that place a parameter on meshes that disagree fail alike on every rank, naming it, and what is
 not built (an HSDPMeshInfo sharding its dim 0, a 2-D FSDPMeshInfo mesh, an int reshard_after_forward
-beside another mesh) raises NotBuiltError on every rank."""
+beside another mesh) raises NotBuiltError on every rank. And at W = 4 the experts on their own mesh beside
+each block's fc made tensor-parallel (a (dp, tp) = (2, 2) mesh): equal to FSDP2 to the bit."""
 
 from __future__ import annotations
 
@@ -229,21 +230,8 @@ def _refusals(world: int, rank: int) -> dict:
         flatshard.fully_shard(model, mesh=dense)
         model(torch.randint(0, shapes[0], (2, 3)))
 
-    def beside_tensor_parallel():  # the experts on their mesh beside each block's fc made tensor-parallel
-        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-        dp_tp = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-        solo = init_device_mesh("cpu", (world, 1), mesh_dim_names=("all", "solo"))["solo"]  # inside dp's ranks
-        model = Net(*shapes)
-        for block in model.blocks:
-            parallelize_module(block, dp_tp["tp"], {"fc": ColwiseParallel(use_local_output=True)})
-        _shard(
-            model, flatshard.fully_shard, dp_tp["dp"], _placement_fn(model, FSDPMeshInfo(mesh=solo, shard_mesh_dim=0))
-        )
-
     out = {
         "own call on another mesh": raised(own_call),
-        "beside tensor-parallel parameters": raised(beside_tensor_parallel),
         # ranks 0 and 1 put the experts on a mesh of their own, the others leave them on the call's mesh
         "half on the call's mesh": raised(wrap(mine if rank < 2 else None)),
         # ranks 0 and 1 on (rep, efsdp)'s efsdp dim, {0, 1}; ranks 2 and 3 on (efsdp, rep)'s: {0, 2} and {1, 3}
@@ -295,10 +283,7 @@ def test_experts_on_a_sub_mesh_train_as_fsdp2_at_w4():
             assert refusals[key].startswith("NotBuiltError"), (key, refusals[key])
         assert "mesh['efsdp']" in refusals["2-D FSDPMeshInfo"], refusals
         # each refusal of a layout beside another mesh names what runs instead, and only that
-        beside_tp, int_reshard = refusals["beside tensor-parallel parameters"], refusals["int reshard_after_forward"]
-        assert beside_tp.startswith("NotBuiltError") and "tensor-parallel parameters" in beside_tp, beside_tp
-        assert "left on the call's mesh" in beside_tp and "call of its own" in beside_tp, beside_tp
-        assert "bool" not in beside_tp, beside_tp
+        int_reshard = refusals["int reshard_after_forward"]
         assert int_reshard.rstrip().endswith("Pass reshard_after_forward as a bool."), int_reshard
         assert "call of its own" not in int_reshard, int_reshard
         for kind in ("sgd", "adamw"):
@@ -320,3 +305,62 @@ def test_experts_on_a_one_rank_mesh_beside_padded_shards_train_as_fsdp2_at_w2():
         for kind in ("sgd", "adamw", "factor"):
             assert out[kind]["steps"] == STEPS, (rank, out[kind])
             assert out[kind]["bitwise"], (rank, kind, out[kind]["differ"])  # 2 ranks: every step to the bit
+
+
+def beside_tensor_parallel_worker(rank: int, world: int) -> dict:
+    """Each block's fc tensor-parallel over a (dp, tp) = (2, 2) mesh's tp dim, the call's mesh the dp dim,
+    and the experts placed on a mesh of their own (a one-rank mesh inside the dp group's ranks: placed
+    meshes hold only ranks of the call's mesh); TP peers train on the same batch. Against FSDP2, AdamW,
+    every step: loss, every gradient and parameter (full_tensor) at fp32's default tolerance and counted
+    bitwise, the same meshes and placements."""
+    import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import flatshard
+
+    dp_tp = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    solo = init_device_mesh("cpu", (world, 1), mesh_dim_names=("all", "solo"))["solo"]
+    torch.manual_seed(0)
+    base = Net(13, 8, 9)
+    models = []
+    for fully_shard in (torch_fsdp.fully_shard, flatshard.fully_shard):
+        model = copy.deepcopy(base)
+        for block in model.blocks:
+            parallelize_module(block, dp_tp["tp"], {"fc": ColwiseParallel(output_layouts=Replicate())})
+        models.append(_shard(model, fully_shard, dp_tp["dp"], _placement_fn(model, FSDPMeshInfo(solo, 0))))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    out = {"steps": 0, "compared": 0, "bitwise": 0}
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 * step + dp_tp["dp"].get_local_rank())
+        x = torch.randint(0, 13, (PER_RANK, 6), generator=gen)
+        seen = []
+        for model, opt in zip(models, opts):
+            loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+            loss.backward()
+            grads = _full(model, grads=True)
+            opt.step()
+            opt.zero_grad()
+            seen.append((loss.detach(), grads, _full(model, grads=False)))
+        (loss_a, grads_a, params_a), (loss_b, grads_b, params_b) = seen
+        torch.testing.assert_close(loss_b, loss_a)
+        for (n, a, mesh_a, pl_a), (n_b, b, mesh_b, pl_b) in zip(grads_a + params_a, grads_b + params_b):
+            assert (n, mesh_a, pl_a) == (n_b, mesh_b, pl_b), (n, mesh_a, pl_a, n_b, mesh_b, pl_b)
+            torch.testing.assert_close(b, a, msg=lambda m, n=n: f"step {step}: {n} {m}")
+            out["compared"] += 1
+            out["bitwise"] += int(torch.equal(a, b))
+        out["steps"] += 1
+    out["tp placements"] = sorted({pl for n, _, _, pl in params_b if n.endswith("fc.weight")})
+    return out
+
+
+def test_experts_on_their_mesh_beside_tensor_parallel_parameters_train_as_fsdp2_at_w4():
+    outs = run_distributed(beside_tensor_parallel_worker, 4, timeout=300)
+    for rank, out in enumerate(outs):
+        assert out["steps"] == STEPS and out["compared"] > 0, (rank, out)
+        # FSDP's chunk of the rows TP already cut, strided (FSDP2's placement, compared above as well)
+        assert out["tp placements"] == ["(_StridedShard(dim=0, sf=2), Shard(dim=0))"], out
+        # every sum is over 2 ranks (the dp group, TP's own), so the order is gloo's and flatshard's alike
+        assert out["bitwise"] == out["compared"], (rank, out)

@@ -148,8 +148,7 @@ def fully_shard(
         beside["CPUOffloadPolicy on an accelerator"] = _offload(offload_policy) and mesh.device_type != "cpu"
         whole.check(mesh, target, **beside)
     if placed.param_groups:
-        staying = {k: v for k, v in tp_specs.items() if k not in placed.param_groups}  # on the call's mesh
-        _check_other_meshes(staying, self_gathered, post_forward_size)
+        _check_other_meshes(self_gathered, post_forward_size)
     # [Note: FSDP over tensor-parallel parameters] (tensor_parallel.py): the unit is built on their local tensors
     tp_uses, dims = tensor_parallel.localize(
         target, tp_specs, placed.dims if shard_placement_fn else None, placed.param_groups
@@ -213,21 +212,13 @@ def fully_shard(
     return module
 
 
-def _check_other_meshes(tp_specs: dict, self_gathered: list, post_forward_size: int) -> None:
+def _check_other_meshes(self_gathered: list, post_forward_size: int) -> None:
     """Parameters on a mesh of their own ([Note: a flat group per mesh]), plain or DTensors of another
-    mesh (experts on an ep mesh), are built beside plain parameters with a bool ``reshard_after_forward``;
-    ``tp_specs``: the DTensor parameters left on the call's mesh. The ranks agreed on them, so every rank
-    raises here alike. Each
+    mesh (experts on an ep mesh), are built beside plain and tensor-parallel parameters with a bool
+    ``reshard_after_forward``. The ranks agreed on them, so every rank raises here alike. Each
     kind present is named with what does run instead (a call of its own on another mesh under the same
     root is refused too, so the remedies are layouts ``fully_shard`` builds)."""
     kinds = (
-        (
-            "tensor-parallel parameters left on the call's mesh",
-            bool(tp_specs),
-            "DTensor parameters placed on a mesh of their own train (experts on an ep mesh, placed on the "
-            "expert-FSDP mesh); give the module of the DTensors that stay on this call's mesh a fully_shard "
-            "call of its own, without a ShardPlacementResult.",
-        ),
         (
             "parameters that gather themselves",
             bool(self_gathered),

@@ -19,9 +19,9 @@ Built: 1-D TP meshes under a 1-D data-parallel mesh or a 2-D HSDP one (the shard
 placed over three mesh dims, ``Replicate()`` first), Shard and Replicate TP placements. DTensors that
 ``shard_placement_fn`` places on a mesh of their own (MoE experts on an ``ep`` mesh, placed on the
 expert-FSDP mesh: [Note: a flat group per mesh]) are the same, over that mesh instead of the call's: the
-swap keeps their place in ``BuildOptions.param_groups`` (tests/test_moe.py). Not built (NotBuiltError at
-the call): TP over more than one mesh dim, ``Partial`` parameters, DTensors left on the call's mesh beside
-parameters placed on another (frontend.py, ``_check_other_meshes``).
+swap keeps their place in ``BuildOptions.param_groups`` (tests/test_moe.py); and tensor-parallel parameters
+on the call's mesh beside parameters placed on another train too (tests/test_mesh_groups.py). Not built
+(NotBuiltError at the call): TP over more than one mesh dim, ``Partial`` parameters.
 """
 
 from __future__ import annotations
