@@ -21,6 +21,7 @@ each block's fc made tensor-parallel (a (dp, tp) = (2, 2) mesh): equal to FSDP2 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import Counter
 
@@ -141,6 +142,18 @@ def _full(model, grads: bool) -> list:
     return out
 
 
+def _one_step(model, opt, x, record):
+    """One step on the token batch ``x``, forward and backward inside ``record``: ((loss, gradients,
+    parameters after the step), what ``record`` gave)."""
+    with record as rec:
+        loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+    grads = _full(model, grads=True)
+    opt.step()
+    opt.zero_grad()
+    return (loss.detach(), grads, _full(model, grads=False)), rec
+
+
 def _train(
     world: int,
     expert_shape,
@@ -180,13 +193,9 @@ def _train(
         x = torch.randint(0, shapes[0], (PER_RANK, 6), generator=torch.Generator().manual_seed(100 * step + rank))
         seen = []
         for model, opt in zip((theirs, ours), opts):
-            with ours.record_comms(events=True) as rec:  # flatshard's own collectives: only ``ours`` adds any
-                loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
-                loss.backward()
-            grads = _full(model, grads=True)
-            opt.step()
-            opt.zero_grad()
-            seen.append((loss.detach(), grads, _full(model, grads=False)))
+            # flatshard's own collectives: only ``ours`` adds any
+            result, rec = _one_step(model, opt, x, ours.record_comms(events=True))
+            seen.append(result)
         expected = _expected_comms(
             infos, dense.size(0) if dense.ndim == 2 else 1, expert_shape[0] if expert_hsdp else 1
         )
@@ -336,14 +345,7 @@ def beside_tensor_parallel_worker(rank: int, world: int) -> dict:
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 * step + dp_tp["dp"].get_local_rank())
         x = torch.randint(0, 13, (PER_RANK, 6), generator=gen)
-        seen = []
-        for model, opt in zip(models, opts):
-            loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
-            loss.backward()
-            grads = _full(model, grads=True)
-            opt.step()
-            opt.zero_grad()
-            seen.append((loss.detach(), grads, _full(model, grads=False)))
+        seen = [_one_step(model, opt, x, contextlib.nullcontext())[0] for model, opt in zip(models, opts)]
         (loss_a, grads_a, params_a), (loss_b, grads_b, params_b) = seen
         torch.testing.assert_close(loss_b, loss_a)
         for (n, a, mesh_a, pl_a), (n_b, b, mesh_b, pl_b) in zip(grads_a + params_a, grads_b + params_b):
