@@ -291,9 +291,7 @@ def comms_worker(rank: int, world: int) -> dict:  # noqa: ARG001 - the harness's
         if e.kind != "order_check":
             key = (str(e.phase), e.kind, e.group_size)
             counts[key] = counts.get(key, 0) + 1
-    fsdp = [m for m in model.modules() if isinstance(m, flatshard.FSDPModule)]
-    inner = {m: {id(p) for c in fsdp if c is not m and c in set(m.modules()) for p in c.parameters()} for m in fsdp}
-    holding = sum(any(id(p) not in inner[m] for p in m.parameters()) for m in fsdp)  # units with parameters
+    holding = sum(1 for u in flatshard.units(model) for g in u.flat_groups if g.param_names)  # with parameters
     return {"counts": counts, "units": holding}
 
 
