@@ -1,8 +1,7 @@
 """A process that used flatshard on gloo gets one exit handler that hands the GIL to gloo's worker threads
 before the interpreter finalizes ([Note: gloo's workers at exit], runtime/comm/mesh.py), whichever front
 end it wrapped with and however many times. What the handler prevents (an abort after the script's last
-line: 5 of 60 runs of the README's FSDP1 quickstart under torchrun without it, 0 of 60 with it) is counted by
-the loop in CONTRIBUTING.md, minutes of runs, not a test."""
+line, now and then) is counted by the loop in CONTRIBUTING.md, minutes of runs, not a test."""
 
 from __future__ import annotations
 
