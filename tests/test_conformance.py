@@ -106,3 +106,39 @@ def test_flaky_pairs_margin_is_assert_equals_tolerance():
     assert _margin(outside, ref) > 1.0
     with pytest.raises(AssertionError):
         torch.testing.assert_close(outside, ref)
+
+
+def test_the_record_is_the_newest_full_run_and_the_page_counts_the_runs():
+    """tests/conformance/runs.json keeps every full run at the record's src/ tree (tests/conformance/runs.py):
+    the record is the newest of them, and differences.md says how many there were and names each test whose
+    outcome changed between them (or says that none did)."""
+    from tests.conformance import runs as conformance_runs
+    from tests.conformance.readme import README
+
+    record = json.loads(RESULTS.read_text())
+    runs = conformance_runs.load()
+    assert runs, "tests/conformance/runs.json holds no full run"
+    trees = {run["provenance"]["src_tree"] for run in runs}
+    assert trees == {record["provenance"]["src_tree"]}, f"runs at {sorted(trees)}, the record at another tree"
+    assert runs[-1]["outcomes"] == conformance_runs.outcomes(record), "results.json is not the newest full run"
+    text = " ".join(README.read_text().split())
+    files = sum(name.endswith(".py") for name in record["sources"])
+    said = f"{len(runs)} full run{'s' if len(runs) > 1 else ''} of the {files} files at that tree"
+    assert said in text, f"{README.name} should say '{said}'"
+    diff = conformance_runs.changed(runs)
+    if not diff:
+        assert "every test had the same outcome in each run" in text, "the page should say no outcome changed"
+    for test_id in diff:
+        assert f"`{test_id}`" in text, f"{test_id} changed outcome between runs; the page should name it"
+
+
+def test_runs_changed_names_a_test_whose_outcome_differs_in_any_run():
+    from tests.conformance.runs import changed
+
+    runs = [
+        {"outcomes": {"a": "passed/passed", "b": "passed/passed"}},
+        {"outcomes": {"a": "passed/passed", "b": "passed/failed"}},
+        {"outcomes": {"a": "passed/passed"}},
+    ]
+    assert changed(runs) == {"b": ["passed/passed", "passed/failed", "not run"]}
+    assert changed(runs[:1]) == {}
