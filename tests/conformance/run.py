@@ -252,6 +252,19 @@ def summarize(tests: list[dict], listed: dict[str, str]) -> tuple[str, int]:
     return "\n".join(lines), len(unlisted) + len(stale)
 
 
+def _write(path: Path, tests: list[dict]) -> None:
+    import torch
+
+    recorded = {
+        "torch": torch.__version__,
+        "torch_git_version": torch.version.git_version,
+        "sources": json.loads(SOURCES.read_text()) if SOURCES.exists() else {},
+        "world_size": 2,
+        "tests": tests,
+    }
+    path.write_text(json.dumps(provenance.stamp(recorded), indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--generated", type=Path, default=DEFAULT_OUT)
@@ -295,18 +308,8 @@ def main() -> None:
     for t in tests:
         failing = t.get("category") == "public" and t["baseline"] == "passed" and t["flatshard"] != "passed"
         t["reason"] = listed.get(t["id"], "") if failing else ""
-    sources = json.loads(SOURCES.read_text()) if SOURCES.exists() else {}
-    import torch
-
-    recorded = {
-        "torch": torch.__version__,
-        "torch_git_version": torch.version.git_version,
-        "sources": sources,
-        "world_size": 2,
-        "tests": tests,
-    }
     if not args.report_only:  # a report leaves the record, and the provenance of the run that made it, as it is
-        args.results.write_text(json.dumps(provenance.stamp(recorded), indent=1) + "\n")
+        _write(args.results, tests)
     text, bad = summarize(tests, listed)
     print(text)
     sys.exit(1 if bad else 0)
